@@ -1,0 +1,35 @@
+"""Entry point: parse, dispatch, and map typed errors to exit codes and one-line hints."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Sequence
+
+from .errors import FlashError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from .cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except FlashError as err:
+        if os.environ.get("FLASH_DEBUG") == "1":
+            raise
+        print(f"Error: {err}", file=sys.stderr)
+        if err.hint:
+            print(f"hint: {err.hint}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `flash … | head`: the reader left, nothing to report
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

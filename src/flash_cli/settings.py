@@ -1,0 +1,323 @@
+"""The one typed settings table, and the layered loader.
+
+Every variable the recipe understands is declared once in SETTINGS: type, default, allowed
+values, doc and where the value goes (docker option, container env, `vllm serve` argument).
+`serve`, `doctor`, `--dry-run`, `scripts/serve.sh` and docs/SETTINGS.md all read this table.
+
+Precedence: defaults < profile < environment < KEY=VALUE arguments. Loaders take the env
+mapping and the argument list explicitly (never os.environ / sys.argv) so tests inject them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import re
+import shlex
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from .errors import ConfigError
+
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off", "")
+SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+def _parse_bool(raw: str) -> bool:
+    v = raw.strip().lower()
+    if v in TRUE:
+        return True
+    if v in FALSE:
+        return False
+    raise ValueError("expected 0/1 (also true/false, yes/no, on/off)")
+
+
+def _parse_int(raw: str) -> int:
+    v = raw.strip().replace("_", "")
+    if not re.fullmatch(r"[+-]?\d+", v):
+        raise ValueError("expected an integer")
+    return int(v)
+
+
+def _parse_float(raw: str) -> float:
+    try:
+        return float(raw.strip())
+    except ValueError:
+        raise ValueError("expected a number") from None
+
+
+def parse_size(raw: str) -> int:
+    """`8G`, `512m`, `1073741824` → bytes (binary units, like docker and vLLM's own parser)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*", raw.strip().lower())
+    if not m:
+        raise ValueError("expected a size like 17179869184, 16G or 512M")
+    return int(float(m.group(1)) * SIZE_UNITS[m.group(2)])
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One variable. `goes` says where it ends up; `env` names a container variable that
+    receives the value verbatim (formatted by `to_env`)."""
+
+    name: str
+    kind: str  # bool | int | float | str | choice | size | host
+    default: Any
+    doc: str
+    goes: str
+    choices: tuple[str, ...] = ()
+    minimum: float | None = None
+    maximum: float | None = None
+    pattern: str | None = None
+    env: str | None = None
+    optional: bool = False  # empty string means "unset" (default None)
+    secret: bool = False
+
+    def parse(self, raw: str) -> Any:
+        if self.optional and raw.strip() == "":
+            return None
+        try:
+            if self.kind == "bool":
+                value: Any = _parse_bool(raw)
+            elif self.kind == "int":
+                value = _parse_int(raw)
+            elif self.kind == "float":
+                value = _parse_float(raw)
+            elif self.kind == "size":
+                value = parse_size(raw)
+            elif self.kind == "choice":
+                value = raw.strip()
+                if value not in self.choices:
+                    raise ValueError("not one of the allowed values")
+            elif self.kind == "host":
+                value = raw.strip()
+                ipaddress.ip_address(value)
+            else:
+                value = raw
+        except ValueError as exc:
+            raise ConfigError(
+                f"{self.name}={raw!r} is not valid: {exc}",
+                hint=f"{self.name} accepts {self.accepted()}",
+            ) from None
+        if self.minimum is not None and value < self.minimum or self.maximum is not None and value > self.maximum:
+            raise ConfigError(f"{self.name}={raw!r} is out of range", hint=f"{self.name} accepts {self.accepted()}")
+        if self.pattern and isinstance(value, str) and not re.fullmatch(self.pattern, value):
+            raise ConfigError(f"{self.name}={raw!r} is not valid", hint=f"{self.name} accepts {self.accepted()}")
+        return value
+
+    def accepted(self) -> str:
+        if self.kind == "choice":
+            return " | ".join(repr(c) if c == "" else c for c in self.choices)
+        if self.kind == "bool":
+            return "0 or 1"
+        if self.kind == "host":
+            return "an IP address (127.0.0.1 keeps the API on this machine)"
+        if self.kind == "size":
+            return "a byte count or a size like 16G" + (" (empty: unset)" if self.optional else "")
+        rng = ""
+        if self.minimum is not None or self.maximum is not None:
+            rng = f" in [{self.minimum if self.minimum is not None else '-inf'}, {self.maximum if self.maximum is not None else 'inf'}]"
+            rng = rng.replace(".0,", ",").replace(".0]", "]")
+        what = {"int": "an integer", "float": "a number", "str": "text"}[self.kind]
+        if self.pattern:
+            what += f" matching {self.pattern}"
+        return what + rng + (" (empty: unset)" if self.optional else "")
+
+    def format(self, value: Any) -> str:
+        """Back to the string form (for env files, docs, container env)."""
+        if value is None:
+            return ""
+        if self.kind == "bool":
+            return "1" if value else "0"
+        if self.kind == "float":
+            return f"{value:g}" if value != int(value) else f"{value:.2f}"
+        return str(value)
+
+
+BASES = ("v0.33", "v0.32", "v0.31", "v0.30", "v0.29")
+CURRENT_BASE = "v0.33"
+
+S = Setting
+SETTINGS: tuple[Setting, ...] = (
+    # --- identity and image ---------------------------------------------------------------
+    S("NAME", "str", "qwen38-flash", "Container name (also the label value flash finds it by).",
+      "docker --name, label org.flash.name", pattern=r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,62}"),
+    S("BASE", "choice", CURRENT_BASE, "vLLM release line the image is built on; picks the Dockerfile, "
+      "graph regime and which patches apply. Profiles set it with `# base:`.",
+      "image tag, Dockerfile choice, compilation flags, label org.flash.base", choices=BASES),
+    S("IMAGE", "str", None, "Image to run. Empty: flash-vllm:<BASE>, built by `flash setup`.",
+      "docker image", optional=True, pattern=r"[a-zA-Z0-9][\w./:@-]*"),
+    S("MODEL", "str", "nvidia/Qwen3.8-Flash-Next-NVFP4", "Hugging Face repo of the checkpoint.",
+      "snapshot path under HF_CACHE (served offline)", pattern=r"[\w.-]+/[\w.-]+"),
+    S("REVISION", "str", None, "Commit to serve and download (empty: what refs/main points to).",
+      "snapshot choice; download revision", optional=True, pattern=r"[\w.-]+"),
+    S("SERVED_MODEL_NAME", "str", "qwen3.8-flash-next", "Model id clients send.",
+      "vllm --served-model-name", pattern=r"[\w.:/-]+"),
+    S("HF_CACHE", "str", "~/.cache/huggingface", "Host Hugging Face cache (holds hub/models--…).",
+      "docker bind HF_CACHE:/hf (read-only), env HF_HOME=/hf"),
+    S("MODE", "choice", "nvfp4", "Checkpoint layout: nvfp4 = as published, hybrid = fp8 side layers "
+      "(<snapshot>-fp8hybrid), hybrid-mtp = hybrid + NVFP4 MTP experts graft (RadixArk only).",
+      "model path; env VLLM_FP8_HYBRID=1, VLLM_USE_DEEP_GEMM=0", choices=("nvfp4", "hybrid", "hybrid-mtp")),
+    # --- patches and kernels ---------------------------------------------------------------
+    S("PREFIX_CACHE", "bool", True, "Prefix caching.", "vllm --enable-prefix-caching / --no-enable-prefix-caching"),
+    S("DET_TOPK", "bool", True, "Deterministic QSA block top-k (patch 8).", "env VLLM_QSA_DET_TOPK",
+      env="VLLM_QSA_DET_TOPK"),
+    S("EXACT_TOPK", "choice", "0", "Exact torch.topk QSA path (patch 5): 0 off, 1 exact, fill = exact "
+      "with masked fill. Wins over DET_TOPK.", "env VLLM_QSA_EXACT_TOPK", choices=("0", "1", "fill"),
+      env="VLLM_QSA_EXACT_TOPK"),
+    S("PAD_M4", "bool", False, "M%4 padding for blockwise fp8 GEMM. Upstream in every supported release; "
+      "accepted for compatibility, has no effect.", "nothing (documented no-op)"),
+    S("DRAFT_VOCAB", "str", "1", "Reduced MTP draft vocabulary (patch 10): 0 off, 1 the shipped 65,536-id "
+      "set, or a path inside the container to an .npy of token ids.", "env VLLM_MTP_DRAFT_VOCAB",
+      pattern=r"0|1|/[\w./-]+\.npy"),
+    S("MADVISE", "choice", "random", "madvise on the mmapped PLE table.", "env VLLM_PLE_MMAP_MADVISE",
+      choices=("random", "normal"), env="VLLM_PLE_MMAP_MADVISE"),
+    S("FAST_ROWS", "int", 0, "PLE gathers up to this many rows run inline (0: strategy picks).",
+      "env VLLM_PLE_MMAP_FAST_ROWS", minimum=0, env="VLLM_PLE_MMAP_FAST_ROWS"),
+    S("WORKERS", "int", 32, "PLE gather worker threads for prefill-sized batches.", "env VLLM_PLE_MMAP_WORKERS",
+      minimum=1, maximum=256, env="VLLM_PLE_MMAP_WORKERS"),
+    S("PREWARM", "bool", False, "Read the PLE table once at boot to warm the page cache.",
+      "env VLLM_PLE_MMAP_PREWARM", env="VLLM_PLE_MMAP_PREWARM"),
+    S("EFFORT_ALIAS", "bool", True, "Accept reasoning effort high/max (→ xhigh) and minimal (→ low), as "
+      "Claude Code sends them.", "v0.33: vllm --reasoning-effort-map; older: env FLASH_EFFORT_ALIAS (plugin)"),
+    S("LOG_REQUESTS", "bool", False, "Log prompts and outputs (DEBUG on vLLM's request logger only).",
+      "vllm --enable-log-requests --enable-log-outputs"),
+    # --- engine ------------------------------------------------------------------------------
+    S("CTX", "int", 262144, "Maximum model length in tokens.", "vllm --max-model-len (and the draft's "
+      "max_model_len under YaRN)", minimum=1024, maximum=1048576),
+    S("YARN", "bool", False, "YaRN ×4 rope scaling (needed above 262,144 tokens).",
+      "vllm --hf-overrides; env VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"),
+    S("SEQS", "int", 8, "Maximum concurrent sequences.", "vllm --max-num-seqs", minimum=1, maximum=256),
+    S("GPU_MEM", "float", 0.80, "Fraction of the unified memory vLLM may use.", "vllm --gpu-memory-utilization",
+      minimum=0.05, maximum=0.95),
+    S("MTP", "int", 2, "MTP speculative tokens (0 = off).", "vllm --speculative-config", minimum=0, maximum=8),
+    S("KV_DTYPE", "choice", "auto", "KV cache dtype (fp8 needs v0.33 or a patched image).",
+      "vllm --kv-cache-dtype", choices=("auto", "bfloat16", "fp8", "fp8_e4m3")),
+    S("KV_CACHE_MEM", "size", None, "Fixed KV cache size (overrides the GPU_MEM budget for KV).",
+      "vllm --kv-cache-memory-bytes", optional=True),
+    S("BATCHED_TOKENS", "int", 8192, "Prefill chunk: maximum tokens per scheduler step.",
+      "vllm --max-num-batched-tokens", minimum=256, maximum=131072),
+    S("COMPILE_FLAGS", "str", None, "Replaces the compilation flags flash picks per base (upstream's CC, "
+      "renamed: CC is the C compiler's variable). Split with shlex.", "vllm -cc.* arguments", optional=True),
+    S("EXTRA", "str", None, "Extra `vllm serve` arguments, split once with shlex (quotes work).",
+      "vllm argv (appended)", optional=True),
+    S("PROM_MULTIPROC", "bool", False, "Prometheus multiprocess mode (not needed: the PLE counters reach "
+      "/metrics without it).", "docker tmpfs /tmp/vllm-prometheus, env PROMETHEUS_MULTIPROC_DIR"),
+    S("COMPILE_CACHE", "str", "flash-compile", "Persist torch.compile/FlashInfer/Triton caches: a docker "
+      "volume name, an absolute host path, or empty for none.", "docker volumes/binds on /root/.cache/{vllm,flashinfer,triton}",
+      optional=True, pattern=r"/.*|[a-zA-Z0-9][a-zA-Z0-9_.-]*"),
+    # --- ours: network, security, operations -----------------------------------------------------
+    S("PORT", "int", 18300, "Host port of the API.", "docker -p BIND:PORT:8000", minimum=1, maximum=65535),
+    S("BIND", "host", "127.0.0.1", "Host address the API is published on. Anything but loopback needs "
+      "an API key (API_KEY=auto) or API_KEY=off.", "docker -p BIND:PORT:8000"),
+    S("API_KEY", "choice", "auto", "auto: a key is generated once (0600 in the state dir) and required "
+      "when BIND is not loopback; on: always require it; off: never (loud when exposed).",
+      "key file mounted read-only; the launcher exports it inside the container (never argv or env)",
+      choices=("auto", "on", "off")),
+    S("RESTART", "choice", "unless-stopped", "Docker restart policy.", "docker --restart",
+      choices=("unless-stopped", "no", "always", "on-failure")),
+    S("SHM_SIZE", "size", 16 * 1024**3, "Shared memory for the container.", "docker --shm-size"),
+    S("LOG_MAX_SIZE", "str", "100m", "Rotate the container log at this size.", "docker --log-opt max-size",
+      pattern=r"\d+[kmg]"),
+    S("LOG_MAX_FILES", "int", 3, "Rotated log files kept.", "docker --log-opt max-file", minimum=1, maximum=100),
+    S("CPUSET", "str", None, "Pin the container to these CPUs (e.g. 5-9,15-19 = the Spark's X925 cores).",
+      "docker --cpuset-cpus", optional=True, pattern=r"[0-9,-]+"),
+    S("TIMEOUT", "int", 1800, "`flash wait`: seconds before giving up.", "flash wait", minimum=1),
+    S("DRAIN_TIMEOUT", "int", 60, "`flash stop`: seconds to wait for running requests to finish.",
+      "flash stop", minimum=0, maximum=3600),
+)
+del S
+
+BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+
+
+def closest(key: str) -> str | None:
+    hits = difflib.get_close_matches(key.upper(), BY_NAME, n=1, cutoff=0.5)
+    return hits[0] if hits else None
+
+
+def lookup(key: str, where: str) -> Setting:
+    try:
+        return BY_NAME[key]
+    except KeyError:
+        guess = closest(key)
+        hint = f"did you mean {guess}?" if guess else "see docs/SETTINGS.md or `flash profiles show default`"
+        raise ConfigError(f"unknown setting {key!r} ({where})", hint=hint) from None
+
+
+@dataclass
+class Settings:
+    """Resolved values plus where each came from (default / profile:NAME / env / arg)."""
+
+    values: dict[str, Any]
+    source: dict[str, str] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values[key]
+
+    def is_set(self, key: str) -> bool:
+        return self.source.get(key, "default") != "default"
+
+    def as_env(self) -> dict[str, str]:
+        return {k: BY_NAME[k].format(v) for k, v in self.values.items()}
+
+    def digest(self) -> str:
+        """Stable hash of the recipe: identical settings → identical label value."""
+        import hashlib
+
+        text = "\n".join(f"{k}={BY_NAME[k].format(v)}" for k, v in sorted(self.values.items()) if not BY_NAME[k].secret)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def parse_assignments(args: Iterable[str], where: str) -> dict[str, str]:
+    """`KEY=VALUE` arguments → dict; anything else is a usage error."""
+    out: dict[str, str] = {}
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override must look like KEY=VALUE, got {arg!r} ({where})")
+        lookup(key, where)
+        out[key] = value
+    return out
+
+
+def resolve(
+    profile_values: Mapping[str, str] | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, str] | None = None,
+    profile_name: str = "",
+    extra_layers: Iterable[tuple[str, Mapping[str, str]]] = (),
+) -> Settings:
+    """Layer defaults < profile < environment < overrides; validate every value that is set.
+
+    The environment layer reads only keys of the table (a stray `CC=gcc` is not ours), and
+    only non-empty values for keys that are not optional, so an exported empty variable
+    cannot silently mask the profile (an upstream footgun).
+    """
+    values = {s.name: s.default for s in SETTINGS}
+    source = {s.name: "default" for s in SETTINGS}
+    layers: list[tuple[str, Mapping[str, str]]] = []
+    if profile_values:
+        layers.append((f"profile:{profile_name}" if profile_name else "profile", profile_values))
+    layers.extend(extra_layers)
+    if env:
+        layers.append(("env", {k: v for k, v in env.items() if k in BY_NAME and (v != "" or BY_NAME[k].optional)}))
+    if overrides:
+        layers.append(("arg", overrides))
+    for where, layer in layers:
+        for key, raw in layer.items():
+            setting = lookup(key, where)
+            values[key] = setting.parse(raw)
+            source[key] = where
+    return Settings(values, source)
+
+
+def split_args(text: str | None, key: str) -> list[str]:
+    """EXTRA / COMPILE_FLAGS → argv, split exactly once."""
+    if not text:
+        return []
+    try:
+        return shlex.split(text)
+    except ValueError as exc:
+        raise ConfigError(f"{key}={text!r} cannot be split into arguments: {exc}", hint="balance the quotes") from None
+
