@@ -1,0 +1,66 @@
+"""PLE engine: serve Qwen3.8-Flash-Next's 47.68 GiB n-gram (PLE) table from the checkpoint on disk.
+
+Importable without vLLM and without torch: numpy is imported by the modules that need it, torch
+only by the GPU stager. The vLLM integration (plugin patch 1, ``flash_vllm/patches/``) calls this.
+
+Public API (the contract patch 1 codes against)
+-----------------------------------------------
+Configuration (``config.py``)::
+
+    cfg = config_from_env(os.environ)       # -> PLEConfig; raises PLEConfigError(ValueError) naming
+                                            #    the variable, the bad value and what is accepted
+    cfg.enabled        # VLLM_PLE_MMAP in {1,true,yes} (0/false/no/"" -> False)
+    cfg.workers        # VLLM_PLE_MMAP_WORKERS, int >= 1, default 32
+    cfg.prewarm        # VLLM_PLE_MMAP_PREWARM 0/1, default 0
+    cfg.madvise        # VLLM_PLE_MMAP_MADVISE "random" (default) | "normal"
+    cfg.fast_rows      # VLLM_PLE_MMAP_FAST_ROWS int >= 0, 0 = the strategy picks (default)
+    cfg.stats_sec      # VLLM_PLE_MMAP_STATS_SEC float, default 30, <= 0 disables the log line
+    cfg.prometheus     # VLLM_PLE_MMAP_PROMETHEUS 0/1, default 1
+    cfg.source_dir     # VLLM_PLE_MMAP_DIR or None (then the model path)
+
+Hashing (``hashing.py``, numpy, bit-identical to transformers' qwen4_exp)::
+
+    layout = PLELayout.from_config(text_config)   # dict or object with the qwen4_exp fields
+    layout.head_sizes / .head_offsets / .multipliers / .num_rows / .rows_per_shard / .eos
+    ids = ngram_ids(tokens, layout, context=None)  # tokens: int array (T,), context: the last
+                                                   #   ngram_size-1 ids before them (None = EOS)
+                                                   # -> int64 (T, 16) global row ids
+    ids = ngram_ids_batch(tokens, query_start_loc, layout, contexts=None)
+                                                   # flat tokens of many requests; contexts (R, 2)
+    layout.check_buffers(multipliers, offsets, vocab_sizes)  # vs the checkpoint's I64 buffers
+
+Table (``table.py``)::
+
+    table = PLETable.from_checkpoint(model_dir, layer=1, config=cfg, stats=None)
+        # shards via model.safetensors.index.json (any file layout), dtype + scale from headers,
+        # partial last shard, MADV_RANDOM (cfg.madvise), optional prewarm; raises PLETableError
+    table.num_rows, table.row_bytes, table.head_dim, table.dtype ("F8_E4M3"|"F8_E5M2"|"BF16"|"F16"),
+    table.scale (float or None), table.rows_per_shard
+    rows = table.gather(ids)            # any int array -> uint8 (ids.size, row_bytes), row i =
+                                        # bytes of table[ids.flat[i]]; IndexError if out of range
+    urows, inverse = table.gather_unique(ids)   # rows of np.unique(ids) + inverse (for staging)
+    table.prefetch(ids)                 # hint only (WILLNEED), returns at once
+    table.close()
+
+GPU staging (``stager.py``, torch; also runs on CPU torch)::
+
+    stager = Stager(table, device, out_dtype=torch.bfloat16, max_rows=...)
+    emb = stager.lookup(ids)            # ids: np/torch int array (*S) -> tensor (*S, head_dim) on
+                                        # device, dequantized (fp8 x scale) to out_dtype; raw=True
+                                        # gives the table dtype. Persistent pinned buffer, async H2D,
+                                        # GPU-side expansion via the inverse, CUDA-event reuse guard.
+    stager.lookup_into(ids, out)        # writes into a caller-provided (persistent) tensor
+
+Observability (``stats.py``)::
+
+    stats = PLEStats(stats_sec=30, prometheus=True)   # upstream counter names vllm:ple_mmap_*
+    stats.line() -> str ; stats.maybe_log(logger) ; stats.snapshot() -> dict
+
+Safetensors headers (``header.py``): ``read_header``, ``read_index``, ``HeaderError``.
+"""
+
+from __future__ import annotations
+
+from .header import Header, HeaderError, TensorInfo, read_header, read_index
+
+__all__ = ["Header", "HeaderError", "TensorInfo", "read_header", "read_index"]
