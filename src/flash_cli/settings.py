@@ -147,6 +147,11 @@ SETTINGS: tuple[Setting, ...] = (
       "image tag, Dockerfile choice, compilation flags, label org.flash.base", choices=BASES),
     S("IMAGE", "str", None, "Image to run. Empty: flash-vllm:<BASE>, built by `flash setup`.",
       "docker image", optional=True, pattern=r"[a-zA-Z0-9][\w./:@-]*"),
+    S("BASE_IMAGE", "str", None, "Build `flash setup`'s image FROM this instead of the Dockerfile's pinned "
+      "vLLM image (a local test base, a newer digest).", "docker build --build-arg BASE_IMAGE", optional=True,
+      pattern=r"[a-zA-Z0-9][\w./:@-]*"),
+    S("SELFCHECK", "bool", True, "Run the plugin self-check as the image's last build step (0 only for test "
+      "bases without vLLM; the image is then labelled selfcheck=skipped).", "docker build --build-arg SELFCHECK"),
     S("MODEL", "str", "nvidia/Qwen3.8-Flash-Next-NVFP4", "Hugging Face repo of the checkpoint.",
       "snapshot path under HF_CACHE (served offline)", pattern=r"[\w.-]+/[\w.-]+"),
     S("REVISION", "str", None, "Commit to serve and download (empty: what refs/main points to).",
@@ -214,6 +219,11 @@ SETTINGS: tuple[Setting, ...] = (
       "when BIND is not loopback; on: always require it; off: never (loud when exposed).",
       "key file mounted read-only; the launcher exports it inside the container (never argv or env)",
       choices=("auto", "on", "off")),
+    S("NETWORK", "choice", "bridge", "bridge: publish BIND:PORT to the container's 8000; host: vLLM itself "
+      "listens on BIND:PORT in the host's network.", "docker --network / -p; vllm --host --port",
+      choices=("bridge", "host")),
+    S("GPUS", "choice", "all", "GPUs given to the container (none: only for test images).", "docker --gpus",
+      choices=("all", "none")),
     S("RESTART", "choice", "unless-stopped", "Docker restart policy.", "docker --restart",
       choices=("unless-stopped", "no", "always", "on-failure")),
     S("SHM_SIZE", "size", 16 * 1024**3, "Shared memory for the container.", "docker --shm-size"),

@@ -11,6 +11,13 @@ import importlib
 from types import ModuleType
 
 COMMANDS: tuple[str, ...] = (
+    "doctor",
+    "setup",
+    "serve",
+    "wait",
+    "status",
+    "logs",
+    "lifecycle",
     "profiles",
 )
 

@@ -1,0 +1,96 @@
+"""`flash serve|up [PROFILE] [K=V…] [--dry-run]`: preconditions, then one container from the RunSpec."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict
+
+from .. import preflight, recipe, state
+from ..errors import ContainerDied
+from ..output import dim, say
+from ..render import docker_run_text
+from ..spec import RunSpec, build
+
+PLACEHOLDER = "<SNAPSHOT>"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", aliases=["up"], help="start the server for a profile",
+                       description="Start the vLLM server container for PROFILE (default: default). "
+                       "KEY=VALUE words override the profile (see docs/SETTINGS.md).")
+    recipe.add_arguments(p)
+    p.add_argument("--dry-run", action="store_true", help="print the exact docker run line; run nothing")
+    p.add_argument("--json", action="store_true", help="with --dry-run: the run spec as JSON")
+    p.add_argument("--start-check", type=float, default=8.0, metavar="S",
+                   help="seconds to watch for an early death (default 8)")
+    p.set_defaults(func=run)
+
+
+def plan(r: recipe.Recipe, snapshot_name: str) -> RunSpec:
+    return build(r.settings, profile=r.profile.name, snapshot=snapshot_name, hf_cache=str(r.hf_cache),
+                 state_dir=str(state.state_dir()))
+
+
+def run(args: argparse.Namespace) -> int:
+    r = recipe.load(args.recipe)
+    s = r.settings
+    snapshot = r.snapshot()
+    spec = plan(r, snapshot.name if snapshot else PLACEHOLDER)
+    problems = preflight.weights(s, r.hf_cache, snapshot)
+
+    say(f"serve: profile '{r.profile.name}': {r.profile.desc}")
+    say(dim(f"  MODE={s['MODE']} BASE={s['BASE']} IMAGE={spec.image} NAME={s['NAME']} {s['BIND']}:{s['PORT']} "
+            f"CTX={s['CTX']} YARN={int(s['YARN'])} MTP={s['MTP']} GPU_MEM={s['GPU_MEM']:.2f} KV_DTYPE={s['KV_DTYPE']}"))
+    for w in spec.warnings:
+        say(f"  ! {w}")
+
+    if args.dry_run:
+        for p in problems:
+            say(f"  ! would refuse: {p.message} ({p.hint})")
+        if args.json:
+            print(json.dumps(asdict(spec), indent=2))
+        else:
+            print(docker_run_text(spec))
+        return 0
+
+    for p in problems:
+        p.raise_()
+    from .. import engine
+
+    client = engine.connect()
+    for p in preflight.image(s, spec.image, engine.image_labels(client, spec.image)):
+        p.raise_()
+    existing = engine.find(client, s["NAME"])
+    held = existing is not None and engine.state(existing).status == "running"
+    for p in preflight.port(s, held_by_us=held):
+        p.raise_()
+    if existing is not None:
+        say(f"  · replacing the existing container {engine.describe(existing)}")
+        existing.remove(force=True)
+
+    if spec.needs_api_key:
+        path, created = state.ensure_api_key(s["NAME"])
+        say(f"  · API key {'generated' if created else 'kept'}: {path} (mode 0600; flash status shows it)")
+    if s["LOG_REQUESTS"]:
+        state.ensure_logging_config()
+    for m in spec.mounts:  # bind-mounted compile caches must exist or Docker creates them root-owned
+        if m.kind == "bind" and m.target.startswith("/root/"):
+            os.makedirs(m.source, exist_ok=True)
+
+    container = engine.create_and_start(client, spec)
+    st = engine.watch_start(container, args.start_check)
+    if st.status != "running":
+        lines = engine.tail(container, 25)
+        container.remove(force=True)
+        print("\n".join(lines), file=sys.stderr)
+        raise ContainerDied(
+            f"{spec.name} died during start (exit code {st.exit_code}{', OOM-killed' if st.oom_killed else ''}); "
+            "its last log lines are above; the container was removed",
+            hint="a bad flag in EXTRA, a missing image feature, or memory? see: flash doctor")
+    print(f">> {spec.name} starting: {spec.api_url}/v1 (profile {r.profile.name}, image {spec.image})")
+    say("   boots take 8-13 minutes on a Spark. next: flash wait, then flash test")
+    return 0
+

@@ -1,0 +1,95 @@
+"""`flash status [--json]`: container, API, KV pool, patches, requests, prefix-cache hit rate."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from .. import api, recipe, running
+from ..output import Report, print_json
+from ..spec import LABEL
+
+KV_LINE = re.compile(r"GPU KV cache size")
+PATCH_LINE = re.compile(r"flash_vllm|PLE mmap|mamba_block_size|draft vocabulary|fp8 hybrid|deterministic top-k")
+METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting",
+           "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="what is running, how it is doing")
+    recipe.add_arguments(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def collect(name: str) -> dict:
+    from .. import engine
+
+    client = engine.connect()
+    container = engine.find(client, name)
+    if container is None:
+        return {"name": name, "state": "absent"}
+    st = engine.state(container)
+    labels = container.labels
+    ep = running.endpoint(container)
+    out: dict = {
+        "name": name, "state": st.status, "exit_code": st.exit_code if st.status != "running" else None,
+        "health": st.health, "started_at": st.started_at,
+        "profile": labels.get(f"{LABEL}.profile"), "base": labels.get(f"{LABEL}.base"),
+        "image": labels.get(f"{LABEL}.image"), "mode": labels.get(f"{LABEL}.mode"),
+        "url": f"{ep.url}/v1", "bind": labels.get(f"{LABEL}.bind"),
+        "api_key": ep.key, "api_key_mode": labels.get(f"{LABEL}.api-key"),
+        "settings_hash": labels.get(f"{LABEL}.settings"),
+    }
+    out["exposed_without_key"] = out["bind"] not in ("127.0.0.1", "::1") and out["api_key_mode"] != "required"
+    logs = engine.tail(container, 3000)
+    kv = [ln for ln in logs if KV_LINE.search(ln)]
+    out["kv_cache_line"] = kv[-1].strip() if kv else None
+    out["patch_lines"] = list(dict.fromkeys(ln.strip() for ln in logs if PATCH_LINE.search(ln)))[-8:]
+    out["api"] = "down"
+    if st.status == "running":
+        health = api.get(f"{ep.url}/health", timeout=2)
+        out["api"] = "up" if health.status == 200 else "loading"
+        if health.status == 200:
+            m = api.get(f"{ep.url}/metrics", timeout=3)
+            if m.status == 200:
+                sums = api.metric_sums(m.body.decode("utf-8", "replace"), METRICS)
+                out["requests_running"] = sums.get("vllm:num_requests_running")
+                out["requests_waiting"] = sums.get("vllm:num_requests_waiting")
+                q = sums.get("vllm:prefix_cache_queries_total")
+                out["prefix_cache_hit_rate"] = (sums.get("vllm:prefix_cache_hits_total", 0.0) / q) if q else None
+    else:
+        out["last_lines"] = logs[-5:]
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    r = recipe.load(args.recipe)
+    info = collect(r.settings["NAME"])
+    if args.json:
+        print_json(info)
+        return 0
+    print(f"{info['name']}: {info['state']}" + (f"  (profile: {info.get('profile')})" if info.get("profile") else ""))
+    if info["state"] == "absent":
+        return 0
+    rep = Report()
+    rep.info(f"image {info['image']} (base {info['base']}, mode {info['mode']}), API {info['url']}")
+    if info["state"] == "running":
+        (rep.ok if info["api"] == "up" else rep.info)(f"API {info['api']}")
+    else:
+        rep.fail(f"exit code {info['exit_code']}")
+        for ln in info.get("last_lines", []):
+            print(f"    {ln}")
+    if info["api_key"]:
+        rep.info(f"API key: {info['api_key']}")
+    if info["exposed_without_key"]:
+        rep.warn(f"published on {info['bind']} WITHOUT an API key (API_KEY=off)")
+    if info["kv_cache_line"]:
+        rep.info(info["kv_cache_line"][-120:])
+    for ln in info["patch_lines"]:
+        rep.info(ln[-140:])
+    if "requests_running" in info:
+        rate = info.get("prefix_cache_hit_rate")
+        rep.info(f"requests running {info['requests_running']:.0f}, waiting {info['requests_waiting'] or 0:.0f}, "
+                 f"prefix-cache hit rate {'n/a' if rate is None else f'{rate:.1%}'}")
+    return 0

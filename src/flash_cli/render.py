@@ -1,0 +1,102 @@
+"""RunSpec → docker-py keyword arguments, and → the equivalent `docker run` line.
+
+Both renderings come from the same RunSpec, so what `--dry-run` prints is what `serve` runs.
+docker-py is imported lazily (only `to_kwargs` with real types needs it).
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from .spec import RunSpec
+
+
+def to_kwargs(spec: RunSpec) -> dict:
+    """Arguments for `client.containers.create(**kwargs)` (docker-py 7.x names)."""
+    from docker.types import DeviceRequest, LogConfig, Mount as DMount
+
+    mounts = []
+    for m in spec.mounts:
+        if m.kind == "tmpfs":
+            size = m.options.removeprefix("size=") if m.options.startswith("size=") else None
+            mounts.append(DMount(m.target, None, type="tmpfs", tmpfs_size=size))
+        else:
+            mounts.append(DMount(m.target, m.source, type=m.kind, read_only=m.read_only))
+    kwargs: dict = {
+        "image": spec.image,
+        "name": spec.name,
+        "entrypoint": spec.entrypoint,
+        "command": spec.command,
+        "environment": spec.env,
+        "labels": spec.labels,
+        "mounts": mounts,
+        "restart_policy": {"Name": spec.restart} if spec.restart != "on-failure"
+        else {"Name": "on-failure", "MaximumRetryCount": 3},
+        "ipc_mode": spec.ipc,
+        "shm_size": spec.shm_size,
+        "log_config": LogConfig(type="json-file", config={"max-size": spec.log_max_size,
+                                                           "max-file": str(spec.log_max_files)}),
+        "healthcheck": spec.healthcheck,
+        "detach": True,
+    }
+    if spec.network == "host":
+        kwargs["network_mode"] = "host"
+    else:
+        kwargs["ports"] = dict(spec.ports)
+    if spec.gpus:
+        kwargs["device_requests"] = [DeviceRequest(count=-1, capabilities=[["gpu"]])]
+    if spec.cpuset:
+        kwargs["cpuset_cpus"] = spec.cpuset
+    return kwargs
+
+
+def to_docker_run(spec: RunSpec) -> list[str]:
+    """The same container as a `docker run` argv (for --dry-run, docs and golden files)."""
+    argv = ["docker", "run", "-d", "--name", spec.name, "--restart",
+            spec.restart + (":3" if spec.restart == "on-failure" else "")]
+    if spec.gpus:
+        argv += ["--gpus", "all"]
+    argv += ["--ipc", spec.ipc, "--shm-size", str(spec.shm_size)]
+    if spec.network == "host":
+        argv += ["--network", "host"]
+    for target, (bind, port) in spec.ports.items():
+        argv += ["-p", f"{bind}:{port}:{target.split('/')[0]}"]
+    if spec.cpuset:
+        argv += ["--cpuset-cpus", spec.cpuset]
+    argv += ["--log-opt", f"max-size={spec.log_max_size}", "--log-opt", f"max-file={spec.log_max_files}"]
+    for m in spec.mounts:
+        if m.kind == "tmpfs":
+            argv += ["--tmpfs", f"{m.target}:rw,{m.options}" if m.options else m.target]
+        else:
+            opt = f"type={m.kind},source={m.source},target={m.target}" + (",readonly" if m.read_only else "")
+            argv += ["--mount", opt]
+    for k, v in spec.env.items():
+        argv += ["-e", f"{k}={v}"]
+    for k, v in spec.labels.items():
+        argv += ["--label", f"{k}={v}"]
+    hc = spec.healthcheck
+    argv += ["--health-cmd", shlex.join(hc["test"][1:]), "--health-interval", f"{hc['interval'] // 10**9}s",
+             "--health-timeout", f"{hc['timeout'] // 10**9}s", "--health-retries", str(hc["retries"]),
+             "--health-start-period", f"{hc['start_period'] // 10**9}s"]
+    argv += ["--entrypoint", spec.entrypoint[0], spec.image, *spec.entrypoint[1:], *spec.command]
+    return argv
+
+
+def docker_run_text(spec: RunSpec) -> str:
+    """One copy-pasteable command, wrapped (backslash-newline) before each flag for reading:
+    docker's flags first, then the image line, then one `vllm serve` flag per line."""
+    argv = [shlex.quote(t) for t in to_docker_run(spec)]
+    head = 3 + len(spec.entrypoint) - 1 + 3  # --entrypoint X IMAGE <entrypoint args> vllm serve PATH
+    start = len(argv) - len(spec.command) - len(spec.entrypoint) - 2
+    flags, tail = argv[:start], argv[start:]
+    groups: list[list[str]] = [flags[:2]]
+    for tok in flags[2:]:
+        if tok.startswith("-"):
+            groups.append([])
+        groups[-1].append(tok)
+    groups.append(tail[: head])
+    for tok in tail[head:]:
+        if tok.startswith("-"):
+            groups.append([])
+        groups[-1].append(tok)
+    return " \\\n  ".join(" ".join(g) for g in groups)

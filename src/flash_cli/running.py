@@ -1,0 +1,30 @@
+"""The running server as seen from the host: its container (by label) and its API address."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from . import state
+from .spec import LABEL
+
+if TYPE_CHECKING:  # pragma: no cover
+    from docker.models.containers import Container
+
+
+@dataclass
+class Endpoint:
+    url: str  # http://host:port
+    key: str | None
+    model: str
+
+
+def endpoint(container: "Container") -> Endpoint:
+    """Address from the container's own labels, never from re-supplied flags."""
+    labels = container.labels
+    bind = labels.get(f"{LABEL}.bind", "127.0.0.1")
+    host = "127.0.0.1" if bind in ("0.0.0.0", "::") else bind
+    host = f"[{host}]" if ":" in host else host
+    key = state.read_api_key(container.name) if labels.get(f"{LABEL}.api-key") == "required" else None
+    return Endpoint(f"http://{host}:{labels.get(f'{LABEL}.port', '18300')}", key,
+                    labels.get(f"{LABEL}.served-model-name", ""))

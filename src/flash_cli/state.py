@@ -1,0 +1,64 @@
+"""Host-side state: `$XDG_STATE_HOME/flash` (API keys, the request-logging config)."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+
+
+def state_dir(env: dict | None = None) -> Path:
+    env = os.environ if env is None else env
+    base = env.get("XDG_STATE_HOME") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "flash"
+
+
+def api_key_path(name: str) -> Path:
+    return state_dir() / f"api-key.{name}"
+
+
+def ensure_api_key(name: str) -> tuple[Path, bool]:
+    """Generate the key once (mode 0600, written atomically); returns (path, created)."""
+    path = api_key_path(name)
+    if path.is_file() and path.read_text().strip():
+        os.chmod(path, 0o600)
+        return path, False
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(f"sk-flash-{secrets.token_urlsafe(32)}\n")
+    os.replace(tmp, path)
+    return path, True
+
+
+def read_api_key(name: str) -> str | None:
+    path = api_key_path(name)
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+# DEBUG on vLLM's request logger only: a global DEBUG broke drafter graph capture upstream.
+LOGGING_CONFIG = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"vllm": {"format": "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
+                            "datefmt": "%m-%d %H:%M:%S"}},
+    "handlers": {"vllm": {"class": "logging.StreamHandler", "formatter": "vllm", "stream": "ext://sys.stdout"}},
+    "loggers": {
+        "vllm": {"handlers": ["vllm"], "level": "INFO", "propagate": False},
+        "vllm.entrypoints.logger": {"handlers": ["vllm"], "level": "DEBUG", "propagate": False},
+    },
+}
+
+
+def ensure_logging_config() -> Path:
+    path = state_dir() / "logging.json"
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(LOGGING_CONFIG, indent=2))
+    os.replace(tmp, path)
+    return path
