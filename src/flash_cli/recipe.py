@@ -41,9 +41,12 @@ def split_words(words: Sequence[str]) -> tuple[str, list[str], bool]:
     return "default", list(words), False
 
 
-def load(words: Sequence[str], env: Mapping[str, str] | None = None) -> Recipe:
+NO_PROFILE = profiles.Profile(name="(none)", path=profiles.PROFILES_DIR, desc="defaults + environment only")
+
+
+def load(words: Sequence[str], env: Mapping[str, str] | None = None, use_profile: bool = True) -> Recipe:
     name, rest, _ = split_words(words)
-    prof = profiles.load(name)
+    prof = profiles.load(name) if use_profile else NO_PROFILE
     overrides = parse_assignments(rest, "argument")
     settings = resolve(prof.layer(), os.environ if env is None else env, overrides, profile_name=prof.name)
     return Recipe(prof, settings)

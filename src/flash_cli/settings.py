@@ -235,6 +235,39 @@ SETTINGS: tuple[Setting, ...] = (
     S("TIMEOUT", "int", 1800, "`flash wait`: seconds before giving up.", "flash wait", minimum=1),
     S("DRAIN_TIMEOUT", "int", 60, "`flash stop`: seconds to wait for running requests to finish.",
       "flash stop", minimum=0, maximum=3600),
+    # --- gates, benchmarks, monitoring (flash test / probe / bench / monitor) ----------------------
+    S("TEST_MIN_PREFILL_TPS", "float", 200.0, "`flash test` prefill: cold prompt tokens/s below this fail "
+      "(a healthy Spark does ~2,000; this catches a swapping or misconfigured box).", "flash test", minimum=0),
+    S("TEST_MIN_DECODE_TPS", "float", 10.0, "`flash test` decode: tokens/s of a real greedy answer below this "
+      "fail (single stream ~35 on a Spark).", "flash test", minimum=0),
+    S("TEST_PREFILL_TOKENS", "int", 8192, "`flash test` prefill/prefix_cache: prompt size in tokens (approximate).",
+      "flash test", minimum=64, maximum=1048576),
+    S("TEST_DECODE_TOKENS", "int", 400, "`flash test` decode: max_tokens of the answer (never ignore_eos).",
+      "flash test", minimum=8, maximum=32768),
+    S("TEST_DET_RUNS", "int", 3, "`flash test` determinism: identical greedy requests compared.", "flash test",
+      minimum=2, maximum=50),
+    S("TEST_DET_TOKENS", "int", 32, "`flash test` determinism: max_tokens of each compared answer.", "flash test",
+      minimum=1, maximum=4096),
+    S("TEST_LOGPROB_TOL", "float", 1e-6, "`flash test` determinism: largest allowed difference between "
+      "first-token top logprobs.", "flash test", minimum=0),
+    S("TEST_MIN_PREFIX_HIT", "float", 0.5, "`flash test` prefix_cache: share of the repeated prompt's tokens "
+      "that must register in vllm:prefix_cache_hits_total.", "flash test", minimum=0, maximum=1),
+    S("TEST_TIMEOUT", "int", 600, "`flash test`/`probe`/`bench`: seconds one request may take.", "HTTP timeout",
+      minimum=1, maximum=7200),
+    S("BENCH_CONCURRENCY", "str", "1,2,4,8", "`flash bench` decode: concurrency levels, comma separated.",
+      "flash bench", pattern=r"\d{1,3}(,\d{1,3})*"),
+    S("BENCH_PREFILL", "str", "8192,32768", "`flash bench` prefill: prompt sizes in tokens, comma separated.",
+      "flash bench", pattern=r"\d{2,7}(,\d{2,7})*"),
+    S("BENCH_REPEATS", "int", 3, "`flash bench`: repetitions of every measurement (medians and spread).",
+      "flash bench", minimum=1, maximum=100),
+    S("BENCH_DECODE_TOKENS", "int", 256, "`flash bench` decode: max_tokens per request (a real answer).",
+      "flash bench", minimum=8, maximum=32768),
+    S("MONITOR_PROM_PORT", "int", 19090, "`flash monitor`: Prometheus listens on BIND:this port.",
+      "prometheus --web.listen-address", minimum=1, maximum=65535),
+    S("MONITOR_GRAFANA_PORT", "int", 13000, "`flash monitor`: Grafana listens on BIND:this port.",
+      "env GF_SERVER_HTTP_PORT", minimum=1, maximum=65535),
+    S("MONITOR_NODE_PORT", "int", 19100, "`flash monitor`: node-exporter listens on BIND:this port.",
+      "node_exporter --web.listen-address", minimum=1, maximum=65535),
 )
 del S
 

@@ -73,3 +73,17 @@ def test_profile_typo_is_rejected(tmp_path):
     with pytest.raises(ConfigError) as err:
         profiles.load("bad", tmp_path)
     assert "bad.env:2" in str(err.value) and "MTP" in err.value.hint
+
+
+def test_settings_reference_is_generated_from_the_table():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, str(root / "tools" / "gen_settings_doc.py"), "--check"],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    text = (root / "docs" / "SETTINGS.md").read_text()
+    for s in SETTINGS:
+        assert f"| `{s.name}` |" in text

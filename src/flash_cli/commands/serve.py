@@ -24,6 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     recipe.add_arguments(p)
     p.add_argument("--dry-run", action="store_true", help="print the exact docker run line; run nothing")
     p.add_argument("--json", action="store_true", help="with --dry-run: the run spec as JSON")
+    p.add_argument("--no-profile", action="store_true",
+                   help="defaults + environment only (what scripts/serve.sh uses)")
     p.add_argument("--start-check", type=float, default=8.0, metavar="S",
                    help="seconds to watch for an early death (default 8)")
     p.set_defaults(func=run)
@@ -35,7 +37,7 @@ def plan(r: recipe.Recipe, snapshot_name: str) -> RunSpec:
 
 
 def run(args: argparse.Namespace) -> int:
-    r = recipe.load(args.recipe)
+    r = recipe.load(args.recipe, use_profile=not args.no_profile)
     s = r.settings
     snapshot = r.snapshot()
     spec = plan(r, snapshot.name if snapshot else PLACEHOLDER)
