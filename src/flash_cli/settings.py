@@ -206,6 +206,9 @@ SETTINGS: tuple[Setting, ...] = (
       "renamed: CC is the C compiler's variable). Split with shlex.", "vllm -cc.* arguments", optional=True),
     S("EXTRA", "str", None, "Extra `vllm serve` arguments, split once with shlex (quotes work).",
       "vllm argv (appended)", optional=True),
+    S("CONTAINER_ENV", "str", None, "Extra container environment, `KEY=VALUE` words split with shlex "
+      "(e.g. NCCL_DEBUG=INFO). Applied after flash's own; secrets do not belong here (use API_KEY).",
+      "docker -e", optional=True),
     S("PROM_MULTIPROC", "bool", False, "Prometheus multiprocess mode (not needed: the PLE counters reach "
       "/metrics without it).", "docker tmpfs /tmp/vllm-prometheus, env PROMETHEUS_MULTIPROC_DIR"),
     S("COMPILE_CACHE", "str", "flash-compile", "Persist torch.compile/FlashInfer/Triton caches: a docker "
@@ -305,10 +308,12 @@ class Settings:
         return {k: BY_NAME[k].format(v) for k, v in self.values.items()}
 
     def digest(self) -> str:
-        """Stable hash of the recipe: identical settings → identical label value."""
+        """Stable hash of the recipe: the values that differ from the table's defaults (so adding
+        a setting does not change every hash); the image label org.flash.version covers the rest."""
         import hashlib
 
-        text = "\n".join(f"{k}={BY_NAME[k].format(v)}" for k, v in sorted(self.values.items()) if not BY_NAME[k].secret)
+        text = "\n".join(f"{k}={BY_NAME[k].format(v)}" for k, v in sorted(self.values.items())
+                         if v != BY_NAME[k].default and not BY_NAME[k].secret)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 from dataclasses import dataclass, field
 
 from . import __version__
 from .hfcache import VARIANT_SUFFIX
+from .errors import ConfigError
 from .settings import Settings, split_args
 
 CONTAINER_PORT = 8000
@@ -20,6 +22,7 @@ HF_MOUNT = "/hf"
 KEY_TARGET = "/run/flash/api_key"
 LOGGING_TARGET = "/etc/flash/logging.json"
 PROM_DIR = "/tmp/vllm-prometheus"
+SECRET_ENV = ("VLLM_API_KEY", "FLASH_API_KEY_FILE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 LABEL = "org.flash"  # every label key starts with this; `org.flash.name` finds the container
 
 # YaRN ×4 over the native 262,144 positions (values from the model card's long-context recipe).
@@ -158,7 +161,22 @@ def container_env(s: Settings, needs_key: bool) -> dict[str, str]:
         env["VLLM_LOGGING_CONFIG_PATH"] = LOGGING_TARGET
     if needs_key:
         env["FLASH_API_KEY_FILE"] = KEY_TARGET  # the path, never the key
+    env.update(extra_env(s["CONTAINER_ENV"]))
     return dict(sorted(env.items()))
+
+
+def extra_env(text: str | None) -> dict[str, str]:
+    out = {}
+    for word in split_args(text, "CONTAINER_ENV"):
+        key, sep, value = word.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise ConfigError(f"CONTAINER_ENV word {word!r} is not KEY=VALUE",
+                              hint="CONTAINER_ENV accepts space-separated KEY=VALUE words, e.g. 'NCCL_DEBUG=INFO'")
+        if key in SECRET_ENV:
+            raise ConfigError(f"CONTAINER_ENV must not carry {key}: it would show in docker inspect",
+                              hint="use API_KEY=on (the key file stays out of docker inspect)")
+        out[key] = value
+    return out
 
 
 def compile_cache_mounts(value: str | None) -> list[Mount]:

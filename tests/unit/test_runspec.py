@@ -133,3 +133,13 @@ def test_docker_py_translation_accepts_every_kwarg():
     assert hc["DeviceRequests"][0]["Count"] == -1 and hc["RestartPolicy"]["Name"] == "unless-stopped"
     assert hc["LogConfig"]["Config"] == {"max-size": "100m", "max-file": "3"}
     assert {m["Target"]: m["Type"] for m in hc["Mounts"]}["/tmp/vllm-prometheus"] == "tmpfs"
+
+
+def test_container_env_passthrough_and_secret_refusal():
+    from flash_cli.errors import ConfigError
+
+    r = spec_for("default", CONTAINER_ENV="NCCL_DEBUG=INFO FOO='a b'")
+    assert r.env["NCCL_DEBUG"] == "INFO" and r.env["FOO"] == "a b"
+    for bad in ("VLLM_API_KEY=x", "notakv", "1BAD=x"):
+        with pytest.raises(ConfigError):
+            spec_for("default", CONTAINER_ENV=bad)
