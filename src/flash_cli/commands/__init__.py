@@ -19,6 +19,7 @@ COMMANDS: tuple[str, ...] = (
     "logs",
     "lifecycle",
     "profiles",
+    "test",
 )
 
 
