@@ -12,7 +12,8 @@ from .errors import FlashError
 def main(argv: Sequence[str] | None = None) -> int:
     from .cli import build_parser
 
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

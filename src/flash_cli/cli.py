@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 
 from . import __version__
-from .commands import COMMANDS, load
+from typing import Sequence
+
+from .commands import COMMANDS, TABLE, load, module_for
 
 EPILOG = """\
 examples:
@@ -21,7 +23,8 @@ debug: FLASH_DEBUG=1 shows tracebacks
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """Full parser for the command named in argv; one-line stubs for all the others."""
     parser = argparse.ArgumentParser(
         prog="flash",
         description="Serve Qwen3.8-Flash-Next on one NVIDIA DGX Spark with vLLM.",
@@ -30,6 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"flash {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMANDS:
-        load(name).register(sub)
+    word = next((a for a in argv if not a.startswith("-")), None)
+    chosen = module_for(word)
+    tabled = {module for module, _, _ in TABLE.values()}
+    for name, (module, help_text, aliases) in TABLE.items():
+        if module == chosen and name not in sub.choices:
+            load(module).register(sub)
+        elif name not in sub.choices and module in COMMANDS:
+            sub.add_parser(name, help=help_text, aliases=list(aliases), add_help=False)
+    for module in COMMANDS:
+        if module not in tabled:
+            load(module).register(sub)
     return parser

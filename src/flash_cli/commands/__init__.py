@@ -1,8 +1,9 @@
 """The command modules. Each exposes `register(subparsers)` and sets `func` on its parser(s).
 
-Adding a command = one module here + its name in COMMANDS. Modules must stay light at import
-time (heavy libraries are imported inside the functions) because every `flash` run imports all
-of them to build the parser.
+Adding a command = one module here + its name in COMMANDS (+ a TABLE row for each command it
+adds). `flash X` imports only X's module: every other command gets a stub parser from TABLE,
+which is what keeps `flash --help`, `flash serve --dry-run` and `flash status` fast. A module
+without TABLE rows still works; it is imported on every run.
 """
 
 from __future__ import annotations
@@ -21,6 +22,29 @@ COMMANDS: tuple[str, ...] = (
     "profiles",
     "test",
 )
+
+
+# command → (module, one-line help, aliases), in the order `flash --help` lists them.
+TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "doctor": ("doctor", "check everything serve needs; exit 1 on a problem", ()),
+    "setup": ("setup", "build the image, download and prepare the weights (idempotent)", ()),
+    "serve": ("serve", "start the server for a profile", ("up",)),
+    "wait": ("wait", "wait until the server answers /health", ()),
+    "test": ("test", "smoke test that gates: exit 1 when a required check fails", ()),
+    "status": ("status", "what is running, how it is doing", ()),
+    "logs": ("logs", "show the server log", ()),
+    "stop": ("lifecycle", "stop the server (kept; flash start resumes it)", ()),
+    "start": ("lifecycle", "start the stopped server container again", ()),
+    "rm": ("lifecycle", "remove the server container (caches and keys are kept)", ("down",)),
+    "profiles": ("profiles", "list the recipes (profiles/*.env); `show NAME` for one", ()),
+}
+
+
+def module_for(word: str | None) -> str | None:
+    for name, (module, _, aliases) in TABLE.items():
+        if word == name or word in aliases:
+            return module
+    return None
 
 
 def load(name: str) -> ModuleType:
