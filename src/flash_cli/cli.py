@@ -23,8 +23,9 @@ debug: FLASH_DEBUG=1 shows tracebacks
 """
 
 
-def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
-    """Full parser for the command named in argv; one-line stubs for all the others."""
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """Full parser for the command named in argv, one-line stubs for all the others;
+    argv=None builds every command's full parser (tests, docs)."""
     parser = argparse.ArgumentParser(
         prog="flash",
         description="Serve Qwen3.8-Flash-Next on one NVIDIA DGX Spark with vLLM.",
@@ -33,11 +34,11 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"flash {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    word = next((a for a in argv if not a.startswith("-")), None)
+    word = next((a for a in argv if not a.startswith("-")), None) if argv is not None else None
     chosen = module_for(word)
     tabled = {module for module, _, _ in TABLE.values()}
     for name, (module, help_text, aliases) in TABLE.items():
-        if module == chosen and name not in sub.choices:
+        if (argv is None or module == chosen) and name not in sub.choices:
             load(module).register(sub)
         elif name not in sub.choices and module in COMMANDS:
             sub.add_parser(name, help=help_text, aliases=list(aliases), add_help=False)
