@@ -31,7 +31,8 @@ Not a model: answers are deterministic filler words with a few canned facts. Kno
       no_prefix_hits     the prefix cache never hits (queries still count)
       reject_high_effort reasoning effort high/max/minimal -> 400, like the unaliased template
       no_tool_calls      tools are ignored: plain text, never tool_calls
-      slow               decode at ~6 tok/s (a swapping box)
+      slow               decode at ~8 tok/s (a swapping box)
+      no_metrics         /metrics answers 404 (a server started without it / behind a proxy)
   VLLM_PLE_MMAP=1               export the vllm:ple_mmap_* counters (VLLM_PLE_MMAP_PROMETHEUS=0: off)
   PROMETHEUS_MULTIPROC_DIR      set: *_created families vanish, like prometheus_client multiprocess mode
 """
@@ -55,7 +56,7 @@ from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 VERSION = "0.33.0+standin"
-FAULT_NAMES = ("nondeterministic", "no_prefix_hits", "reject_high_effort", "no_tool_calls", "slow")
+FAULT_NAMES = ("nondeterministic", "no_prefix_hits", "reject_high_effort", "no_tool_calls", "slow", "no_metrics")
 ACCEPTED_EFFORTS = ("low", "medium", "xhigh")  # what the Qwen3.8-Flash-Next template itself accepts
 ALIASED_EFFORTS = {"high": "xhigh", "max": "xhigh", "minimal": "low"}  # EFFORT_ALIAS=1 rewrites these
 BLOCK_SIZE = 16
@@ -340,7 +341,7 @@ class Engine:
         self.kv_tokens = int(env.get("STANDIN_KV_TOKENS", "1234567"))
         self.decode_tps = float(env.get("STANDIN_DECODE_TPS", "400"))
         if "slow" in self.faults:
-            self.decode_tps = 6.0
+            self.decode_tps = 8.0
         self.prefill_tps = float(env.get("STANDIN_PREFILL_TPS", "20000"))
         self.delay_s = float(env.get("STANDIN_DELAY_MS", "0")) / 1000.0
         self.api_key = ns.api_key or env.get("VLLM_API_KEY") or None
@@ -757,7 +758,7 @@ class Handler(BaseHTTPRequestHandler):
             ("GET", "/health"): self.r_health,
             ("GET", "/ping"): self.r_health,
             ("GET", "/version"): lambda: self.send_json(200, {"version": VERSION}),
-            ("GET", "/metrics"): lambda: self.send_text(200, self.engine.metrics_text(), "text/plain; version=0.0.4; charset=utf-8"),
+            ("GET", "/metrics"): self.r_metrics,
             ("GET", "/v1/models"): self.r_models,
             ("POST", "/v1/chat/completions"): self.r_chat,
             ("POST", "/v1/completions"): self.r_completions,
@@ -793,6 +794,12 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("content-length", "0")
         self.end_headers()
+
+    def r_metrics(self) -> None:
+        if "no_metrics" in self.engine.faults:
+            self.send_json(404, {"detail": "Not Found"})
+            return
+        self.send_text(200, self.engine.metrics_text(), "text/plain; version=0.0.4; charset=utf-8")
 
     def r_argv(self) -> None:
         ns = self.ns
@@ -907,8 +914,6 @@ class Handler(BaseHTTPRequestHandler):
         thinking = bool(self.ns.reasoning_parser) and "/no_think" not in prompt and tool is None
         base = {"id": rid, "object": "chat.completion.chunk" if stream else "chat.completion",
                 "created": int(time.time()), "model": body.get("model") or self.engine.model_name}
-        if last.get("role") == "tool":
-            tail = f"The tool returned {tail}. "
         if stream:
             self.start_stream()
             self.sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
@@ -919,6 +924,13 @@ class Handler(BaseHTTPRequestHandler):
         else:
             emit = lambda i, tok: None
         forced = None
+        if last.get("role") == "tool":
+            try:
+                facts = json.loads(content_text(last.get("content")))
+                said = ", ".join(f"{k} {v}" for k, v in facts.items()) if isinstance(facts, dict) else str(facts)
+            except ValueError:
+                said = content_text(last.get("content"))
+            forced = tokenize(f"The tool reports {said}.")
         if tool is not None:
             fn = tool.get("function") or tool
             call_args = tool_arguments(tool, tail)
@@ -926,8 +938,6 @@ class Handler(BaseHTTPRequestHandler):
         res = self.engine.generate(prompt, tail, body, emit, forced)
         toks = res["tokens"]
         text = "".join(toks)
-        if last.get("role") == "tool":
-            text = f"According to the tool: {tail[len('The tool returned '):-2]}." + text
         message: dict = {"role": "assistant", "content": text, "tool_calls": []}
         finish = res["finish_reason"]
         if thinking:

@@ -1,0 +1,154 @@
+"""`flash test` against the real stand-in server over HTTP: all green on a faithful server, and
+each fault switch makes exactly the check that should catch it fail (and nothing else)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from flash_cli.__main__ import main
+from flash_cli.gates import checks, metrics, prompts
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "standin"))
+from harness import StandIn  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+# small prompts and answers keep the suite fast; the thresholds stay the shipped defaults
+FAST = ["TEST_PREFILL_TOKENS=1024", "TEST_DECODE_TOKENS=32", "TEST_DET_TOKENS=8", "TEST_DET_RUNS=2"]
+
+
+def flash_test(capsys, url: str, *extra: str) -> tuple[int, dict]:
+    words = [w for w in extra if "=" in w and not w.startswith("-")]
+    opts = [w for w in extra if w not in words]
+    rc = main(["test", *FAST, *words, "--url", url, "--json", *opts])
+    out = capsys.readouterr().out
+    return rc, json.loads(out)
+
+
+def statuses(report: dict) -> dict[str, str]:
+    return {c["name"]: c["status"] for c in report["checks"]}
+
+
+def test_faithful_server_passes_every_check(capsys):
+    with StandIn("--reasoning-parser", "qwen3", env={"VLLM_PLE_MMAP": "1"}) as s:
+        rc, report = flash_test(capsys, s.url)
+    assert rc == 0 and report["ok"] is True
+    assert [c["name"] for c in report["checks"]] == list(checks.CHECK_NAMES)
+    assert set(statuses(report).values()) == {"pass"}, report
+    by = {c["name"]: c for c in report["checks"]}
+    assert "PLE counters: 8/8" in by["metrics"]["detail"]
+    assert by["prefix_cache"]["data"]["method"] == "metrics"
+    assert by["prefill"]["data"]["prompt_tokens"] > 900
+
+
+@pytest.mark.parametrize("fault, check", [
+    ("nondeterministic", "determinism"),
+    ("no_prefix_hits", "prefix_cache"),
+    ("reject_high_effort", "effort"),
+    ("no_tool_calls", "tool_call"),
+    ("slow", "decode"),
+])
+def test_each_fault_fails_exactly_its_check(capsys, fault, check):
+    with StandIn(faults=fault) as s:
+        rc, report = flash_test(capsys, s.url)
+    st = statuses(report)
+    assert rc == 1 and report["ok"] is False
+    assert [n for n, v in st.items() if v == "fail"] == [check], report
+    assert report["summary"]["failed_required"] == [check]
+    assert all(v == "pass" for n, v in st.items() if n != check)
+
+
+def test_without_metrics_prefix_cache_falls_back_to_timing_and_says_so(capsys):
+    # slow prefill makes the cold/hit timing difference unmistakable
+    with StandIn(faults="no_metrics", env={"STANDIN_PREFILL_TPS": "4000"}) as s:
+        rc, report = flash_test(capsys, s.url, "--only", "prefix_cache", "--only", "metrics")
+    by = {c["name"]: c for c in report["checks"]}
+    assert by["prefix_cache"]["status"] == "pass" and by["prefix_cache"]["data"]["method"] == "timing"
+    assert by["prefix_cache"]["detail"].startswith("timing fallback")
+    assert by["metrics"]["status"] == "fail" and rc == 1
+
+
+def test_prefix_caching_off_is_a_skip_not_a_pass(capsys):
+    with StandIn("--no-enable-prefix-caching") as s:
+        rc, report = flash_test(capsys, s.url, "--only", "prefix_cache")
+    by = {c["name"]: c for c in report["checks"]}
+    assert by["prefix_cache"]["status"] == "skip" and "prefix caching is off" in by["prefix_cache"]["detail"]
+    assert rc == 0
+
+
+def test_api_key_missing_fails_model_and_skips_the_rest(capsys, monkeypatch):
+    with StandIn(env={"VLLM_API_KEY": "sk-gate"}) as s:
+        monkeypatch.delenv("VLLM_API_KEY", raising=False)
+        rc, report = flash_test(capsys, s.url)
+        st = statuses(report)
+        assert rc == 1 and st["health"] == "pass" and st["model"] == "fail"
+        assert {st[n] for n in checks.CHECK_NAMES[2:]} == {"skip"}
+        monkeypatch.setenv("VLLM_API_KEY", "sk-gate")
+        rc, report = flash_test(capsys, s.url, "--only", "coherence")
+    assert rc == 0 and statuses(report)["coherence"] == "pass"
+
+
+def test_expect_ple_yes_fails_when_counters_are_absent(capsys):
+    with StandIn() as s:
+        rc, report = flash_test(capsys, s.url, "--only", "metrics", "--expect-ple", "yes")
+    by = {c["name"]: c for c in report["checks"]}
+    assert rc == 1 and by["metrics"]["status"] == "fail" and "PLE counters missing" in by["metrics"]["detail"]
+
+
+def test_server_down_fails_health_and_skips_the_rest(capsys):
+    rc, report = flash_test(capsys, "http://127.0.0.1:9")
+    st = statuses(report)
+    assert rc == 1 and st["health"] == "fail"
+    assert {st[n] for n in checks.CHECK_NAMES[1:]} == {"skip"}
+
+
+def test_thresholds_are_settings(capsys):
+    with StandIn() as s:
+        rc, report = flash_test(capsys, s.url, "--only", "decode", "TEST_MIN_DECODE_TPS=1000000")
+    by = {c["name"]: c for c in report["checks"]}
+    assert rc == 1 and "TEST_MIN_DECODE_TPS=1e+06" in by["decode"]["detail"]
+
+
+def test_bad_threshold_value_is_a_usage_error(capsys):
+    assert main(["test", "--url", "http://127.0.0.1:9", "TEST_MIN_DECODE_TPS=fast"]) == 2
+    assert "TEST_MIN_DECODE_TPS" in capsys.readouterr().err
+
+
+def test_human_output_names_every_check(capsys):
+    with StandIn() as s:
+        rc = main(["test", "--url", s.url, *FAST])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for name in checks.CHECK_NAMES:
+        assert f" {name} " in out
+
+
+# --- pure helpers ---------------------------------------------------------------------------------
+def test_ledger_prompt_is_deterministic_and_nonce_goes_first():
+    a, b = prompts.ledger_prompt(2048, "n1"), prompts.ledger_prompt(2048, "n2")
+    assert a != b and a[20:] == b[20:] and a.startswith("Session n1.")
+    assert prompts.ledger_prompt(2048) == prompts.ledger_prompt(2048)
+
+
+def test_logprob_delta():
+    assert checks._logprob_delta({"a": -0.1, "b": -2.0}, {"a": -0.1000005, "b": -2.0}) == pytest.approx(5e-7)
+    assert checks._logprob_delta({"a": -0.1}, {"c": -0.1}) == float("inf")
+    assert checks._logprob_delta(None, {"a": 0.0}) == float("inf")
+
+
+def test_metrics_snapshot_totals_and_parse_errors():
+    text = ('# TYPE vllm:prefix_cache_hits_total counter\n'
+            'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 5.0\n'
+            'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 7.0\n'
+            '# TYPE vllm:ttft_seconds histogram\n'
+            'vllm:ttft_seconds_bucket{le="1.0"} 2.0\nvllm:ttft_seconds_bucket{le="+Inf"} 3.0\n'
+            'vllm:ttft_seconds_count 3.0\nvllm:ttft_seconds_sum 4.5\n')
+    snap = metrics.parse(text)
+    assert snap.total("vllm:prefix_cache_hits_total") == 12 and snap.total("vllm:prefix_cache_hits", engine="1") == 7
+    assert snap.total("vllm:ttft_seconds_count") == 3 and snap.total("vllm:ttft_seconds_sum") == 4.5
+    assert snap.total("vllm:absent") is None
+    with pytest.raises(metrics.MetricsError):
+        metrics.parse("vllm:x{le= 1\n")
