@@ -21,6 +21,7 @@ COMMANDS: tuple[str, ...] = (
     "lifecycle",
     "profiles",
     "test",
+    "probe",
 )
 
 
@@ -31,6 +32,7 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "serve": ("serve", "start the server for a profile", ("up",)),
     "wait": ("wait", "wait until the server answers /health", ()),
     "test": ("test", "smoke test that gates: exit 1 when a required check fails", ()),
+    "probe": ("probe", "greedy probe to JSON; --diff A B exits 1 at the first differing byte", ()),
     "status": ("status", "what is running, how it is doing", ()),
     "logs": ("logs", "show the server log", ()),
     "stop": ("lifecycle", "stop the server (kept; flash start resumes it)", ()),
