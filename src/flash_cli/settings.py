@@ -163,6 +163,13 @@ SETTINGS: tuple[Setting, ...] = (
     S("MODE", "choice", "nvfp4", "Checkpoint layout: nvfp4 = as published, hybrid = fp8 side layers "
       "(<snapshot>-fp8hybrid), hybrid-mtp = hybrid + NVFP4 MTP experts graft (RadixArk only).",
       "model path; env VLLM_FP8_HYBRID=1, VLLM_USE_DEEP_GEMM=0", choices=("nvfp4", "hybrid", "hybrid-mtp")),
+    # --- download (flash download, scripts/download-weights.sh) ------------------------------
+    S("EXCLUDE", "str", None, "Space-separated globs of repo files not to download (e.g. '*.complete.json "
+      "qualification-notes.md'). A file the index names is never excluded.", "huggingface_hub ignore_patterns",
+      optional=True),
+    S("MAX_WORKERS", "int", 8, "Parallel file downloads.", "huggingface_hub max_workers", minimum=1, maximum=64),
+    S("XET", "bool", True, "Download through Xet (files over 50 GB only come that way); 0 = plain HTTPS.",
+      "host env HF_HUB_DISABLE_XET, HF_XET_HIGH_PERFORMANCE"),
     # --- patches and kernels ---------------------------------------------------------------
     S("PREFIX_CACHE", "bool", True, "Prefix caching.", "vllm --enable-prefix-caching / --no-enable-prefix-caching"),
     S("DET_TOPK", "bool", True, "Deterministic QSA block top-k (patch 8).", "env VLLM_QSA_DET_TOPK",

@@ -14,6 +14,9 @@ from types import ModuleType
 COMMANDS: tuple[str, ...] = (
     "doctor",
     "setup",
+    "download",
+    "verify",
+    "prepare",
     "serve",
     "wait",
     "status",
@@ -29,6 +32,9 @@ COMMANDS: tuple[str, ...] = (
 TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "doctor": ("doctor", "check everything serve needs; exit 1 on a problem", ()),
     "setup": ("setup", "build the image, download and prepare the weights (idempotent)", ()),
+    "download": ("download", "download the checkpoint into HF_CACHE (resumable; plan with --dry-run)", ()),
+    "verify": ("verify", "check the checkpoint: files, headers, index keys; --hash for sha256", ()),
+    "prepare": ("prepare", "build the fp8 hybrid (prepare hybrid) or the MTP graft (prepare graft)", ()),
     "serve": ("serve", "start the server for a profile", ("up",)),
     "wait": ("wait", "wait until the server answers /health", ()),
     "test": ("test", "smoke test that gates: exit 1 when a required check fails", ()),

@@ -1,0 +1,259 @@
+"""`flash download`: the checkpoint into the standard HF cache with huggingface_hub (+ hf_xet).
+
+Plan first (`plan()`: one `repo_info` + one recursive tree listing; exact bytes per file, what
+is cached, what is partly there as `blobs/<etag>.incomplete`, the disk check), then
+`snapshot_download` pinned to the resolved commit (so `main` moving mid-download cannot mix
+two revisions), then the structural verify. What `main` resolved to is written to `refs/main`
+(as huggingface_hub does) and recorded in `<repo>/flash-download.json`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import hfcache
+from ..errors import ConfigError, FlashError, WeightsMissing
+from ..output import say
+
+DISK_MARGIN = 2 * 1024**3  # the cache also holds the tree listing, locks, refs
+# Files that must never be excluded (serving needs them); shards are protected by suffix.
+PROTECTED = set(hfcache.ESSENTIAL) | {hfcache.QUANT_FILE}
+
+
+class DownloadError(FlashError):
+    exit_code = 5
+
+
+@dataclass
+class FileInfo:
+    path: str
+    size: int
+    etag: str  # LFS sha256 or git blob sha1: the blob's file name in the cache
+    lfs: bool
+    cached: bool
+    partial: int  # bytes already in blobs/<etag>.incomplete
+
+
+@dataclass
+class Plan:
+    model: str
+    requested: str
+    commit: str
+    cache: Path
+    files: list[FileInfo]
+    excluded: list[str] = field(default_factory=list)
+    bytes_free: int = 0
+
+    @property
+    def bytes_total(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def bytes_to_get(self) -> int:
+        return sum(f.size - f.partial for f in self.files if not f.cached)
+
+    def as_dict(self) -> dict:
+        return {
+            "model": self.model, "requested": self.requested, "commit": self.commit,
+            "cache": str(self.cache), "files": len(self.files),
+            "bytes_total": self.bytes_total, "bytes_to_get": self.bytes_to_get, "bytes_free": self.bytes_free,
+            "excluded": self.excluded,
+            "list": [{"path": f.path, "size": f.size, "sha256" if f.lfs else "git_sha1": f.etag,
+                      "state": "cached" if f.cached else ("partial" if f.partial else "missing")} for f in self.files],
+        }
+
+
+def token_for(hf_cache: str | Path, env=None) -> str | None:
+    """HF_TOKEN, else HUGGING_FACE_HUB_TOKEN, else `<HF_CACHE>/token` (`hf auth login` there),
+    else huggingface_hub's own lookup. Never printed, never in argv."""
+    env = os.environ if env is None else env
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        if env.get(var):
+            return env[var].strip()
+    f = hfcache.cache_root(hf_cache) / "token"
+    try:
+        text = f.read_text().strip()
+        if text:
+            return text
+    except OSError:
+        pass
+    try:
+        from huggingface_hub import get_token
+
+        return get_token()
+    except Exception:  # noqa: BLE001 - no token is a normal state
+        return None
+
+
+def exclude_patterns(settings) -> list[str]:
+    raw = settings["EXCLUDE"] or ""
+    pats = raw.split()
+    for pat in pats:
+        hit = [name for name in sorted(PROTECTED) if fnmatch.fnmatch(name, pat)]
+        if hit or fnmatch.fnmatch("x.safetensors", pat) or fnmatch.fnmatch("model-00001-of-00010.safetensors", pat) \
+                or pat.endswith(".safetensors"):
+            raise ConfigError(f"EXCLUDE={raw!r}: {pat!r} would skip files serving needs"
+                              + (f" ({', '.join(hit)})" if hit else " (weight shards)"),
+                              hint="exclude only extras, e.g. EXCLUDE='*.complete.json qualification-notes.md'")
+    return pats
+
+
+def _xet_env(enabled: bool) -> None:
+    """huggingface_hub reads HF_HUB_DISABLE_XET at import: set both the env and the constant."""
+    os.environ["HF_HUB_DISABLE_XET"] = "0" if enabled else "1"
+    if enabled:
+        os.environ.setdefault("HF_XET_HIGH_PERFORMANCE", "1")
+    try:
+        from huggingface_hub import constants
+
+        constants.HF_HUB_DISABLE_XET = not enabled
+    except (ImportError, AttributeError):
+        pass
+
+
+def _online() -> None:
+    """An explicit `flash download` is online by definition, whatever HF_HUB_OFFLINE says."""
+    os.environ["HF_HUB_OFFLINE"] = "0"
+    try:
+        from huggingface_hub import constants
+
+        constants.HF_HUB_OFFLINE = False
+    except (ImportError, AttributeError):
+        pass
+
+
+def plan(settings, env=None) -> Plan:
+    _online()
+    _xet_env(settings["XET"])
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.hf_api import RepoFile
+
+    env = os.environ if env is None else env
+    model, requested = settings["MODEL"], settings["REVISION"] or "main"
+    cache = hfcache.cache_root(settings["HF_CACHE"])
+    api = HfApi(endpoint=env.get("HF_ENDPOINT") or None, token=token_for(cache, env) or False)
+    excl = exclude_patterns(settings)
+    try:
+        info = api.repo_info(model, revision=requested)
+        commit = info.sha
+        entries = [f for f in api.list_repo_tree(model, recursive=True, revision=commit) if isinstance(f, RepoFile)]
+    except RevisionNotFoundError:
+        raise ConfigError(f"REVISION={requested!r} does not exist in {model}",
+                          hint="use a commit sha or a branch name the repo has (empty = main)") from None
+    except RepositoryNotFoundError:
+        raise DownloadError(f"{model} is not on the Hub or needs a token you do not have",
+                            hint="check MODEL; for gated repos set HF_TOKEN or run `hf auth login`") from None
+    except HfHubHTTPError as exc:
+        raise DownloadError(f"the Hub refused the file listing of {model}: {exc}".splitlines()[0],
+                            hint="retry; check HF_TOKEN for gated repos") from None
+    except Exception as exc:  # noqa: BLE001 - network errors of several libraries
+        raise DownloadError(f"cannot reach the Hub for {model}: {type(exc).__name__}: {exc}".splitlines()[0],
+                            hint="check the network (HF_ENDPOINT for a mirror); a cached snapshot still serves offline") from None
+    repo = hfcache.repo_dir(cache, model)
+    files, excluded = [], []
+    for f in sorted(entries, key=lambda e: e.path):
+        if any(fnmatch.fnmatch(f.path, p) for p in excl):
+            excluded.append(f.path)
+            continue
+        lfs = f.lfs is not None
+        size = f.lfs.size if lfs else f.size
+        etag = f.lfs.sha256 if lfs else f.blob_id
+        blob = repo / "blobs" / etag
+        link = repo / "snapshots" / commit / f.path
+        cached = blob.is_file() and blob.stat().st_size == size and link.exists()
+        inc = blob.with_name(etag + ".incomplete")
+        partial = inc.stat().st_size if (not cached and inc.is_file()) else 0
+        files.append(FileInfo(f.path, size, etag, lfs, cached, min(partial, size)))
+    p = Plan(model, requested, commit, cache, files, excluded)
+    probe = cache
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    p.bytes_free = shutil.disk_usage(probe).free
+    return p
+
+
+def execute(p: Plan, settings, env=None, progress: bool | None = None) -> Path:
+    env = os.environ if env is None else env
+    need = p.bytes_to_get
+    if need and need + DISK_MARGIN > p.bytes_free:
+        raise DownloadError(f"not enough disk for {p.model}: {need / 1e9:.2f} GB still to download "
+                            f"(+{DISK_MARGIN / 1e9:.0f} GB margin), {p.bytes_free / 1e9:.2f} GB free under {p.cache}",
+                            hint="free space there or point HF_CACHE at a bigger disk")
+    _online()
+    _xet_env(settings["XET"])
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+
+    tty = sys.stderr.isatty() if progress is None else progress
+    (enable_progress_bars if tty else disable_progress_bars)()
+    kwargs = dict(repo_id=p.model, revision=p.commit, cache_dir=str(p.cache / "hub"),
+                  ignore_patterns=p.excluded or None, max_workers=settings["MAX_WORKERS"],
+                  endpoint=env.get("HF_ENDPOINT") or None, token=token_for(p.cache, env) or False)
+    if p.excluded:
+        kwargs["ignore_patterns"] = exclude_patterns(settings)
+    say(f"  downloading {p.model}@{p.commit[:12]}: {len([f for f in p.files if not f.cached])} files, "
+        f"{p.bytes_to_get / 1e9:.2f} GB to get ({'Xet' if settings['XET'] else 'HTTPS'}, {settings['MAX_WORKERS']} workers)")
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            snapshot = Path(snapshot_download(**kwargs))
+            break
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-check: Xet can fail after every blob landed
+            left = plan(settings, env).bytes_to_get
+            if left == 0:
+                say(f"  ! the download ended with {type(exc).__name__}, but every file is complete")
+                snapshot = hfcache.repo_dir(p.cache, p.model) / "snapshots" / p.commit
+                break
+            if attempts >= 2:
+                raise DownloadError(f"download of {p.model} failed: {type(exc).__name__}: {exc}".splitlines()[0],
+                                    hint="run it again: it resumes from the .incomplete blobs") from None
+            say(f"  ! {type(exc).__name__}; {left / 1e9:.2f} GB left, retrying once (resumes)")
+    repo = hfcache.repo_dir(p.cache, p.model)
+    if p.requested != p.commit:
+        ref = repo / "refs" / p.requested
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ref.with_name(ref.name + ".tmp")
+        tmp.write_text(p.commit)
+        os.replace(tmp, ref)
+    record = {"model": p.model, "requested": p.requested, "resolved": p.commit,
+              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": len(p.files),
+              "bytes": p.bytes_total, "excluded": p.excluded}
+    tmp = repo / "flash-download.json.tmp"
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, repo / "flash-download.json")
+    return snapshot
+
+
+# --- flash setup interface ------------------------------------------------------------------
+
+def is_done(settings) -> bool:
+    """Local only (setup must not need the network to see that nothing is to do)."""
+    snap = hfcache.resolve_snapshot(settings["HF_CACHE"], settings["MODEL"], settings["REVISION"])
+    return snap is not None and not hfcache.missing_files(snap)
+
+
+def run_step(settings, dry_run: bool) -> dict:
+    from . import verify
+
+    p = plan(settings)
+    if dry_run:
+        say(f"  would download {p.model}@{p.commit[:12]}: {p.bytes_to_get / 1e9:.2f} GB of {p.bytes_total / 1e9:.2f} GB")
+        return {"action": "plan", "plan": p.as_dict()}
+    snap = execute(p, settings)
+    res = verify.structure(snap)
+    if not res.ok:
+        raise WeightsMissing(f"{snap} is not complete after the download: {res.problems[0]}",
+                             hint="run flash download again (it resumes); flash verify lists every problem")
+    say(f"  ✔ {p.model}@{p.commit[:12]} complete: {res.keys} index keys in {res.files} files")
+    return {"action": "downloaded", "snapshot": str(snap)}

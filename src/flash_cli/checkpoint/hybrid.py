@@ -1,0 +1,371 @@
+"""`flash prepare hybrid`: BF16 side layers → 128×128 block fp8 in `<snapshot>-fp8hybrid/`.
+
+Convention: docs/decisions/hybrid-convention.md (`X.weight` F8_E4M3 + `X.weight_scale_inv`
+F32 [N/128, K/128], configs unchanged). Plan first (pure data: which files are rewritten, their
+exact new sizes, the disk check), then build in `<snapshot>-fp8hybrid.partial/`, verify, write
+`.prepared`, and rename into place. Streaming: one tensor (plus a small look-ahead window of
+conversions running in worker threads) in memory at a time; untouched tensors are copied
+kernel-side. `tools/fp8_convert.py` calls `build()` directly.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import hfcache
+from ..errors import ConfigError, WeightsMissing
+from ..output import say
+from . import fp8, layout, marker, stwriter
+from .layout import CheckpointError
+
+CONVENTION = "dispatch-2d"
+PARTIAL = ".partial"
+DISK_MARGIN = 512 * 1024 * 1024
+WINDOW = 3  # conversions in flight ahead of the writer (memory: ~3 × 100 MB at most)
+
+
+@dataclass
+class Target:
+    name: str
+    shape: tuple[int, int]
+    begin: int
+    nbytes: int
+
+
+@dataclass
+class FilePlan:
+    name: str
+    source_size: int
+    new_size: int
+    entries: list  # [(stwriter.Entry, ("copy", begin) | ("weight", Target) | ("scale", Target))]
+    metadata: dict | None
+    targets: int
+
+
+@dataclass
+class Plan:
+    source: Path
+    dest: Path
+    files: list[FilePlan]
+    linked: list[str]
+    weight_map: dict[str, str]
+    index_metadata: dict
+    targets: list[str] = field(default_factory=list)
+    bytes_needed: int = 0
+    bytes_free: int = 0
+    read_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return {
+            "source": str(self.source),
+            "dest": str(self.dest),
+            "convention": CONVENTION,
+            "tensors": len(self.targets),
+            "rewrite": [{"file": f.name, "tensors": f.targets, "bytes_before": f.source_size, "bytes_after": f.new_size}
+                        for f in self.files],
+            "link": len(self.linked),
+            "bytes_needed": self.bytes_needed,
+            "bytes_free": self.bytes_free,
+        }
+
+
+def plan(source: Path, dest: Path) -> Plan:
+    """Decide everything from the index and the headers; read no tensor data."""
+    from flash_vllm.ple.header import HeaderError, read_header
+
+    source = Path(source)
+    missing = hfcache.missing_files(source)
+    if missing:
+        raise WeightsMissing(f"{source} is incomplete, missing: {', '.join(missing[:8])}"
+                             + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""),
+                             hint="finish the download first: flash download (it resumes)")
+    if hfcache.quant_method(source) == "compressed-tensors":
+        raise ConfigError(f"{source} is a compressed-tensors checkpoint; the fp8 hybrid is built from "
+                          "the ModelOpt NVFP4 exports only",
+                          hint="serve it as published: flash serve published (MODE=nvfp4)")
+    idx = layout.load_index(source)
+    weight_map: dict[str, str] = idx["weight_map"]
+    targets = sorted(k for k in weight_map if layout.SIDE_LAYER.fullmatch(k))
+    done = [k for k in targets if k + layout.SCALE_SUFFIX in weight_map]
+    if done:
+        raise CheckpointError(f"{source} already has fp8 side layers (e.g. {done[0]}{layout.SCALE_SUFFIX}); "
+                              "the hybrid is made from the exports with BF16 side layers")
+    if not targets:
+        raise CheckpointError(f"{source}: no side-layer weights (linear_attn/self_attn/shared_expert) in the index")
+    by_file = layout.files_of({k: weight_map[k] for k in targets})
+    files: list[FilePlan] = []
+    read_bytes = 0
+    for fname in sorted(by_file):
+        try:
+            header = read_header(source / fname)
+        except HeaderError as exc:
+            raise CheckpointError(f"cannot plan the hybrid: {exc}", hint="flash verify names every problem") from None
+        want = set(by_file[fname])
+        entries = []
+        ordered = sorted(header.tensors.values(), key=lambda t: t.begin)
+        for t in ordered:
+            if t.name not in want:
+                entries.append((stwriter.Entry(t.name, t.dtype, t.shape, t.nbytes), ("copy", t.begin)))
+                continue
+            if t.dtype != "BF16" or len(t.shape) != 2 or t.shape[0] % fp8.BLOCK or t.shape[1] % fp8.BLOCK:
+                raise CheckpointError(f"{fname}: {t.name} is {t.dtype} {list(t.shape)}; the hybrid needs BF16 2-D "
+                                      f"weights with both dims divisible by {fp8.BLOCK}")
+            tgt = Target(t.name, (t.shape[0], t.shape[1]), t.begin, t.nbytes)
+            read_bytes += t.nbytes
+            n, k = tgt.shape
+            entries.append((stwriter.Entry(t.name, "F8_E4M3", tgt.shape, n * k), ("weight", tgt)))
+            sshape = (n // fp8.BLOCK, k // fp8.BLOCK)
+            entries.append((stwriter.Entry(t.name + layout.SCALE_SUFFIX, "F32", sshape, sshape[0] * sshape[1] * 4),
+                            ("scale", tgt)))
+        missing_keys = want - set(header.tensors)
+        if missing_keys:
+            raise CheckpointError(f"{fname}: index key {sorted(missing_keys)[0]} is not in the file",
+                                  hint="flash verify names every problem")
+        new_size = stwriter.file_size([e for e, _ in entries], header.metadata)
+        files.append(FilePlan(fname, header.file_size, new_size, entries, header.metadata, len(want)))
+    rewritten = {f.name for f in files}
+    linked = sorted(p.name for p in source.iterdir()
+                    if not p.name.startswith(".") and p.name not in rewritten and p.name != layout.INDEX)
+    p = Plan(source, Path(dest), files, linked, weight_map, idx.get("metadata") or {}, targets, read_bytes=read_bytes)
+    index_size = (source / layout.INDEX).stat().st_size
+    p.bytes_needed = sum(f.new_size for f in files) + index_size * 2 + len(targets) * 200
+    parent = Path(dest).parent
+    p.bytes_free = shutil.disk_usage(parent if parent.exists() else source.parent).free
+    return p
+
+
+def _progress(total: int, desc: str):
+    if not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr)
+
+
+def _convert(src_fd: int, tgt: Target, with_error: bool = True) -> fp8.Converted:
+    raw = os.pread(src_fd, tgt.nbytes, tgt.begin)
+    if len(raw) != tgt.nbytes:
+        raise CheckpointError(f"short read of {tgt.name}: {len(raw)} of {tgt.nbytes} bytes")
+    return fp8.quantize_bf16(raw, tgt.shape, with_error)
+
+
+def write_file(fp: FilePlan, src_path: Path, dst_path: Path, pool: ThreadPoolExecutor, bar=None,
+               on_write=None) -> tuple[float, list[tuple[str, float]]]:
+    """Rewrite one shard. Returns (worst rel err, [(tensor, its worst rel err)])."""
+    src_fd = os.open(src_path, os.O_RDONLY)
+    writer = stwriter.Writer(dst_path, [e for e, _ in fp.entries], fp.metadata, on_write=on_write)
+    pending: deque = deque()
+    upcoming = deque(src for _, src in fp.entries if src[0] == "weight")
+    worst = 0.0
+    per_tensor: list[tuple[str, float]] = []
+    try:
+        def refill() -> None:
+            while upcoming and len(pending) < WINDOW:
+                tgt = upcoming.popleft()[1]
+                pending.append((tgt.name, pool.submit(_convert, src_fd, tgt)))
+
+        refill()
+        current = None
+        for entry, src in fp.entries:
+            if src[0] == "copy":
+                writer.copy_range(src_fd, src[1], entry.nbytes)
+            elif src[0] == "weight":
+                name, fut = pending.popleft()
+                assert name == entry.name, (name, entry.name)
+                current = fut.result()
+                refill()
+                writer.write_bytes(current.weight)
+                worst = max(worst, current.worst_rel_err)
+                per_tensor.append((entry.name, current.worst_rel_err))
+            else:
+                writer.write_bytes(current.scale)
+                current = None
+            if bar is not None:
+                bar.update(entry.nbytes)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        for _, fut in pending:
+            fut.cancel()
+        raise
+    finally:
+        os.close(src_fd)
+    os.chmod(dst_path, 0o644)
+    return worst, per_tensor
+
+
+def check_built(p: Plan, directory: Path) -> list[str]:
+    """The static gate before `.prepared`: verify + the convention holds for every target."""
+    from . import verify
+
+    res = verify.structure(directory)
+    problems = list(res.problems)
+    for name in p.targets:
+        fname = p.weight_map[name]
+        header = res.headers.get(fname)
+        if header is None:
+            continue  # already reported
+        w = header.tensors.get(name)
+        s = header.tensors.get(name + layout.SCALE_SUFFIX)
+        if w is None or w.dtype != "F8_E4M3" or s is None or s.dtype != "F32" \
+                or s.shape != (w.shape[0] // fp8.BLOCK, w.shape[1] // fp8.BLOCK):
+            problems.append(f"{fname}: {name} is not F8_E4M3 + F32 [N/128,K/128] weight_scale_inv")
+    return problems
+
+
+def build(p: Plan, on_write=None, workers: int | None = None) -> dict:
+    """Execute a plan: partial dir → verify → `.prepared` → rename. Returns the marker."""
+    dest = Path(p.dest)
+    partial = dest.with_name(dest.name + PARTIAL)
+    if partial.exists():
+        shutil.rmtree(partial)  # an interrupted earlier run: never trusted, rebuilt
+    if p.bytes_needed + DISK_MARGIN > p.bytes_free:
+        raise CheckpointError(f"not enough disk for the hybrid: need {p.bytes_needed / 1e9:.2f} GB "
+                              f"(+{DISK_MARGIN / 1e9:.1f} GB margin), {p.bytes_free / 1e9:.2f} GB free on {dest.parent}",
+                              hint="free space there, or move HF_CACHE")
+    partial.mkdir()
+    t0 = time.monotonic()
+    try:
+        for name in p.linked:
+            layout.link_relative(p.source / name, partial / name)
+        worst = 0.0
+        log = []
+        total = sum(f.new_size for f in p.files)
+        bar = _progress(total, "fp8 hybrid")
+        with ThreadPoolExecutor(max_workers=workers or min(2, os.cpu_count() or 1)) as pool:
+            for i, fp in enumerate(p.files, 1):
+                if bar is None:
+                    say(f"  [{i}/{len(p.files)}] {fp.name}: {fp.targets} tensors → fp8 ({fp.new_size / 1e9:.2f} GB)")
+                w, per = write_file(fp, p.source / fp.name, partial / fp.name, pool, bar, on_write)
+                worst = max(worst, w)
+                log.extend(per)
+        if bar is not None:
+            bar.close()
+        if worst > fp8.REL_ERR_BOUND * (1 + 1e-6):
+            raise CheckpointError(f"worst per-block relative error {worst:.4f} exceeds the e4m3 bound "
+                                  f"{fp8.REL_ERR_BOUND:.4f}: the conversion is wrong, nothing was marked prepared")
+        weight_map = dict(p.weight_map)
+        for name in p.targets:
+            weight_map[name + layout.SCALE_SUFFIX] = weight_map[name]
+        sizes = {fp.name: fp.new_size for fp in p.files}
+        total_size = 0
+        for fname in set(weight_map.values()):
+            total_size += sizes[fname] if fname in sizes else (p.source / fname).stat().st_size
+        meta = dict(p.index_metadata)
+        meta["total_size"] = total_size
+        layout.write_json_atomic(partial / layout.INDEX, {"metadata": meta, "weight_map": weight_map})
+        os.chmod(partial / layout.INDEX, 0o644)
+        with open(partial / "fp8_convert.log", "w") as f:
+            for name, err in log:
+                f.write(f"{name}\tworst_block_rel_err={err:.6f}\n")
+            f.write(f"tensors={len(log)} worst={worst:.6f} bound={fp8.REL_ERR_BOUND:.6f}\n")
+        problems = check_built(p, partial)
+        if problems:
+            raise CheckpointError(f"the built hybrid failed verification: {problems[0]}"
+                                  + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
+        for fp in p.files:  # durable before the marker claims them
+            fd = os.open(partial / fp.name, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        data = marker.write(partial, "hybrid", p.source, convention=CONVENTION, block=[fp8.BLOCK, fp8.BLOCK],
+                            tensors=len(p.targets), worst_block_rel_err=round(worst, 6),
+                            rewritten=[fp.name for fp in p.files], modules=[n[: -len(".weight")] for n in p.targets],
+                            seconds=round(time.monotonic() - t0, 1))
+        layout.fsync_dir(partial)
+        _swap_into_place(partial, dest)
+        return data
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def _swap_into_place(partial: Path, dest: Path) -> None:
+    if dest.exists() or dest.is_symlink():
+        old = dest.with_name(dest.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(dest, old)
+        os.rename(partial, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(partial, dest)
+    layout.fsync_dir(dest.parent)
+
+
+def repair_links(source: Path, dest: Path) -> list[str]:
+    """A prepared variant whose snapshot gained files (e.g. a fixed chat template): link them in."""
+    have = {p.name for p in dest.iterdir()}
+    added = []
+    for p in sorted(source.iterdir()):
+        if p.name.startswith(".") or p.name in have or p.name.endswith(".safetensors") or p.name == layout.INDEX:
+            continue
+        layout.link_relative(p, dest / p.name)
+        added.append(p.name)
+    return added
+
+
+def prepare(source: Path, dry_run: bool = False, force: bool = False) -> dict:
+    """Idempotent entry point for a snapshot dir: ready → nothing; repairable → links; else build."""
+    source = Path(source)
+    dest = hfcache.variant_dir(source, "hybrid")
+    state = hfcache.variant_state(source, "hybrid")
+    if state == "ready" and not force:
+        return {"action": "none", "state": state, "dest": str(dest)}
+    if state == "stale" and not force:
+        m = hfcache.read_marker(dest) or {}
+        if (m.get("source_revision") == source.name and m.get("format") == hfcache.VARIANT_FORMAT["hybrid"]
+                and all((dest / n).is_file() for n in [layout.INDEX, *m.get("rewritten", [])])):
+            if dry_run:
+                return {"action": "repair", "state": state, "dest": str(dest)}
+            added = repair_links(source, dest)
+            if hfcache.variant_state(source, "hybrid") == "ready":
+                return {"action": "repaired", "state": "ready", "dest": str(dest), "added": added}
+    p = plan(source, dest)
+    if dry_run:
+        return {"action": "build", "state": state, "plan": p.as_dict()}
+    data = build(p)
+    return {"action": "built", "state": "ready", "dest": str(dest), "marker": data}
+
+
+# --- flash setup interface ------------------------------------------------------------------
+
+def _snapshot(settings) -> Path:
+    snap = hfcache.resolve_snapshot(settings["HF_CACHE"], settings["MODEL"], settings["REVISION"])
+    if snap is None:
+        raise WeightsMissing(f"no snapshot of {settings['MODEL']} under {hfcache.repo_dir(settings['HF_CACHE'], settings['MODEL'])}",
+                             hint="download it first: flash download")
+    return snap
+
+
+def is_done(settings) -> bool:
+    snap = hfcache.resolve_snapshot(settings["HF_CACHE"], settings["MODEL"], settings["REVISION"])
+    return snap is not None and hfcache.variant_state(snap, "hybrid") == "ready"
+
+
+def run_step(settings, dry_run: bool) -> dict:
+    out = prepare(_snapshot(settings), dry_run=dry_run)
+    _report(out)
+    return out
+
+
+def _report(out: dict) -> None:
+    action = out["action"]
+    if action == "none":
+        say(f"  ✔ hybrid already prepared: {out['dest']}")
+    elif action in ("repair", "repaired"):
+        say(f"  ✔ hybrid {action}: {out['dest']}" + (f" (linked {', '.join(out.get('added', []))})" if out.get("added") else ""))
+    elif action == "build":
+        p = out["plan"]
+        say(f"  would build {p['dest']}: {p['tensors']} tensors in {len(p['rewrite'])} files, "
+            f"{p['bytes_needed'] / 1e9:.2f} GB needed, {p['bytes_free'] / 1e9:.2f} GB free")
+    else:
+        m = out["marker"]
+        say(f"  ✔ built {out['dest']}: {m['tensors']} tensors, worst block rel err {m['worst_block_rel_err']:.4f}, "
+            f"{m['seconds']} s")

@@ -1,0 +1,126 @@
+"""Streaming safetensors writer: header first, then each tensor's bytes in order.
+
+safetensors' own `save_file` needs every tensor in memory at once; a 10.7 GB shard must be
+written tensor by tensor. The header is the same format the Rust writer emits (JSON, padded
+with spaces to a multiple of 8, contiguous data offsets), and `flash_vllm.ple.header` plus
+`safetensors.safe_open` read it back in the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+COPY_CHUNK = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def header_bytes(entries: Iterable[Entry], metadata: dict[str, str] | None = None) -> bytes:
+    """The 8-byte length + JSON header for tensors laid out back to back in this order."""
+    obj: dict[str, object] = {}
+    if metadata:
+        obj["__metadata__"] = dict(metadata)
+    pos = 0
+    for e in entries:
+        obj[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [pos, pos + e.nbytes]}
+        pos += e.nbytes
+    raw = json.dumps(obj, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def file_size(entries: list[Entry], metadata: dict[str, str] | None = None) -> int:
+    return len(header_bytes(entries, metadata)) + sum(e.nbytes for e in entries)
+
+
+class Writer:
+    """Write one file: `write_bytes` for computed tensors, `copy_range` for untouched ones.
+
+    Checks that what was written matches the header exactly (a short tensor is a bug, not
+    a truncated file on disk), fsyncs on close. `on_write` is a test hook (fault injection).
+    """
+
+    def __init__(self, path: str | os.PathLike, entries: list[Entry], metadata: dict[str, str] | None = None,
+                 on_write: Callable[[int], None] | None = None):
+        self.path = os.fspath(path)
+        self.entries = entries
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.on_write = on_write
+        self.i = 0
+        self.left = 0
+        self._raw_write(header_bytes(entries, metadata))
+        self._next()
+
+    def _next(self) -> None:
+        while self.i < len(self.entries) and self.entries[self.i].nbytes == 0:
+            self.i += 1
+        self.left = self.entries[self.i].nbytes if self.i < len(self.entries) else 0
+
+    def _account(self, n: int) -> None:
+        if n > self.left:
+            raise RuntimeError(f"{self.path}: {n} bytes for {self.current} but only {self.left} left in it")
+        self.left -= n
+        if self.left == 0:
+            self.i += 1
+            self._next()
+
+    @property
+    def current(self) -> str:
+        return self.entries[self.i].name if self.i < len(self.entries) else "<end>"
+
+    def _raw_write(self, data) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            if self.on_write:
+                self.on_write(len(view))
+            n = os.write(self.fd, view[:COPY_CHUNK])
+            view = view[n:]
+
+    def write_bytes(self, data) -> None:
+        size = memoryview(data).nbytes
+        self._account(size)
+        self._raw_write(data)
+
+    def copy_range(self, src_fd: int, offset: int, length: int) -> None:
+        """Copy bytes [offset, offset+length) of another file (kernel copy where it can)."""
+        self._account(length)
+        end = offset + length
+        while offset < end:
+            n = min(COPY_CHUNK, end - offset)
+            if self.on_write:
+                self.on_write(n)
+            try:
+                done = os.copy_file_range(src_fd, self.fd, n, offset)
+            except OSError:
+                done = 0
+            if done <= 0:  # not supported here (or a hole the kernel refuses): plain read/write
+                chunk = os.pread(src_fd, n, offset)
+                if len(chunk) != n:
+                    raise OSError(f"short read at {offset} in the source of {self.current}")
+                os.write(self.fd, chunk)
+                done = n
+            offset += done
+
+    def close(self) -> None:
+        try:
+            if self.i < len(self.entries):
+                raise RuntimeError(f"{self.path}: closed before {self.current} was written")
+            os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+
+    def abort(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
