@@ -14,7 +14,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    # KEY=VALUE words may follow options (`serve default --dry-run MTP=3`): argparse stops
+    # collecting a nargs="*" positional at the first option, so fold the rest back in here.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if hasattr(args, "recipe") and not any(e.startswith("-") for e in extra):
+            args.recipe = [*args.recipe, *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args) or 0)
     except FlashError as err:

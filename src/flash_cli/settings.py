@@ -245,6 +245,8 @@ SETTINGS: tuple[Setting, ...] = (
     S("TIMEOUT", "int", 1800, "`flash wait`: seconds before giving up.", "flash wait", minimum=1),
     S("DRAIN_TIMEOUT", "int", 60, "`flash stop`: seconds to wait for running requests to finish.",
       "flash stop", minimum=0, maximum=3600),
+    S("PAGE_CACHE_MIN", "size", 6 * 1024**3, "`flash plan`/`doctor`: warn when the memory left to the page cache "
+      "for the 47.7 GiB PLE table is below this.", "flash plan, flash doctor (warning threshold)"),
     # --- gates, benchmarks, monitoring (flash test / probe / bench / monitor) ----------------------
     S("TEST_MIN_PREFILL_TPS", "float", 200.0, "`flash test` prefill: cold prompt tokens/s below this fail "
       "(a healthy Spark does ~2,000; this catches a swapping or misconfigured box).", "flash test", minimum=0),

@@ -1,0 +1,68 @@
+"""`flash plan [PROFILE] [K=V…] [--hardware gb10|…] [--json]`: the memory budget before a boot.
+
+Weights by component (checkpoint headers when the snapshot is on disk), the KV pool as vLLM's
+hybrid allocator will lay it out, the tokens the boot log will print, the concurrency at CTX and
+what is left to the host and to the page cache for the PLE table. Exit 1 when the recipe cannot
+fit (the same findings `flash doctor` prints).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .. import recipe
+from ..output import print_json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="predict the KV pool, concurrency and host headroom before a boot",
+                       description=__doc__.split("\n\n")[0])
+    recipe.add_arguments(p)
+    p.add_argument("--hardware", metavar="NAME", help="plan for a preset (gb10, h200, rtx-pro-6000) instead of "
+                   "detecting this machine")
+    p.add_argument("--no-snapshot", action="store_true", help="ignore the checkpoint on disk; plan from the geometry")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import plan as planner
+    from ..plan import hardware
+
+    if args.hardware:
+        hw, how = hardware.preset(args.hardware), f"preset {args.hardware}"
+    else:
+        hw, how = hardware.detect()
+    r = recipe.load(args.recipe)
+    result = planner.build(r.settings, hw, snapshot=None if args.no_snapshot else True, hw_how=how)
+    result["profile"] = r.profile.name
+    failed = any(level == "fail" for level, _ in result["findings"])
+    if args.json:
+        result["findings"] = [{"level": level, "text": text} for level, text in result["findings"]]
+        print_json(result)
+        return 1 if failed else 0
+    print(render(result))
+    return 1 if failed else 0
+
+
+def render(p: dict) -> str:
+    b, lay, host = p["budget"], p["kv_layout"], p["host"]
+    lo, hi = p["kv_cache_tokens_range"]
+    lines = [
+        f"plan: profile '{p['profile']}' on {p['hardware']['name']} ({p['hardware']['how']})",
+        f"  KV pool        ~{p['kv_cache_tokens']:,} tokens (expected {lo:,}–{hi:,}), {p['kv_cache_gib']} GiB",
+        f"  concurrency    {p['max_concurrency']:.2f} requests of CTX={p['max_concurrency_at']:,} "
+        f"({p['one_request_at_ctx_gib']} GiB each)",
+        f"  per token      {p['kv_bytes_per_token']:,.0f} B of KV (block {lay['block_size']} tokens, "
+        f"{lay['bytes_per_block']:,} B per block)",
+        f"  budget         GPU_MEM={b['gpu_mem']} → {b['requested_gib']} GiB = weights {b['weights_gib']} + activations "
+        f"{b['activations_gib']} + top-k buffers {b['topk_buffers_gib']} + runtime {b['runtime_overhead_gib']} + KV {b['kv_cache_gib']}",
+        "  weights        " + ", ".join(f"{k} {v}" for k, v in p["weights"]["gib"].items()),
+    ]
+    if host.get("page_cache_for_ple_gib") is not None:
+        lines.append(f"  host           {host['page_cache_for_ple_gib']} GiB left to the page cache for the "
+                     f"{host['ple_table_gib']} GiB PLE table ({host['ple_table_cached_fraction']:.0%} of it)")
+    for level, text in p["findings"]:
+        lines.append(f"  [{level}] {text}")
+    lines.append("  assumptions: " + "; ".join(p["assumptions"]))
+    return "\n".join(lines)

@@ -1,0 +1,271 @@
+"""`flash plan`: the memory budget before a ten-minute boot.
+
+    budget   = device_total × GPU_MEM                         (vllm/v1/worker/utils.py::request_memory)
+    non-KV   = weights + top-k buffers + activations(BATCHED_TOKENS) + runtime overhead (calibrated)
+    KV bytes = KV_CACHE_MEM if set, else budget − non-KV        (gpu_worker.determine_available_memory)
+    tokens   = kvcache.layout(...).tokens(KV bytes)             (what "GPU KV cache size" prints)
+    host     = MemTotal − vLLM's claim − OS reserve − vLLM's pre-snapshot processes → page cache
+
+Everything but the runtime overhead is derived from the geometry, the checkpoint headers and
+vLLM's source; the overhead is fitted once on the published default-recipe pool (calibration.py)
+and every other published figure is a check. docs/PLAN.md has the derivation and the table.
+
+Public API (doctor and status use these): `build(settings, hardware, snapshot=...)`,
+`doctor_findings(settings)`, `status_comparison(settings, kv_log_line)`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+from . import geometry as geometry_mod
+from . import hardware as hardware_mod
+from . import kvcache, weights as weights_mod
+from .calibration import OVERHEAD_BAND, RUNTIME_OVERHEAD
+from .hardware import GIB, Hardware
+
+PLE_TABLE_NOTE = "PLE table: mmapped from the checkpoint by the plugin (patch 1), 0 bytes on the GPU; it lives in the page cache"
+
+
+def _gib(x: float | int | None) -> float | None:
+    return None if x is None else round(x / GIB, 3)
+
+
+def activation_bytes(g: geometry_mod.Geometry, batched_tokens: int) -> int:
+    """Transient peak of the profile run (a BATCHED_TOKENS-token prefill), estimated from the
+    largest tensors alive together: the HC streams (in, out, mix), one MoE layer's top-k
+    intermediates (w13 out, activation, down out) and the QSA projections; plus the QSA
+    logits workspace (`_LOGITS_WORKSPACE_BYTES`, 128 MiB). An estimate: its error at 8192 tokens
+    is absorbed by the calibrated overhead, it only sets how the budget moves with BATCHED_TOKENS."""
+    hc = 3 * g.hc_width * 2
+    moe = g.num_experts_per_tok * (3 * g.moe_intermediate_size + g.hidden_size) * 2
+    qsa = (2 * g.num_attention_heads * g.head_dim + 2 * g.num_key_value_heads * g.head_dim
+           + (g.indexer_n_heads + g.indexer_kv_heads) * g.indexer_head_dim) * 2
+    return batched_tokens * (hc + moe + qsa) + 128 * 1024**2
+
+
+def topk_buffer_bytes(g: geometry_mod.Geometry, batched_tokens: int, qsa_layers: int) -> int:
+    """`Qwen4ExpQSAAttention.topk_indices_buffer`: int32 [max_num_batched_tokens,
+    budget + ratio] per QSA layer (drafter included), allocated at model init."""
+    return qsa_layers * batched_tokens * (g.indexer_budget + g.indexer_compress_ratio) * 4
+
+
+def _vision_loaded(extra: str | None) -> bool:
+    try:
+        words = shlex.split(extra or "")
+    except ValueError:
+        words = []
+    return "--language-model-only" not in words
+
+
+def served_dir(settings, snapshot: Path | None) -> tuple[Path | None, bool]:
+    """(directory whose headers describe what vLLM loads, whether it is the prepared variant)."""
+    if snapshot is None:
+        return None, False
+    from .. import hfcache
+
+    mode = settings["MODE"]
+    if mode == "nvfp4":
+        return snapshot, True
+    variant = hfcache.variant_dir(snapshot, mode)
+    if (variant / "model.safetensors.index.json").is_file() and hfcache.read_marker(variant) is not None:
+        return variant, True
+    return snapshot, False
+
+
+def resolve_snapshot(settings) -> Path | None:
+    from .. import hfcache
+
+    return hfcache.resolve_snapshot(Path(os.path.expanduser(settings["HF_CACHE"])), settings["MODEL"],
+                                    settings["REVISION"])
+
+
+def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how: str = "") -> dict[str, Any]:
+    """The plan as plain data. `snapshot=True` looks the checkpoint up in HF_CACHE, a Path uses
+    it, None/False plans from the known geometry."""
+    s = settings
+    assumptions: list[str] = []
+    if snapshot is True:
+        snapshot = resolve_snapshot(s)
+    snapshot = snapshot or None
+    geom = geometry_mod.REAL
+    if snapshot is not None and (snapshot / "config.json").is_file():
+        try:
+            geom = geometry_mod.from_config(snapshot / "config.json")
+            assumptions.append(f"geometry from {snapshot / 'config.json'}")
+        except (OSError, ValueError) as exc:
+            assumptions.append(f"config.json unreadable ({exc}); geometry of the published checkpoint")
+    else:
+        assumptions.append("geometry of the published checkpoint (model-and-checkpoints.md §1); no snapshot on disk")
+
+    base, mtp, mode = s["BASE"], s["MTP"], s["MODE"]
+    vision = _vision_loaded(s["EXTRA"])
+    draft_vocab = s["DRAFT_VOCAB"] != "0"
+    kind = weights_mod.checkpoint_kind(s["MODEL"])
+    w = None
+    directory, prepared = served_dir(s, snapshot)
+    if directory is not None:
+        try:
+            w = weights_mod.from_headers(directory, geom, mode=mode, mtp=mtp, draft_vocab=draft_vocab,
+                                         vision=vision, prepared=prepared)
+        except (OSError, ValueError) as exc:
+            assumptions.append(f"checkpoint headers unreadable ({exc}); weights from the geometry")
+    if w is None:
+        w = weights_mod.geometry_estimate(geom, checkpoint=kind, mode=mode, mtp=mtp, draft_vocab=draft_vocab,
+                                          vision=vision)
+        assumptions.append(f"weights from the geometry for a {kind} checkpoint in MODE={mode}")
+    assumptions += w.notes
+    assumptions.append(PLE_TABLE_NOTE)
+    if not vision:
+        assumptions.append("vision tower not loaded (--language-model-only in EXTRA)")
+    if mtp and draft_vocab:
+        assumptions.append("reduced draft head: a private 65,536-row bf16 slice of lm_head (320 MiB)")
+
+    lay = kvcache.layout(geom, base=base, kv_dtype=s["KV_DTYPE"], mtp=mtp, prefix_cache=s["PREFIX_CACHE"],
+                         max_model_len=s["CTX"], flashinfer_gdn=hw.flashinfer_gdn)
+    assumptions += lay.notes
+    qsa_layers = geom.qsa_layers + (geom.mtp_num_hidden_layers if mtp else 0)
+    batched = s["BATCHED_TOKENS"]
+    act = activation_bytes(geom, batched)
+    topk = topk_buffer_bytes(geom, batched, qsa_layers)
+    overhead = RUNTIME_OVERHEAD
+    requested = -(-int(hw.device_total * s["GPU_MEM"] * 1000) // 1000)  # math.ceil(total × util)
+    non_kv = w.total + act + topk + overhead
+    if s["KV_CACHE_MEM"]:
+        kv_bytes = int(s["KV_CACHE_MEM"])
+        claim = non_kv + kv_bytes
+        assumptions.append("KV_CACHE_MEM set: vLLM skips the profiling budget and takes it as the KV size")
+        band = (kv_bytes, kv_bytes)
+    else:
+        kv_bytes = requested - non_kv
+        claim = requested
+        band = (kv_bytes - OVERHEAD_BAND, kv_bytes + OVERHEAD_BAND)
+    tokens = lay.tokens(kv_bytes)
+    conc = lay.concurrency(kv_bytes)
+    one_request = lay.bytes_for_requests(1, s["CTX"])
+
+    host: dict[str, Any] = {"unified_memory": hw.unified}
+    table = geom.ple_table_bytes
+    page_cache = None
+    if hw.unified and hw.host_total:
+        page_cache = hw.host_total - claim - hw.host_reserve - hw.vllm_baseline
+        host.update(host_total_gib=_gib(hw.host_total), vllm_claim_gib=_gib(claim),
+                    os_reserve_gib=_gib(hw.host_reserve), vllm_pre_snapshot_gib=_gib(hw.vllm_baseline))
+    elif hw.host_total:
+        page_cache = hw.host_total - hw.host_reserve - 6 * GIB
+        host.update(host_total_gib=_gib(hw.host_total), note="discrete GPU: the host pool is separate from vLLM's budget")
+    host.update(page_cache_for_ple_gib=_gib(page_cache), ple_table_gib=_gib(table),
+                ple_table_cached_fraction=None if page_cache is None else round(max(page_cache, 0) / table, 3))
+    if hw.unified:
+        assumptions.append(f"host: OS + Docker reserve {_gib(hw.host_reserve)} GiB and vLLM's processes before its "
+                           f"first memory snapshot {_gib(hw.vllm_baseline)} GiB are outside GPU_MEM (assumed)")
+    assumptions.append(f"runtime overhead {_gib(overhead)} GiB (CUDA context, graphs, non-torch buffers): fitted on the "
+                       f"published default-recipe pool; boot-to-boot spread ±{_gib(OVERHEAD_BAND)} GiB")
+    if base in ("v0.30", "v0.31", "v0.32", "v0.33"):
+        assumptions.append(f"accounting of {base}: same allocator path as 0.29 except where noted; the overhead "
+                           "was fitted on pools measured with the 0.29-era image")
+
+    plan = {
+        "profile": getattr(s, "profile_name", None),
+        "hardware": {"name": hw.name, "desc": hw.desc, "how": hw_how or ("preset" if not hw.detected else "detected"),
+                     "device_total_gib": _gib(hw.device_total), "unified_memory": hw.unified, "sm": hw.sm},
+        "recipe": {k: s[k] for k in ("MODEL", "MODE", "BASE", "CTX", "MTP", "KV_DTYPE", "GPU_MEM", "KV_CACHE_MEM",
+                                      "SEQS", "BATCHED_TOKENS", "PREFIX_CACHE", "DRAFT_VOCAB")},
+        "kv_cache_tokens": tokens,
+        "kv_cache_tokens_range": [lay.tokens(band[0]), lay.tokens(band[1])],
+        "kv_bytes_per_token": round(lay.bytes_per_token(), 1),
+        "kv_bytes_per_token_effective": round(kv_bytes / tokens, 1) if tokens > 0 else None,
+        "kv_cache_gib": _gib(kv_bytes),
+        "weights_gib": _gib(w.total),
+        "max_concurrency": round(conc, 3),
+        "max_concurrency_at": s["CTX"],
+        "one_request_at_ctx_gib": _gib(one_request),
+        "fits": kv_bytes > 0 and conc >= 1 and (page_cache is None or page_cache >= 0),
+        "weights": {"source": w.source, "gib": {k: _gib(v) for k, v in w.components.items() if v},
+                    "checkpoint_on_disk_gib": {k: _gib(v) for k, v in w.on_disk.items() if v}},
+        "budget": {"gpu_mem": s["GPU_MEM"], "requested_gib": _gib(requested), "weights_gib": _gib(w.total),
+                   "activations_gib": _gib(act), "topk_buffers_gib": _gib(topk), "runtime_overhead_gib": _gib(overhead),
+                   "non_kv_gib": _gib(non_kv), "kv_cache_gib": _gib(kv_bytes), "kv_cache_mem_set": bool(s["KV_CACHE_MEM"])},
+        "kv_layout": {
+            "accounting": f"vLLM {base} hybrid allocator (packed block-outermost groups)",
+            "block_size": lay.block_size, "attention_page_bytes_per_token": lay.attn_page_per_token,
+            "mamba_page_bytes": lay.mamba_page_unpadded, "padded_page_bytes": lay.block_size * lay.attn_page_per_token,
+            "ring_capacity": lay.ring_capacity, "kv_dtype_bytes": lay.kv_dtype_bytes,
+            "groups": [{"layers": g.describe(), "bytes_per_block": g.bytes,
+                        "blocks_per_request": g.blocks_per_request(s["CTX"])} for g in lay.groups],
+            "bytes_per_block": lay.bytes_per_block, "blocks_per_request_at_ctx": lay.blocks_per_request,
+            "num_blocks": lay.num_blocks(kv_bytes),
+        },
+        "host": host,
+        "assumptions": assumptions,
+    }
+    plan["findings"] = findings(plan, s, hw)
+    return plan
+
+
+def findings(plan: dict, s, hw: Hardware) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    b, tokens, conc = plan["budget"], plan["kv_cache_tokens"], plan["max_concurrency"]
+    if b["kv_cache_gib"] <= 0:
+        out.append(("fail", f"cannot fit: weights {b['weights_gib']} GiB + runtime {round(b['non_kv_gib'] - b['weights_gib'], 2)} GiB "
+                            f"exceed the GPU_MEM={s['GPU_MEM']} budget of {b['requested_gib']} GiB; raise GPU_MEM or use MODE=hybrid"))
+    elif conc < 1:
+        out.append(("fail", f"cannot fit one CTX={s['CTX']} request: it needs {plan['one_request_at_ctx_gib']} GiB of KV, the pool "
+                            f"has {b['kv_cache_gib']} GiB (~{tokens:,} tokens); vLLM refuses to start. Lower CTX, raise GPU_MEM "
+                            "or use KV_DTYPE=fp8_e4m3"))
+    host = plan["host"]
+    pc = host.get("page_cache_for_ple_gib")
+    if pc is not None and pc < 0:
+        out.append(("fail", f"vLLM's claim ({host.get('vllm_claim_gib')} GiB) plus the OS leaves {pc} GiB of the "
+                            f"{host.get('host_total_gib')} GiB pool: the host will swap; lower GPU_MEM or KV_CACHE_MEM"))
+    elif pc is not None:
+        minimum = s["PAGE_CACHE_MIN"] / GIB
+        if pc < minimum:
+            out.append(("warn", f"only {pc} GiB of page cache is left for the {host['ple_table_gib']} GiB PLE table "
+                                f"(PAGE_CACHE_MIN={round(minimum, 1)} GiB): prefill will fault on the disk; lower GPU_MEM"))
+    if hw.host_available is not None and hw.unified and not s["KV_CACHE_MEM"] and b["requested_gib"] * GIB > hw.host_available:
+        out.append(("fail", f"GPU_MEM={s['GPU_MEM']} asks for {b['requested_gib']} GiB but only "
+                            f"{_gib(hw.host_available)} GiB is available now: vLLM refuses at start; free memory or lower GPU_MEM"))
+    if s["KV_DTYPE"].startswith("fp8") and kvcache.base_minor(s["BASE"]) < 33:
+        out.append(("warn", f"KV_DTYPE={s['KV_DTYPE']} on BASE={s['BASE']}: vLLM rejects fp8 KV on the QSA path before 0.33 "
+                            "unless the image carries the fp8-KV patch"))
+    if conc >= 1 and s["SEQS"] > conc:
+        out.append(("info", f"the pool holds {conc:.2f} requests of CTX={s['CTX']:,} tokens; SEQS={s['SEQS']} only runs "
+                            "concurrently for shorter requests"))
+    if not any(level == "fail" for level, _ in out):
+        out.append(("ok", f"memory plan: KV pool ~{tokens:,} tokens ({conc:.2f}× CTX), weights {plan['weights_gib']} GiB"
+                          + (f", {pc} GiB of page cache for the PLE table" if pc is not None else "")))
+    return out
+
+
+def doctor_findings(settings, hw: Hardware | None = None) -> list[tuple[str, str]]:
+    """(level, text) for `flash doctor`: levels ok / warn / fail / info."""
+    if hw is None:
+        hw, _ = hardware_mod.detect()
+    return build(settings, hw)["findings"]
+
+
+_KV_LINE = re.compile(r"KV cache size:\s*([\d,]+)\s*tokens")
+
+
+def status_comparison(settings, kv_log_line: str, hw: Hardware | None = None) -> str:
+    """The boot log's "GPU KV cache size: N tokens" next to the prediction, with the error."""
+    if hw is None:
+        hw, _ = hardware_mod.detect()
+    plan = build(settings, hw)
+    predicted = plan["kv_cache_tokens"]
+    m = _KV_LINE.search(kv_log_line or "")
+    if not m:
+        return f"KV pool: predicted {predicted:,} tokens (no 'GPU KV cache size' line in the log yet)"
+    measured = int(m.group(1).replace(",", ""))
+    if measured == 0:
+        return f"KV pool: measured 0 tokens, predicted {predicted:,}"
+    err = (predicted - measured) / measured * 100
+    lo, hi = plan["kv_cache_tokens_range"]
+    inside = "inside" if lo <= measured <= hi else "outside"
+    return (f"KV pool: measured {measured:,} tokens, predicted {predicted:,} ({err:+.1f}%; "
+            f"{inside} the expected {lo:,}–{hi:,})")

@@ -1,0 +1,161 @@
+"""`flash plan` contract, hardware presets and detection, and the doctor/status hooks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flash_cli.__main__ import main
+from flash_cli.plan import build, doctor_findings, status_comparison
+from flash_cli.plan import hardware as H
+from flash_cli.settings import resolve
+
+GB10 = H.PRESETS["gb10"]
+REQUIRED = {"kv_cache_tokens", "kv_bytes_per_token", "weights_gib", "max_concurrency", "weights", "kv_layout",
+            "budget", "host", "assumptions", "findings"}
+
+
+def run_json(capsys, *argv):
+    rc = main(["plan", *argv, "--json"])
+    out = capsys.readouterr().out
+    return rc, json.loads(out)  # the whole stdout is ONE object
+
+
+def plan(**values):
+    return build(resolve(None, None, {k: str(v) for k, v in values.items()}), GB10, snapshot=None)
+
+
+def test_json_contract(capsys):
+    rc, obj = run_json(capsys, "default", "--hardware", "gb10")
+    assert rc == 0 and REQUIRED <= obj.keys()
+    assert obj["profile"] == "default" and obj["hardware"]["name"] == "gb10"
+    assert isinstance(obj["kv_cache_tokens"], int) and obj["kv_cache_tokens"] > 100_000
+    lo, hi = obj["kv_cache_tokens_range"]
+    assert lo <= obj["kv_cache_tokens"] <= hi
+    b = obj["budget"]
+    parts = b["weights_gib"] + b["activations_gib"] + b["topk_buffers_gib"] + b["runtime_overhead_gib"] + b["kv_cache_gib"]
+    assert parts == pytest.approx(b["requested_gib"], abs=0.01)
+    assert obj["weights_gib"] == pytest.approx(sum(obj["weights"]["gib"].values()), abs=0.01)
+    assert all(f["level"] in ("ok", "warn", "fail", "info") for f in obj["findings"])
+
+
+def test_first_word_with_equals_means_default_profile(capsys):
+    _, obj = run_json(capsys, "GPU_MEM=0.7", "--hardware", "gb10")
+    assert obj["profile"] == "default" and obj["recipe"]["GPU_MEM"] == 0.7
+
+
+def test_bad_hardware_exits_2_naming_the_presets(capsys):
+    assert main(["plan", "--hardware", "tpu-v9"]) == 2
+    err = capsys.readouterr().err
+    assert "tpu-v9" in err and all(name in err for name in H.PRESETS)
+
+
+def test_bad_setting_exits_2(capsys):
+    assert main(["plan", "default", "GPU_MEM=2", "--hardware", "gb10"]) == 2
+
+
+def test_human_output_names_the_pool(capsys):
+    assert main(["plan", "native", "--hardware", "gb10"]) == 0
+    out = capsys.readouterr().out
+    assert "KV pool" in out and "page cache" in out
+
+
+def test_monotonic_in_gpu_mem():
+    toks = [plan(GPU_MEM=g, CTX=500000, YARN=1, MODE="hybrid")["kv_cache_tokens"] for g in (0.7, 0.75, 0.8, 0.85)]
+    assert toks == sorted(toks) and len(set(toks)) == 4
+
+
+def test_fp8_kv_about_1_9x():
+    bf16 = plan(CTX=1000000, YARN=1, MODE="hybrid")["kv_cache_tokens"]
+    fp8 = plan(CTX=1000000, YARN=1, MODE="hybrid", KV_DTYPE="fp8_e4m3")["kv_cache_tokens"]
+    assert 1.8 <= fp8 / bf16 <= 2.0
+
+
+def test_mtp_adds_the_drafter_layer_and_its_weights():
+    off, on = plan(MTP=0, MODE="hybrid"), plan(MTP=2, MODE="hybrid")
+    assert on["kv_bytes_per_token"] - off["kv_bytes_per_token"] == 2048 + 64
+    assert on["weights_gib"] > off["weights_gib"]
+    assert on["kv_cache_tokens"] < off["kv_cache_tokens"]
+
+
+def test_kv_cache_mem_replaces_the_budget():
+    p = plan(KV_CACHE_MEM="10G", MODE="hybrid")
+    assert p["kv_cache_gib"] == 10.0 and p["budget"]["kv_cache_mem_set"]
+    assert p["kv_cache_tokens_range"][0] == p["kv_cache_tokens_range"][1]
+    assert plan(KV_CACHE_MEM="20G", MODE="hybrid")["kv_cache_tokens"] > p["kv_cache_tokens"]
+
+
+def test_more_batched_tokens_less_kv():
+    assert plan(BATCHED_TOKENS=16384)["kv_cache_tokens"] < plan(BATCHED_TOKENS=4096)["kv_cache_tokens"]
+
+
+def levels(findings):
+    return [level for level, _ in findings]
+
+
+def test_doctor_refuses_what_cannot_fit():
+    s = resolve(None, None, {"GPU_MEM": "0.6"})
+    found = doctor_findings(s, GB10)
+    assert "fail" in levels(found) and any("cannot fit" in t for _, t in found)
+    s = resolve(None, None, {"GPU_MEM": "0.7", "CTX": "1048576", "YARN": "1"})
+    assert any("one CTX=1048576 request" in t for lvl, t in doctor_findings(s, GB10) if lvl == "fail")
+
+
+def test_doctor_warns_when_page_cache_is_thin_and_fails_on_swap():
+    thin = doctor_findings(resolve(None, None, {"GPU_MEM": "0.88"}), GB10)
+    assert any(lvl == "warn" and "page cache" in t for lvl, t in thin) and "fail" not in levels(thin)
+    swap = doctor_findings(resolve(None, None, {"GPU_MEM": "0.95"}), GB10)
+    assert any(lvl == "fail" and "swap" in t for lvl, t in swap)
+    ok = doctor_findings(resolve(None, None, {"GPU_MEM": "0.8"}), GB10)
+    assert levels(ok)[-1] == "ok"
+
+
+def test_doctor_fails_when_memory_is_not_available_now():
+    hw, _ = H.detect(meminfo={"MemTotal": 128_501_256_192, "MemAvailable": 80 * 1024**3},
+                     gpus=[("NVIDIA GB10", "[N/A]", "12.1")], probe=False)
+    found = doctor_findings(resolve(None, None, {}), hw)
+    assert any(lvl == "fail" and "available now" in t for lvl, t in found)
+
+
+def test_status_comparison_reports_the_error():
+    s = resolve(None, None, {"MODE": "hybrid", "CTX": "500000", "YARN": "1"})
+    predicted = build(s, GB10, snapshot=None)["kv_cache_tokens"]
+    line = "(EngineCore pid=7) INFO 09-14 kv_cache_utils.py:2033] GPU KV cache size: 650,000 tokens, Maximum concurrency ..."
+    text = status_comparison(s, line, GB10)
+    assert "measured 650,000" in text and f"predicted {predicted:,}" in text
+    assert f"{(predicted - 650_000) / 650_000 * 100:+.1f}%" in text
+    assert "no 'GPU KV cache size' line" in status_comparison(s, "", GB10)
+
+
+def test_detection_gb10_from_meminfo(tmp_path):
+    p = tmp_path / "meminfo"
+    p.write_text("MemTotal:       125489508 kB\nMemFree:        1000 kB\nMemAvailable:   100000000 kB\n")
+    info = H.read_meminfo(p)
+    hw, how = H.detect(meminfo=info, gpus=[("NVIDIA GB10", "[N/A]", "12.1")], probe=False)
+    assert hw.name == "gb10" and hw.detected and hw.host_total == 125489508 * 1024
+    assert hw.host_available == 100000000 * 1024 and "GB10" in how
+
+
+def test_detection_discrete_and_none():
+    hw, _ = H.detect(meminfo={"MemTotal": 2 * 1024**4}, gpus=[("NVIDIA H200", "143771", "9.0")], probe=False)
+    assert hw.name == "h200" and not hw.unified and hw.host_total == 2 * 1024**4
+    hw, how = H.detect(meminfo={}, gpus=None, probe=False)
+    assert hw.name == "gb10" and not hw.detected and "--hardware" in how
+
+
+def test_planned_from_headers_when_the_snapshot_is_there(tmp_path, monkeypatch):
+    from test_plan_weights import make_snapshot
+
+    repo = tmp_path / "hf" / "hub" / "models--nvidia--Qwen3.8-Flash-Next-NVFP4"
+    commit = "a" * 40
+    (repo / "snapshots").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    snap = make_snapshot(repo / "snapshots")
+    snap.rename(repo / "snapshots" / commit)
+    s = resolve(None, None, {"HF_CACHE": str(tmp_path / "hf"), "MODE": "nvfp4"})
+    p = build(s, GB10)
+    assert p["weights"]["source"] == f"headers:{repo / 'snapshots' / commit}"
+    # the synthetic checkpoint is tiny: what is left is the 320 MiB draft-head slice vLLM allocates
+    assert p["weights_gib"] == pytest.approx(0.3125, abs=0.001)
