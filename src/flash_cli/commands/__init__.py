@@ -26,7 +26,6 @@ COMMANDS: tuple[str, ...] = (
     "test",
     "monitor",
     "probe",
-    "probe",
 )
 
 
