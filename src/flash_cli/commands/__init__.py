@@ -26,6 +26,7 @@ COMMANDS: tuple[str, ...] = (
     "test",
     "monitor",
     "probe",
+    "plan",
 )
 
 
@@ -47,6 +48,7 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "start": ("lifecycle", "start the stopped server container again", ()),
     "rm": ("lifecycle", "remove the server container (caches and keys are kept)", ("down",)),
     "profiles": ("profiles", "list the recipes (profiles/*.env); `show NAME` for one", ()),
+    "plan": ("plan", "predict the KV pool, concurrency and host headroom before a boot", ()),
 }
 
 
