@@ -1,0 +1,205 @@
+"""fp8 hybrid on tiny layout-faithful checkpoints (both layouts, real data, real HF cache layout)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fakes import ckpt
+from flash_cli import hfcache
+from flash_cli.checkpoint import fp8, hybrid, layout, verify
+from flash_cli.errors import ConfigError, WeightsMissing
+from flash_vllm.ple.header import read_header
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(params=["radixark", "nvidia"])
+def snap(request, tmp_path):
+    return ckpt.write_snapshot(tmp_path / "hf", request.param)
+
+
+def _raw(path: Path, name: str, header=None) -> bytes:
+    t = (header or read_header(path)).tensors[name]
+    with open(path, "rb") as f:
+        f.seek(t.begin)
+        return f.read(t.nbytes)
+
+
+def test_build_layout_values_and_marker(snap):
+    out = hybrid.prepare(snap)
+    assert out["action"] == "built"
+    var = hfcache.variant_dir(snap, "hybrid")
+    marker = json.loads((var / ".prepared").read_text())
+    idx = json.loads((snap / layout.INDEX).read_text())["weight_map"]
+    targets = sorted(k for k in idx if layout.SIDE_LAYER.fullmatch(k))
+    assert marker["tensors"] == len(targets) == 52  # 6 GDN×3 + 2 QSA×5 + 8 shared×3 in the tiny model
+    assert marker["source_revision"] == snap.name and marker["convention"] == "dispatch-2d"
+    assert 0 < marker["worst_block_rel_err"] <= fp8.REL_ERR_BOUND * (1 + 1e-5)
+    rewritten = set(marker["rewritten"])
+    assert rewritten == {idx[t] for t in targets}
+    for p in var.iterdir():
+        if p.name in rewritten or p.name in (layout.INDEX, ".prepared", "fp8_convert.log"):
+            assert not p.is_symlink() and oct(p.stat().st_mode & 0o777) == "0o644"
+        else:  # relative link into the cache's blobs, same target as the snapshot's
+            assert p.is_symlink() and not os.path.isabs(os.readlink(p))
+            assert os.path.realpath(p) == os.path.realpath(snap / p.name)
+    new_idx = json.loads((var / layout.INDEX).read_text())
+    assert set(new_idx["weight_map"]) == set(idx) | {t + "_scale_inv" for t in targets}
+    assert new_idx["metadata"]["total_size"] == sum((var / f).stat().st_size for f in set(new_idx["weight_map"].values()))
+    # every target: the exact quantization of its source bytes; everything else byte-identical
+    for fname in rewritten:
+        src, dst = snap / fname, var / fname
+        hs, hd = read_header(src), read_header(dst)
+        for name, t in hs.tensors.items():
+            if name in targets:
+                conv = fp8.quantize_bf16(_raw(src, name, hs), t.shape)
+                assert hd.tensors[name].dtype == "F8_E4M3" and hd.tensors[name].shape == t.shape
+                assert _raw(dst, name, hd) == conv.weight
+                s = hd.tensors[name + "_scale_inv"]
+                assert s.dtype == "F32" and s.shape == (t.shape[0] // 128, t.shape[1] // 128)
+                assert _raw(dst, name + "_scale_inv", hd) == conv.scale
+            else:
+                assert _raw(dst, name, hd) == _raw(src, name, hs)
+        assert hd.metadata == hs.metadata
+    # the safetensors library reads what we wrote (non-F8 tensors by value)
+    from safetensors import safe_open
+
+    for fname in rewritten:
+        with safe_open(str(var / fname), "np") as f:
+            keys = set(f.keys())
+            scale_key = next(k for k in keys if k.endswith("_scale_inv"))
+            assert f.get_tensor(scale_key).dtype == np.float32
+    assert verify.structure(var).ok
+    assert hfcache.variant_state(snap, "hybrid") == "ready"
+
+
+def test_second_run_is_a_noop_and_fast(snap):
+    hybrid.prepare(snap)
+    var = hfcache.variant_dir(snap, "hybrid")
+    before = {p.name: p.stat().st_mtime_ns for p in var.iterdir() if not p.is_symlink()}
+    t0 = time.monotonic()
+    assert hybrid.prepare(snap)["action"] == "none"
+    assert time.monotonic() - t0 < 2
+    assert before == {p.name: p.stat().st_mtime_ns for p in var.iterdir() if not p.is_symlink()}
+
+
+def test_dry_run_plans_exact_sizes_and_writes_nothing(snap):
+    out = hybrid.prepare(snap, dry_run=True)
+    assert out["action"] == "build"
+    assert not hfcache.variant_dir(snap, "hybrid").exists()
+    plan = out["plan"]
+    hybrid.prepare(snap)
+    var = hfcache.variant_dir(snap, "hybrid")
+    for r in plan["rewrite"]:
+        assert (var / r["file"]).stat().st_size == r["bytes_after"]
+
+
+def test_refuses_incomplete_snapshot_naming_files(tmp_path):
+    snap = ckpt.write_snapshot(tmp_path / "hf", "radixark")
+    os.unlink(os.path.realpath(snap / "model-bf16-00011.safetensors"))
+    (snap / "chat_template.jinja").unlink()
+    with pytest.raises(WeightsMissing) as err:
+        hybrid.prepare(snap)
+    assert "chat_template.jinja" in str(err.value) and "model-bf16-00011.safetensors" in str(err.value)
+    assert not hfcache.variant_dir(snap, "hybrid").exists()
+
+
+def test_refuses_compressed_tensors_pointing_to_published(tmp_path):
+    snap = ckpt.write_snapshot(tmp_path / "hf", "radixark")
+    cfg = json.loads((snap / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {}}
+    (snap / "config.json").unlink()
+    (snap / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as err:
+        hybrid.prepare(snap)
+    assert "compressed-tensors" in str(err.value) and "published" in err.value.hint
+
+
+def test_stale_marker_is_rebuilt_and_missing_link_repaired(tmp_path):
+    snap = ckpt.write_snapshot(tmp_path / "hf", "radixark")
+    hybrid.prepare(snap)
+    var = hfcache.variant_dir(snap, "hybrid")
+    # the snapshot gained a file after preparation → links added, nothing rebuilt
+    extra = snap / "video_preprocessor_config.json"
+    extra.write_text("{}")
+    assert hfcache.variant_state(snap, "hybrid") == "stale"
+    out = hybrid.prepare(snap)
+    assert out["action"] == "repaired" and out["added"] == ["video_preprocessor_config.json"]
+    assert hfcache.variant_state(snap, "hybrid") == "ready"
+    # a marker from another revision → full rebuild
+    m = json.loads((var / ".prepared").read_text())
+    m["source_revision"] = "0" * 40
+    (var / ".prepared").write_text(json.dumps(m))
+    assert hybrid.prepare(snap)["action"] == "built"
+    assert json.loads((var / ".prepared").read_text())["source_revision"] == snap.name
+    # a rewritten shard deleted → rebuild, not repair
+    (var / "model-bf16-00010.safetensors").unlink()
+    assert hybrid.prepare(snap)["action"] == "built"
+    assert verify.structure(var).ok
+
+
+def test_out_of_disk_midway_leaves_nothing_marked(tmp_path):
+    snap = ckpt.write_snapshot(tmp_path / "hf", "radixark")
+    p = hybrid.plan(snap, hfcache.variant_dir(snap, "hybrid"))
+    written = [0]
+
+    def enospc(n):
+        written[0] += n
+        if written[0] > 3_000_000:
+            raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        hybrid.build(p, on_write=enospc)
+    siblings = [d.name for d in snap.parent.iterdir() if d.name != snap.name]
+    assert siblings == []  # no variant, no partial dir left
+    assert hybrid.prepare(snap)["action"] == "built" and verify.structure(hfcache.variant_dir(snap, "hybrid")).ok
+
+
+def test_disk_preflight_refuses_before_writing(tmp_path, monkeypatch):
+    snap = ckpt.write_snapshot(tmp_path / "hf", "nvidia")
+    import shutil
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=10_000_000))
+    with pytest.raises(hybrid.CheckpointError, match="not enough disk"):
+        hybrid.prepare(snap)
+    assert [d.name for d in snap.parent.iterdir()] == [snap.name]
+
+
+@pytest.mark.parametrize("delay", [0.35, 0.8, 1.3])
+def test_killed_at_random_points_then_rerun_verifies(tmp_path, delay):
+    # a bigger tiny model so the build takes long enough to be killed in the middle
+    snap = ckpt.write_snapshot(tmp_path / "hf", "radixark", ckpt.with_layers(ckpt.TINY, 24))
+    code = ("import sys; from flash_cli.checkpoint import hybrid; from pathlib import Path; "
+            "hybrid.prepare(Path(sys.argv[1]))")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(snap)], stderr=subprocess.DEVNULL)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    var = hfcache.variant_dir(snap, "hybrid")
+    partial = var.with_name(var.name + hybrid.PARTIAL)
+    assert not (partial / ".prepared").exists()
+    state = hfcache.variant_state(snap, "hybrid")
+    assert state in ("absent", "ready")  # finished before the kill, or nothing claimed
+    if state == "ready":
+        assert verify.structure(var).ok
+    out = hybrid.prepare(snap)
+    assert out["action"] in ("built", "none")
+    assert not partial.exists() and verify.structure(var).ok and hfcache.variant_state(snap, "hybrid") == "ready"
+
+
+def test_unaligned_target_is_refused_before_writing(tmp_path):
+    d = ckpt.TINY
+    snap = ckpt.write_snapshot(tmp_path / "hf", "radixark", ckpt.Dims(**{**d.__dict__, "shared_inter": 96}))
+    with pytest.raises(hybrid.CheckpointError, match="divisible by 128"):
+        hybrid.prepare(snap)
+    assert [x.name for x in snap.parent.iterdir()] == [snap.name]
