@@ -46,3 +46,14 @@ def test_draft_vocab_cost_models_the_slice_only():
 def test_hardware_changes_the_pool_not_the_layout():
     fig = next(f for f in cal.FIGURES if f.key == cal.FIT_FIGURE)
     assert cal.predict(fig, PRESETS["h200"]) > cal.predict(fig, PRESETS["gb10"])
+
+
+def test_docs_tables_are_generated_from_the_code():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, str(root / "tools" / "gen_plan_doc.py"), "--check"],
+                         capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "HOME": str(root)})
+    assert res.returncode == 0, res.stderr

@@ -39,7 +39,8 @@ def test_groups_pack_qsa_layers_and_split_gdn():
     described = sorted(g.describe() for g in out.groups)
     # 13 QSA layers (12 + the drafter's, seed 004: "THIRTEEN times") share one group with their
     # compressed keys; 36 GDN layers split in 3 groups of 12; the PLE conv state is its own group
-    assert described == sorted(["13×mla + 13×full", "13×ring", "12×mamba", "12×mamba", "12×mamba", "1×mamba"])
+    assert described == sorted(["13×qsa_index_keys + 13×qsa_kv", "13×qsa_ring", "12×gdn_state", "12×gdn_state",
+                                "12×gdn_state", "1×ple_conv_state"])
     assert out.bytes_per_block == 13 * (1600 * 2048 + 1600 * 64)
     # per request at 500k: cdiv(500000, 1600) attention blocks + 3 GDN groups × (2 + 2) + PLE (2 + 2) + 1 ring
     assert out.blocks_per_request == cdiv(500_000, 1600) + 3 * 4 + 4 + 1

@@ -71,10 +71,9 @@ def served_dir(settings, snapshot: Path | None) -> tuple[Path | None, bool]:
     mode = settings["MODE"]
     if mode == "nvfp4":
         return snapshot, True
-    variant = hfcache.variant_dir(snapshot, mode)
-    if (variant / "model.safetensors.index.json").is_file() and hfcache.read_marker(variant) is not None:
-        return variant, True
-    return snapshot, False
+    if hfcache.variant_state(snapshot, mode) == "ready":
+        return hfcache.variant_dir(snapshot, mode), True
+    return snapshot, False  # not built (or stale): the snapshot's headers, converted on paper
 
 
 def resolve_snapshot(settings) -> Path | None:

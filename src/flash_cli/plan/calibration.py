@@ -76,7 +76,7 @@ FIGURES: tuple[Figure, ...] = (
            {**DEFAULT, "MODEL": NV, "DRAFT_VOCAB": "0"}, 60_000, "delta", None,
            SEED + ": 'the 320 MiB slice plus the full-width logits buffer … (about 60k tokens at GPU_MEM=0.80)'",
            ratio_of={**DEFAULT, "MODEL": NV},
-           note="we model the 320 MiB slice only (~11.6k tokens); the per-draft-step logits buffer is not in the model"),
+           note="we model the 320 MiB slice only (~10.6k tokens); the per-draft-step logits buffer is not in the model"),
 )
 
 

@@ -64,6 +64,7 @@ class Spec:
     mamba_blocks: int = 0  # mamba: blocks one request holds (`MambaSpec.max_memory_usage_bytes`)
     tp_replicated: bool = False
     mamba_key: tuple = ()  # what `MambaSpec.is_uniform_with_collection` compares
+    label: str = ""  # what the layer holds (qsa_kv, qsa_index_keys, qsa_ring, gdn_state, ple_conv_state)
 
     def blocks_per_request(self, max_len: int) -> int:
         if self.kind in ("full", "mla"):
@@ -110,7 +111,7 @@ class Group:
         return max(s.blocks_per_request(max_len) for s in self.layers)
 
     def describe(self) -> str:
-        kinds = Counter(s.kind for s in self.layers)
+        kinds = Counter(s.label or s.kind for s in self.layers)
         return " + ".join(f"{n}×{k}" for k, n in kinds.items())
 
 
@@ -261,19 +262,21 @@ def layout(geom: Geometry, *, base: str, kv_dtype: str, mtp: int, prefix_cache: 
     specs: list[Spec] = []
 
     def qsa(prefix: str) -> None:
-        specs.append(Spec(f"{prefix}.raw_key_cache", "ring", ring_capacity, ring_page))
-        specs.append(Spec(f"{prefix}.compressed_key_cache", "mla", block, compressed_page, tokens_per_page=block))
-        specs.append(Spec(f"{prefix}.attn", "full", block, attn_page, tokens_per_page=block))
+        specs.append(Spec(f"{prefix}.raw_key_cache", "ring", ring_capacity, ring_page, label="qsa_ring"))
+        specs.append(Spec(f"{prefix}.compressed_key_cache", "mla", block, compressed_page, tokens_per_page=block,
+                          label="qsa_index_keys"))
+        specs.append(Spec(f"{prefix}.attn", "full", block, attn_page, tokens_per_page=block, label="qsa_kv"))
 
     for i in range(geom.num_hidden_layers):
         if (i + 1) % geom.full_attention_interval == 0:
             qsa(f"model.layers.{i}.self_attn")
         else:
             specs.append(Spec(f"model.layers.{i}.linear_attn", "mamba", mamba_block_size, attn_page,
-                              mamba_blocks=mamba_blocks, mamba_key=(k, attn_page, False)))
+                              mamba_blocks=mamba_blocks, mamba_key=(k, attn_page, False), label="gdn_state"))
             if i + 1 in geom.ple_layer_ids:  # vLLM: (layer_idx + 1) in ple_layer_ids
                 specs.append(Spec(f"model.layers.{i}.ple", "mamba", mamba_block_size, attn_page,
-                                  mamba_blocks=mamba_blocks, tp_replicated=True, mamba_key=(k, attn_page, True)))
+                                  mamba_blocks=mamba_blocks, tp_replicated=True, mamba_key=(k, attn_page, True),
+                                  label="ple_conv_state"))
     if mtp:
         for j in range(geom.mtp_num_hidden_layers):
             qsa(f"mtp.layers.{geom.num_hidden_layers + j}.self_attn")
