@@ -43,6 +43,11 @@ def test_serve_wait_test_status_logs_stop_start_rm(flash, docker_client):
     assert "ready after" in res.stdout and "GPU KV cache size" in res.stdout
     assert f"{flash.url}/v1" in res.stdout
 
+    res = flash("test", "--json")  # finds the server through the container's labels
+    assert res.returncode == 0, res.stdout + res.stderr
+    checks = {c["name"]: c["status"] for c in json.loads(res.stdout)["checks"]}
+    assert checks["health"] == "pass" and checks["tool_call"] == "pass" and checks["determinism"] == "pass"
+
     res = flash("status", "--json")
     st = json.loads(res.stdout)
     assert st["state"] == "running" and st["api"] == "up" and st["profile"] == "published"
