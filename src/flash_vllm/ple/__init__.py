@@ -40,21 +40,27 @@ Table (``table.py``)::
                                         # bytes of table[ids.flat[i]]; IndexError if out of range
     urows, inverse = table.gather_unique(ids)   # rows of np.unique(ids) + inverse (for staging)
     table.prefetch(ids)                 # hint only (WILLNEED), returns at once
+    table.last_strategy                 # uring | take | willneed | pool (see table.py docstring)
     table.close()
 
 GPU staging (``stager.py``, torch; also runs on CPU torch)::
 
-    stager = Stager(table, device, out_dtype=torch.bfloat16, max_rows=...)
+    stager = Stager(table, device, out_dtype=torch.bfloat16, max_rows=8192, dedup_min=256, stats=stats)
     emb = stager.lookup(ids)            # ids: np/torch int array (*S) -> tensor (*S, head_dim) on
                                         # device, dequantized (fp8 x scale) to out_dtype; raw=True
-                                        # gives the table dtype. Persistent pinned buffer, async H2D,
-                                        # GPU-side expansion via the inverse, CUDA-event reuse guard.
-    stager.lookup_into(ids, out)        # writes into a caller-provided (persistent) tensor
+                                        # gives the table dtype. Persistent pinned buffers (2 slots),
+                                        # async H2D, GPU-side expansion via the inverse (batches >=
+                                        # dedup_min), CUDA-event reuse guard (no device-wide sync).
+    stager.lookup(ids, out=buf)         # fills a caller-provided (persistent) device tensor
 
 Observability (``stats.py``)::
 
-    stats = PLEStats(stats_sec=30, prometheus=True)   # upstream counter names vllm:ple_mmap_*
-    stats.line() -> str ; stats.maybe_log(logger) ; stats.snapshot() -> dict
+    stats = PLEStats(stats_sec=cfg.stats_sec, prometheus=cfg.prometheus)  # vllm:ple_mmap_* counters
+    stats.record(ops=1, op_s=...) ; stats.maybe_log() ; stats.line() -> str ; stats.snapshot() -> dict
+    # pass the same object to PLETable(stats=) and Stager(stats=); both record, never raise
+
+Synthetic checkpoints (``synth.py``, tests/bench): ``write_checkpoint(dir, layout="radixark"|"nvidia", ...)``.
+io_uring (``uring.py``): ``Ring(depth).read_batch(fds, offsets, addrs, lengths)``.
 
 Safetensors headers (``header.py``): ``read_header``, ``read_index``, ``HeaderError``.
 """
@@ -63,4 +69,22 @@ from __future__ import annotations
 
 from .header import Header, HeaderError, TensorInfo, read_header, read_index
 
-__all__ = ["Header", "HeaderError", "TensorInfo", "read_header", "read_index"]
+# Lazy re-exports: `import flash_vllm.ple` stays free of numpy/torch until a name is used.
+_LAZY = {
+    "PLEConfig": "config", "PLEConfigError": "config", "config_from_env": "config",
+    "PLELayout": "hashing", "ngram_ids": "hashing", "ngram_ids_batch": "hashing",
+    "PLETable": "table", "PLETableError": "table",
+    "Stager": "stager",
+    "PLEStats": "stats",
+}
+
+__all__ = ["Header", "HeaderError", "TensorInfo", "read_header", "read_index", *_LAZY]
+
+
+def __getattr__(name):
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'flash_vllm.ple' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{mod}"), name)

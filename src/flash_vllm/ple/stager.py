@@ -1,0 +1,130 @@
+"""Stage gathered PLE rows to the GPU: pinned buffers, async H2D, GPU-side expansion, fp8 dequant.
+
+Per lookup:
+1. ids to host int64 (numpy, or a CPU tensor; a CUDA tensor costs a blocking D2H, timed as gpu-wait).
+2. Pick the next of two pinned slots; wait on that slot's CUDA event — only the H2D copy issued
+   from it two lookups ago, never a device-wide sync (timed as gpu-wait).
+3. Gather straight into the pinned slot: distinct rows only when the batch is big enough for dedup
+   to pay (``dedup_min``), with the inverse index written next to them.
+4. One non-blocking H2D of the rows (+ the inverse), record the slot's event on the current stream.
+5. On the device: expand through the inverse (``index_select``), view the bytes as the table dtype,
+   dequantize (fp8/bf16/f16 -> ``out_dtype``, times the table scale; fp8 and bf16 values are exact in
+   f32, so ``to(out_dtype).mul_(scale)`` equals ``(x.f32 * scale).to(out_dtype)``).
+
+Runs on CPU torch too (no pinning, no events, a real copy instead of the H2D), which is how the unit
+tests exercise it; ``tests/gpu/`` checks it bit-exact on a GPU.
+"""
+
+from __future__ import annotations
+
+import time
+
+_TORCH_DTYPES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "BF16": "bfloat16", "F16": "float16",
+                 "F32": "float32"}
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, _TORCH_DTYPES[name])
+
+
+class Stager:
+    def __init__(self, table, device="cuda", out_dtype=None, max_rows: int = 8192, dedup_min: int = 256,
+                 stats=None, slots: int = 2):
+        import numpy as np
+        import torch
+
+        self.torch, self.np = torch, np
+        self.table = table
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.table_dtype = torch_dtype(table.dtype)
+        self.out_dtype = out_dtype if out_dtype is not None else torch.bfloat16
+        self.scale = table.scale
+        self.dedup_min = dedup_min
+        self.stats = stats
+        self.n_slots = max(1, slots)
+        self.capacity = 0
+        self._slot = 0
+        self._alloc(max_rows)
+
+    def _alloc(self, rows: int) -> None:
+        torch = self.torch
+        for ev in getattr(self, "_events", []):  # never free a buffer a copy may still read
+            if ev is not None:
+                ev.synchronize()
+        pin = self.cuda
+        rb = self.table.row_bytes
+        self._rows = [torch.empty((rows, rb), dtype=torch.uint8, pin_memory=pin) for _ in range(self.n_slots)]
+        self._inv = [torch.empty((rows,), dtype=torch.int64, pin_memory=pin) for _ in range(self.n_slots)]
+        self._rows_np = [t.numpy() for t in self._rows]
+        self._inv_np = [t.numpy() for t in self._inv]
+        self._events = [None] * self.n_slots
+        self.capacity = rows
+
+    def _host_ids(self, ids):
+        """-> (flat int64 numpy, shape, seconds waited for the GPU)."""
+        torch, np = self.torch, self.np
+        if isinstance(ids, torch.Tensor):
+            shape = tuple(ids.shape)
+            if ids.device.type != "cpu":
+                t0 = time.perf_counter()
+                ids = ids.to("cpu")  # blocking: waits for the kernels that produce the ids
+                return ids.numpy().reshape(-1).astype(np.int64, copy=False), shape, time.perf_counter() - t0
+            return ids.numpy().reshape(-1).astype(np.int64, copy=False), shape, 0.0
+        a = np.asarray(ids)
+        return a.reshape(-1).astype(np.int64, copy=False), a.shape, 0.0
+
+    def lookup(self, ids, raw: bool = False, out=None):
+        """Embeddings ``(*ids.shape, head_dim)`` on the device: ``out_dtype`` dequantized, or the
+        table dtype when ``raw``. ``out`` (a device tensor of that shape and dtype) is filled in place."""
+        torch, np = self.torch, self.np
+        t0 = time.perf_counter()
+        flat, shape, wait_s = self._host_ids(ids)
+        n = flat.shape[0]
+        if n > self.capacity:
+            self._alloc(max(n, int(self.capacity * 1.5)))
+        s = self._slot
+        self._slot = (s + 1) % self.n_slots
+        ev = self._events[s]
+        if ev is not None:
+            tw = time.perf_counter()
+            ev.synchronize()  # the copy that last read this slot; not the whole device
+            wait_s += time.perf_counter() - tw
+        dedup = n >= self.dedup_min
+        tg = time.perf_counter()
+        if dedup:
+            rows_np, inv = self.table.gather_unique(flat, out=self._rows_np[s])
+            k = rows_np.shape[0]
+            self._inv_np[s][:n] = inv
+        else:
+            self.table.gather(flat, out=self._rows_np[s][:n])
+            k = n
+        ts = time.perf_counter()
+        dev = self.device
+        rows = self._rows[s][:k].to(dev, non_blocking=True, copy=True)
+        if dedup and k < n:
+            inv_d = self._inv[s][:n].to(dev, non_blocking=True, copy=True)
+        else:
+            inv_d = None
+        if self.cuda:
+            e = self._events[s] or torch.cuda.Event()
+            e.record(torch.cuda.current_stream(dev))
+            self._events[s] = e
+        if inv_d is not None:
+            rows = rows.index_select(0, inv_d)
+        emb = rows.view(self.table_dtype)
+        if not raw:
+            emb = emb.to(self.out_dtype)
+            if self.scale is not None:
+                emb.mul_(self.scale)
+        emb = emb.view(*shape, self.table.head_dim)
+        if out is not None:
+            out.copy_(emb, non_blocking=True)
+            emb = out
+        if self.stats is not None:
+            t1 = time.perf_counter()
+            self.stats.record(ops=1, op_s=t1 - t0, gpu_wait_s=wait_s, stage_s=t1 - ts)
+            self.stats.maybe_log()
+        return emb

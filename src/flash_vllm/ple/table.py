@@ -1,0 +1,588 @@
+"""The PLE table, mapped from the checkpoint's safetensors shards, and its gather strategies.
+
+Layout. Each file that holds table shards is mapped read-only (only the page range covering its
+shards) into ONE reserved virtual region, so every row of every shard has one byte offset into one
+numpy array. That array is viewed as overlapping ``V{row_bytes}`` items (stride 1 byte), and a
+gather of any rows from any shards is one ``np.take`` call: no per-shard loop, no Python per row,
+and ``out=`` can be the pinned staging buffer.
+
+Strategies (``gather``; results are always bit-identical to ``table[ids]``):
+
+* ``uring`` (default when io_uring works): every row is read with a buffered ``read`` of exactly
+  ``row_bytes`` straight into the output, all submitted together (queue depth = batch, capped by
+  ``ring_depth``). Cold pages become parallel reads; nothing is mapped or faulted. Used for every
+  batch size; big batches are deduplicated first and expanded with the inverse.
+* ``take`` (warm fast path): when the last uring batches completed entirely inside the submitting
+  syscall (all pages were in the page cache), the next decode batches are plain ``np.take`` on
+  the mapping (~µs). A take that runs slow (it faulted) switches back at once.
+  ``fast_rows = N > 0`` forces take for batches of <= N rows (upstream's meaning of FAST_ROWS).
+* ``willneed`` (no io_uring: old kernel, seccomp): one ``process_madvise(MADV_WILLNEED)`` call
+  per 1024 page ranges (``madvise`` per range as fallback), then ``take``; big batches are split
+  over a thread pool of ``workers`` after dedup.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap as _mmap
+import os
+import re
+import resource
+import threading
+import time
+from dataclasses import dataclass
+
+from .header import HeaderError, read_header, read_index
+
+PAGE = _mmap.PAGESIZE
+_MADV_NORMAL, _MADV_RANDOM, _MADV_WILLNEED = 0, 1, 3
+_PROT_NONE, _PROT_READ = 0, 1
+_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED = 0x01, 0x02, 0x10
+_MAP_ANONYMOUS = 0x20
+_MAP_NORESERVE = 0x4000
+_SYS_PIDFD_OPEN = 434
+_SYS_PROCESS_MADVISE = 440
+_IOV_MAX = 1024
+_POSIX_FADV_RANDOM = 1
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", 1)
+
+SUPPORTED_DTYPES = {"F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "F32": 4}
+SHARD_RE = re.compile(r"^(?P<prefix>.*layers\.(?P<layer>\d+)\.ple\.ple_embedding\.ngram_embedding\.)shard_(?P<k>\d+)\.weight$")
+
+
+class PLETableError(ValueError):
+    """The checkpoint does not hold a usable PLE table; the message says which file and why."""
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    index: int
+    path: str
+    begin: int  # absolute byte offset of row 0 in the file
+    rows: int
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.syscall.restype = ctypes.c_long
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _majflt() -> int:
+    return resource.getrusage(_RUSAGE_THREAD).ru_majflt
+
+
+def _oserr(what: str) -> OSError:
+    e = ctypes.get_errno()
+    return OSError(e, f"{what}: {os.strerror(e)}")
+
+
+class _Region:
+    """One reserved virtual range; file page ranges are mapped into it back to back."""
+
+    def __init__(self, pieces: list[tuple[str, int, int]]):
+        # pieces: (path, file_lo, file_hi), page-aligned lo, hi rounded up to pages
+        self.total = sum(hi - lo for _, lo, hi in pieces)
+        base = _libc.mmap(None, self.total, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        if base in (None, _MAP_FAILED):
+            raise _oserr(f"reserving {self.total} bytes of address space")
+        self.base = base
+        self.starts: dict[str, int] = {}  # path -> region offset of file_lo
+        self.file_lo: dict[str, int] = {}
+        pos = 0
+        try:
+            for path, lo, hi in pieces:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    r = _libc.mmap(base + pos, hi - lo, _PROT_READ, _MAP_SHARED | _MAP_FIXED, fd, lo)
+                finally:
+                    os.close(fd)  # the mapping keeps the file
+                if r in (None, _MAP_FAILED) or r != base + pos:
+                    raise _oserr(f"mapping {path}")
+                self.starts[path] = pos
+                self.file_lo[path] = lo
+                pos += hi - lo
+        except Exception:
+            self.close()
+            raise
+
+    def madvise(self, off: int, length: int, advice: int) -> None:
+        if _libc.madvise(self.base + off, length, advice) != 0:
+            raise _oserr("madvise")
+
+    def close(self) -> None:
+        if getattr(self, "base", None):
+            _libc.munmap(self.base, self.total)
+            self.base = None
+
+
+class _Prefetcher:
+    """Batched MADV_WILLNEED: process_madvise (one call per 1024 ranges), else madvise per range."""
+
+    def __init__(self):
+        self.pidfd = -1
+        self.mode = "madvise"
+        try:
+            fd = _libc.syscall(ctypes.c_long(_SYS_PIDFD_OPEN), ctypes.c_long(os.getpid()), ctypes.c_long(0))
+            if fd >= 0:
+                self.pidfd = int(fd)
+                self.mode = "process_madvise"
+        except Exception:
+            pass
+        self.calls = 0
+
+    def willneed(self, addrs, lengths) -> None:
+        n = len(addrs)
+        if n == 0:
+            return
+        if self.mode == "process_madvise":
+            import numpy as np
+
+            iov = np.empty((n, 2), dtype=np.uint64)
+            iov[:, 0] = addrs
+            iov[:, 1] = lengths
+            for a in range(0, n, _IOV_MAX):
+                k = min(_IOV_MAX, n - a)
+                r = _libc.syscall(ctypes.c_long(_SYS_PROCESS_MADVISE), ctypes.c_long(self.pidfd),
+                                  ctypes.c_void_p(iov.ctypes.data + a * 16), ctypes.c_long(k),
+                                  ctypes.c_long(_MADV_WILLNEED), ctypes.c_long(0))
+                self.calls += 1
+                if r < 0:  # EINVAL (old kernel without WILLNEED), EPERM (seccomp), ENOSYS
+                    self.mode = "madvise"
+                    self.willneed(addrs[a:], lengths[a:])
+                    return
+            return
+        for a, ln in zip(addrs.tolist(), lengths.tolist()):
+            _libc.madvise(ctypes.c_void_p(a), ln, _MADV_WILLNEED)
+            self.calls += 1
+
+    def close(self):
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+
+
+def _read_scalar(path: str, t) -> float:
+    import numpy as np
+
+    if t.numel != 1:
+        raise PLETableError(f"{path}: {t.name} has shape {list(t.shape)}, expected one value")
+    with open(path, "rb") as f:
+        f.seek(t.begin)
+        raw = f.read(t.nbytes)
+    if t.dtype == "F32":
+        return float(np.frombuffer(raw, "<f4")[0])
+    if t.dtype == "F16":
+        return float(np.frombuffer(raw, "<f2")[0])
+    if t.dtype == "BF16":
+        return float((np.frombuffer(raw, "<u2").astype(np.uint32) << 16).view(np.float32)[0])
+    raise PLETableError(f"{path}: {t.name} has dtype {t.dtype}, expected F32/BF16/F16")
+
+
+def find_table(model_dir: str, layer: int | None = None):
+    """Locate the table's shards through the index. Returns (prefix, shards, dtype, width, scale, buffers)."""
+    try:
+        wmap = read_index(model_dir)
+    except HeaderError as e:
+        raise PLETableError(str(e)) from None
+    found: dict[str, dict[int, str]] = {}
+    for name, fname in wmap.items():
+        m = SHARD_RE.match(name)
+        if m and (layer is None or int(m.group("layer")) == layer):
+            found.setdefault(m.group("prefix"), {})[int(m.group("k"))] = fname
+    if not found:
+        what = f"layer {layer}" if layer is not None else "any layer"
+        raise PLETableError(f"{model_dir}: no '…ple.ple_embedding.ngram_embedding.shard_<k>.weight' tensors for {what} in the index")
+    if len(found) > 1:
+        raise PLETableError(f"{model_dir}: PLE tables on several layers ({', '.join(sorted(found))}); pass layer=")
+    prefix, by_k = next(iter(found.items()))
+    ks = sorted(by_k)
+    if ks != list(range(len(ks))):
+        missing = sorted(set(range(ks[-1] + 1)) - set(ks))
+        raise PLETableError(f"{model_dir}: table shards are not contiguous; missing shard(s) {missing[:8]}")
+    headers = {}
+
+    def hdr(fname):
+        if fname not in headers:
+            p = os.path.join(model_dir, fname)
+            try:
+                headers[fname] = read_header(p)
+            except HeaderError as e:
+                raise PLETableError(str(e)) from None
+        return headers[fname]
+
+    shards, dtype, width = [], None, None
+    for k in ks:
+        fname = by_k[k]
+        name = f"{prefix}shard_{k}.weight"
+        h = hdr(fname)
+        t = h.tensors.get(name)
+        if t is None:
+            raise PLETableError(f"{h.path}: index maps {name} here but the file's header does not hold it")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise PLETableError(f"{h.path}: {name} has dtype {t.dtype} (supported: {', '.join(SUPPORTED_DTYPES)})")
+        if len(t.shape) != 2:
+            raise PLETableError(f"{h.path}: {name} has shape {list(t.shape)}, expected [rows, width]")
+        if dtype is None:
+            dtype, width = t.dtype, t.shape[1]
+        elif (t.dtype, t.shape[1]) != (dtype, width):
+            raise PLETableError(f"{h.path}: {name} is {t.dtype} x {t.shape[1]} but shard 0 is {dtype} x {width}")
+        shards.append(ShardSpec(k, h.path, t.begin, t.shape[0]))
+    scale = None
+    sname = f"{prefix}weight_scale"
+    if sname in wmap:
+        h = hdr(wmap[sname])
+        t = h.tensors.get(sname)
+        if t is None:
+            raise PLETableError(f"{h.path}: index maps {sname} here but the file's header does not hold it")
+        scale = _read_scalar(h.path, t)
+    if dtype.startswith("F8") and scale is None:
+        raise PLETableError(f"{model_dir}: fp8 table without {sname}: rows cannot be dequantized")
+    buffers = {}
+    base = prefix[: -len("ngram_embedding.")]
+    for b in ("layer_multipliers", "ngram_heads_offsets", "ngram_heads_vocab_sizes"):
+        if base + b in wmap:
+            h = hdr(wmap[base + b])
+            t = h.tensors.get(base + b)
+            if t is not None and t.dtype == "I64" and t.nbytes <= 1 << 16:
+                import numpy as np
+
+                with open(h.path, "rb") as f:
+                    f.seek(t.begin)
+                    buffers[b] = np.frombuffer(f.read(t.nbytes), "<i8").copy()
+    return prefix, shards, dtype, width, scale, buffers
+
+
+class PLETable:
+    """Read-only view of the PLE table: ``num_rows`` x ``row_bytes`` over mapped shards."""
+
+    def __init__(self, shards: list[ShardSpec], dtype: str, width: int, scale: float | None = None,
+                 config=None, stats=None, expected_rows: int | None = None, prefix: str = "", buffers=None):
+        import numpy as np
+
+        from .config import PLEConfig
+
+        self._np = np
+        self.config = config or PLEConfig()
+        self.stats = stats
+        self.prefix = prefix
+        self.buffers = buffers or {}
+        if dtype not in SUPPORTED_DTYPES:
+            raise PLETableError(f"table dtype {dtype} is not one of {', '.join(SUPPORTED_DTYPES)}")
+        if not shards:
+            raise PLETableError("no shards")
+        self.dtype, self.head_dim, self.scale = dtype, int(width), scale
+        self.row_bytes = self.head_dim * SUPPORTED_DTYPES[dtype]
+        shards = sorted(shards, key=lambda s: s.index)
+        rps = shards[0].rows
+        for i, s in enumerate(shards):
+            if s.index != i:
+                raise PLETableError(f"shard indices must be 0..{len(shards) - 1}, got {s.index} at position {i}")
+            last = i == len(shards) - 1
+            if (s.rows != rps and not last) or s.rows > rps or s.rows <= 0:
+                raise PLETableError(
+                    f"{s.path}: shard {i} has {s.rows} rows; every shard but the last must have {rps} "
+                    f"and the last 1..{rps}"
+                )
+        self.rows_per_shard = rps
+        self.num_shards = len(shards)
+        self.num_rows = rps * (len(shards) - 1) + shards[-1].rows
+        if expected_rows is not None and expected_rows != self.num_rows:
+            raise PLETableError(f"table has {self.num_rows} rows, the config implies {expected_rows}")
+        self.shards = shards
+        # Map the page range of each file that covers its shards.
+        spans: dict[str, list[int]] = {}
+        for s in shards:
+            lo, hi = s.begin, s.begin + s.rows * self.row_bytes
+            if hi > os.path.getsize(s.path):
+                raise PLETableError(f"{s.path}: shard {s.index} ends at byte {hi}, past the end of the file")
+            sp = spans.setdefault(s.path, [lo, hi])
+            sp[0], sp[1] = min(sp[0], lo), max(sp[1], hi)
+        pieces = [(p, lo - lo % PAGE, -(-hi // PAGE) * PAGE) for p, (lo, hi) in spans.items()]
+        try:
+            self._region = _Region(pieces)
+        except OSError as e:
+            raise PLETableError(f"cannot map the table: {e}") from None
+        rb = self.row_bytes
+        buf = (ctypes.c_char * self._region.total).from_address(self._region.base)
+        self._buf = buf
+        self._rows_view = np.ndarray((self._region.total - rb + 1,), dtype=f"V{rb}", buffer=buf, strides=(1,))
+        self._shard_off = np.array(
+            [self._region.starts[s.path] + s.begin - self._region.file_lo[s.path] for s in shards], dtype=np.int64)
+        self._shard_fileoff = np.array([s.begin for s in shards], dtype=np.int64)
+        self._fds: dict[str, int] = {}
+        for p in spans:
+            fd = os.open(p, os.O_RDONLY)
+            self._fds[p] = fd
+            if self.config.madvise == "random":
+                try:
+                    os.posix_fadvise(fd, 0, 0, _POSIX_FADV_RANDOM)  # read(): no readahead around a row
+                except OSError:
+                    pass
+        self._shard_fd = np.array([self._fds[s.path] for s in shards], dtype=np.int32)
+        advice = _MADV_RANDOM if self.config.madvise == "random" else _MADV_NORMAL
+        self.madvise_ok = True
+        for p, lo, hi in pieces:
+            try:
+                self._region.madvise(self._region.starts[p], hi - lo, advice)
+            except OSError:
+                self.madvise_ok = False
+        self._prefetcher = _Prefetcher()
+        self._lock = threading.Lock()
+        self._pool = None
+        self._ring = None
+        self.io = self.config.io
+        if self.io in ("auto", "uring"):
+            try:
+                from .uring import Ring
+
+                self._ring = Ring(self.config.ring_depth)
+                self.io = "uring"
+            except (OSError, ImportError) as e:
+                if self.config.io == "uring":
+                    self.close()
+                    raise PLETableError(f"VLLM_PLE_MMAP_IO=uring but io_uring is unavailable: {e}") from None
+                self.io = "mmap"
+        self._warm = 0  # consecutive fully-cached uring batches
+        self.last_strategy = ""
+        if self.config.prewarm:
+            self.prewarm()
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_checkpoint(cls, model_dir, layer: int | None = None, config=None, stats=None,
+                        expected_rows: int | None = None) -> "PLETable":
+        """Open the table of ``model_dir`` (any file layout; resolved through the index)."""
+        prefix, shards, dtype, width, scale, buffers = find_table(os.fspath(model_dir), layer)
+        return cls(shards, dtype, width, scale, config=config, stats=stats, expected_rows=expected_rows,
+                   prefix=prefix, buffers=buffers)
+
+    def describe(self) -> str:
+        gib = self.num_rows * self.row_bytes / 2**30
+        return (f"PLE mmap: {self.num_shards} shards, {self.num_rows} rows x {self.row_bytes} B "
+                f"({gib:.2f} GiB on disk), dtype {self.dtype}, scale {self.scale}, io {self.io}, "
+                f"madvise {self.config.madvise}{'' if self.madvise_ok else ' (failed)'}, "
+                f"prefetch {self._prefetcher.mode}, {self.config.workers} workers")
+
+    # -- addressing ----------------------------------------------------------------------------
+    def _check(self, flat):
+        np = self._np
+        if flat.size == 0:
+            return
+        lo, hi = int(flat.min()), int(flat.max())
+        if lo < 0 or hi >= self.num_rows:
+            bad = lo if lo < 0 else hi
+            raise IndexError(f"PLE row id {bad} out of range [0, {self.num_rows})")
+
+    def _offsets(self, flat):
+        """region byte offset of each row."""
+        np = self._np
+        s, local = np.divmod(flat, self.rows_per_shard)
+        return self._shard_off[s] + local * self.row_bytes
+
+    @staticmethod
+    def _flat(ids):
+        import numpy as np
+
+        a = np.asarray(ids)
+        if a.dtype.kind not in "iu":
+            raise TypeError(f"PLE row ids must be integers, got {a.dtype}")
+        return np.ascontiguousarray(a.reshape(-1), dtype=np.int64)
+
+    # -- strategies --------------------------------------------------------------------------
+    def _take(self, flat, out):
+        # Fancy indexing, not np.take: take() first copies a non-contiguous source whole.
+        out.reshape(-1).view(self._rows_view.dtype)[...] = self._rows_view[self._offsets(flat)]
+
+    def _uring(self, flat, out):
+        np = self._np
+        s, local = np.divmod(flat, self.rows_per_shard)
+        n = flat.shape[0]
+        rb = self.row_bytes
+        offs = self._shard_fileoff[s] + local * rb
+        addrs = out.ctypes.data + np.arange(n, dtype=np.int64) * rb
+        with self._lock:
+            res = self._ring.read_batch(self._shard_fd[s], offs, addrs, np.full(n, rb, np.int64),
+                                        depth=self.config.ring_depth)
+            inline = self._ring.last_inline == n
+        bad = np.nonzero(res != rb)[0]
+        for i in bad.tolist():  # short read / error: finish that row through the mapping
+            self._take(flat[i : i + 1], out[i : i + 1])
+        return inline
+
+    def _willneed(self, flat):
+        np = self._np
+        a = self._region.base + self._offsets(flat)
+        p0 = a & ~(PAGE - 1)
+        p1 = (a + self.row_bytes - 1) & ~(PAGE - 1)
+        starts = np.unique(p0) if flat.shape[0] > 1 else p0
+        lens = np.full(starts.shape[0], PAGE, dtype=np.int64)
+        span2 = np.unique(p1[p1 != p0])
+        if span2.size:
+            starts = np.concatenate([starts, span2])
+            lens = np.full(starts.shape[0], PAGE, dtype=np.int64)
+        self._prefetcher.willneed(starts.astype(np.uint64), lens.astype(np.uint64))
+
+    def _pool_gather(self, flat, out):
+        from concurrent.futures import ThreadPoolExecutor
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="ple-gather")
+        n = flat.shape[0]
+        step = max(1, min(self.config.chunk, -(-n // self.config.workers)))
+        parts = [(a, min(n, a + step)) for a in range(0, n, step)]
+        list(self._pool.map(lambda ab: self._take(flat[ab[0]:ab[1]], out[ab[0]:ab[1]]), parts))
+
+    def _gather_into(self, flat, out) -> str:
+        """Rows of ``flat`` (range-checked) into ``out`` (n, row_bytes) uint8; returns the strategy."""
+        n = flat.shape[0]
+        fr = self.config.fast_rows
+        if n == 0:
+            return "empty"
+        if fr and n <= fr:
+            self._take(flat, out)
+            return "take"
+        if self.io == "uring":
+            if self._warm >= 2 and n <= 4096:
+                # Pages were all cached lately: read through the mapping. A major fault means the
+                # guess was wrong (that row waited alone): go back to the ring at once.
+                f0 = _majflt()
+                self._take(flat, out)
+                if _majflt() != f0:
+                    self._warm = 0
+                return "take"
+            inline = self._uring(flat, out)
+            self._warm = self._warm + 1 if inline else 0
+            return "uring"
+        if n <= 4096:
+            self._willneed(flat)
+            self._take(flat, out)
+            return "willneed"
+        self._willneed(flat)
+        self._pool_gather(flat, out)
+        return "pool"
+
+    # -- public --------------------------------------------------------------------------------
+    def gather(self, ids, out=None):
+        """Rows of ``ids`` (any int array, flattened) as uint8 ``(ids.size, row_bytes)``.
+
+        Deduplicates big batches (reads each distinct row once, expands on the CPU). ``out`` may be
+        a preallocated C-contiguous uint8 array of that shape (e.g. a pinned buffer's numpy view).
+        """
+        np = self._np
+        t0 = time.perf_counter()
+        flat = self._flat(ids)
+        self._check(flat)
+        n = flat.shape[0]
+        if out is None:
+            out = np.empty((n, self.row_bytes), dtype=np.uint8)
+        elif out.shape != (n, self.row_bytes) or out.dtype != np.uint8 or not out.flags.c_contiguous:
+            raise ValueError(f"out must be C-contiguous uint8 {(n, self.row_bytes)}, got {out.dtype} {out.shape}")
+        dedup_s = 0.0
+        if n > 4096 and not (self.config.fast_rows and n <= self.config.fast_rows):
+            td = time.perf_counter()
+            uniq, inv = np.unique(flat, return_inverse=True)
+            dedup_s = time.perf_counter() - td
+            if uniq.shape[0] < n:
+                rows = np.empty((uniq.shape[0], self.row_bytes), dtype=np.uint8)
+                self.last_strategy = self._gather_into(uniq, rows)
+                np.take(rows, inv, axis=0, out=out)
+                self._record(t0, dedup_s, uniq.shape[0])
+                return out
+        self.last_strategy = self._gather_into(flat, out)
+        self._record(t0, dedup_s, n)
+        return out
+
+    def gather_unique(self, ids, out=None):
+        """``(rows of np.unique(ids), inverse)`` — what the stager uploads and expands on the GPU."""
+        np = self._np
+        t0 = time.perf_counter()
+        flat = self._flat(ids)
+        self._check(flat)
+        uniq, inv = np.unique(flat, return_inverse=True)
+        dedup_s = time.perf_counter() - t0
+        k = uniq.shape[0]
+        if out is None:
+            out = np.empty((k, self.row_bytes), dtype=np.uint8)
+        else:
+            out = out[:k]
+        self.last_strategy = self._gather_into(uniq, out)
+        self._record(t0, dedup_s, k)
+        return out, inv.reshape(-1)
+
+    def _record(self, t0, dedup_s, rows):
+        if self.stats is not None:
+            self.stats.record(gather_s=time.perf_counter() - t0 - dedup_s, dedup_s=dedup_s, rows=rows,
+                              bytes=rows * self.row_bytes)
+
+    def prefetch(self, ids) -> None:
+        """Hint only: start reading the pages of ``ids`` (MADV_WILLNEED); returns at once."""
+        flat = self._flat(ids)
+        self._check(flat)
+        self._willneed(flat)
+
+    def prewarm(self, block: int = 64 << 20) -> None:
+        """Read every shard once sequentially (fills the page cache; unaffected by MADV_RANDOM)."""
+        for s in self.shards:
+            fd = self._fds[s.path]
+            pos, end = s.begin, s.begin + s.rows * self.row_bytes
+            while pos < end:
+                k = min(block, end - pos)
+                try:
+                    os.posix_fadvise(fd, pos, k, os.POSIX_FADV_WILLNEED)
+                    os.pread(fd, 1, pos + k - 1)
+                except OSError:
+                    pass
+                pos += k
+
+    def drop_cache(self) -> None:
+        """Ask the kernel to drop the table's clean pages from the page cache (benchmarks, tests)."""
+        # Pages we still map are not dropped: unmap our page-table entries first (MADV_DONTNEED on
+        # a read-only shared mapping only unmaps), then drop the clean pages.
+        self._region.madvise(0, self._region.total, 4)
+        for s in self.shards:
+            try:
+                os.posix_fadvise(self._fds[s.path], s.begin, s.rows * self.row_bytes, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+        self._warm = 0
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+        if getattr(self, "_ring", None) is not None:
+            self._ring.close()
+            self._ring = None
+        if getattr(self, "_prefetcher", None) is not None:
+            self._prefetcher.close()
+        for fd in getattr(self, "_fds", {}).values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds = {}
+        self.__dict__.pop("_rows_view", None)
+        self.__dict__.pop("_buf", None)
+        if getattr(self, "_region", None) is not None:
+            self._region.close()
+            self._region = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
