@@ -124,3 +124,18 @@ def test_config_json_overrides_the_geometry(tmp_path):
     g = from_config(cfg)
     assert (g.num_hidden_layers, g.qsa_layers, g.mamba_ssm_dtype_bytes, g.vision_depth) == (8, 2, 2, 2)
     assert g.hidden_size == REAL.hidden_size
+
+
+def test_header_summary_is_cached_and_invalidated(tmp_path):
+    snap = make_snapshot(tmp_path)
+    kw = dict(mode="nvfp4", mtp=2, draft_vocab=False, vision=True, prepared=True)
+    first = W.from_headers(snap, REAL, **kw)
+    second = W.from_headers(snap, REAL, **kw)
+    assert "(cached summary)" not in first.notes[0] and "(cached summary)" in second.notes[0]
+    assert first.components == second.components
+    # a shard rewritten with another size is read again
+    write_safetensors(snap / "model-2.safetensors", {"model.language_model.layers.0.mlp.gate.weight": ("BF16", [8, 8])})
+    (snap / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "model.language_model.layers.0.mlp.gate.weight": "model-2.safetensors"}}))
+    third = W.from_headers(snap, REAL, **kw)
+    assert "(cached summary)" not in third.notes[0] and third.components["other_dense"] == 128

@@ -139,21 +139,8 @@ def from_headers(model_dir: Path, g: Geometry, *, mode: str, mtp: int, draft_voc
     """Sum tensor bytes per component over every shard the index names. `prepared=False` for a
     hybrid mode means the variant is not built yet: the snapshot's bf16 side layers are converted
     on paper (fp8 + scales), like `prepare hybrid` would."""
-    from flash_vllm.ple.header import read_header, read_index
-
-    index = read_index(model_dir)
-    comps = dict.fromkeys(COMPONENTS, 0)
-    side_bf16: list[tuple[int, ...]] = []
-    for fname in sorted(set(index.values())):
-        header = read_header(Path(model_dir) / fname)
-        for name, info in header.tensors.items():
-            if index.get(name) != fname:
-                continue  # a tensor the index does not map to this file is not loaded from it
-            comp = classify(name)
-            comps[comp] += info.nbytes
-            if comp == "side_layers" and info.dtype == "BF16" and len(info.shape) == 2:
-                side_bf16.append(info.shape)
-    notes = [f"weights read from the safetensors headers in {model_dir}"]
+    comps, side_bf16, cached = _header_sums(Path(model_dir))
+    notes = [f"weights read from the safetensors headers in {model_dir}" + (" (cached summary)" if cached else "")]
     if mode in ("hybrid", "hybrid-mtp") and not prepared and side_bf16:
         comps["side_layers"] = sum(fp8_block_bytes(n, k) for n, k in side_bf16) + (comps["side_layers"] - sum(n * k * 2 for n, k in side_bf16))
         notes.append(f"{mode} variant not prepared yet: side layers converted on paper to fp8 + scales")
@@ -170,6 +157,62 @@ def from_headers(model_dir: Path, g: Geometry, *, mode: str, mtp: int, draft_voc
     if not vision:
         comps["vision"] = 0
     return Weights(comps, f"headers:{model_dir}", notes, on_disk)
+
+
+def _cache_file(model_dir: Path) -> Path:
+    import hashlib
+    import os
+
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "flash" / "plan" / (hashlib.sha1(str(model_dir.resolve()).encode()).hexdigest() + ".json")
+
+
+def _stamp(model_dir: Path, files: list[str]) -> list:
+    out = []
+    for name in ["model.safetensors.index.json", *files]:
+        st = (model_dir / name).stat()
+        out.append([name, st.st_size, st.st_mtime_ns])
+    return out
+
+
+def _header_sums(model_dir: Path) -> tuple[dict[str, int], list[tuple[int, int]], bool]:
+    """Per-component byte sums over the shards the index names (a tensor a file holds but the
+    index maps elsewhere is not loaded from it). Reading a 300k-tensor checkpoint's headers takes
+    seconds, so the summary is cached, keyed on the size and mtime of the index and every shard."""
+    import json
+    import os
+
+    from flash_vllm.ple.header import read_header, read_index
+
+    index = read_index(model_dir)
+    files = sorted(set(index.values()))
+    stamp = _stamp(model_dir, files)
+    cache = _cache_file(model_dir)
+    try:
+        data = json.loads(cache.read_text())
+        if data.get("stamp") == stamp:
+            return {**dict.fromkeys(COMPONENTS, 0), **data["components"]}, [tuple(x) for x in data["side_bf16"]], True
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    comps = dict.fromkeys(COMPONENTS, 0)
+    side_bf16: list[tuple[int, int]] = []
+    for fname in files:
+        header = read_header(model_dir / fname)
+        for name, info in header.tensors.items():
+            if index.get(name) != fname:
+                continue
+            comp = classify(name)
+            comps[comp] += info.nbytes
+            if comp == "side_layers" and info.dtype == "BF16" and len(info.shape) == 2:
+                side_bf16.append(tuple(info.shape))
+    try:  # best effort: a read-only home only costs the next run the same seconds
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"stamp": stamp, "components": comps, "side_bf16": side_bf16}))
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+    return comps, side_bf16, False
 
 
 def checkpoint_kind(model: str) -> str:
