@@ -316,13 +316,17 @@ class Settings:
     def as_env(self) -> dict[str, str]:
         return {k: BY_NAME[k].format(v) for k, v in self.values.items()}
 
+    def overrides(self) -> dict[str, str]:
+        """The values that differ from the defaults (what a container label records)."""
+        return {k: BY_NAME[k].format(v) for k, v in self.values.items()
+                if v != BY_NAME[k].default and not BY_NAME[k].secret}
+
     def digest(self) -> str:
         """Stable hash of the recipe: the values that differ from the table's defaults (so adding
         a setting does not change every hash); the image label org.flash.version covers the rest."""
         import hashlib
 
-        text = "\n".join(f"{k}={BY_NAME[k].format(v)}" for k, v in sorted(self.values.items())
-                         if v != BY_NAME[k].default and not BY_NAME[k].secret)
+        text = "\n".join(f"{k}={v}" for k, v in sorted(self.overrides().items()))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -240,6 +240,7 @@ def build(
         f"{LABEL}.model": s["MODEL"],
         f"{LABEL}.served-model-name": s["SERVED_MODEL_NAME"],
         f"{LABEL}.settings": s.digest(),
+        f"{LABEL}.recipe": json.dumps(s.overrides(), separators=(",", ":"), sort_keys=True),
         f"{LABEL}.api-key": "required" if key else "none",
         f"{LABEL}.version": __version__,
     }

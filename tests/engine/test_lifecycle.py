@@ -53,6 +53,7 @@ def test_serve_wait_test_status_logs_stop_start_rm(flash, docker_client):
     assert st["state"] == "running" and st["api"] == "up" and st["profile"] == "published"
     assert st["requests_running"] == 0 and "GPU KV cache size" in st["kv_cache_line"]
     assert st["api_key"] is None and not st["exposed_without_key"]
+    assert "measured 1,234,567 tokens, predicted" in st["kv_cache_plan"]  # planner next to the boot log
 
     res = flash("logs", "3")
     assert res.returncode == 0 and len(res.stdout.splitlines()) == 3

@@ -22,6 +22,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def plan_comparison(recipe_label: str | None, kv_line: str | None) -> str | None:
+    """The planner's prediction for the recipe the container was started with, next to the log."""
+    if not recipe_label:
+        return None
+    import json
+
+    from ..plan import status_comparison
+    from ..settings import resolve
+
+    try:
+        return status_comparison(resolve(overrides=json.loads(recipe_label)), kv_line or "")
+    except Exception as exc:  # noqa: BLE001 - a planner problem must not break status
+        return f"KV pool prediction unavailable: {exc}"
+
+
 def collect(name: str) -> dict:
     from .. import engine
 
@@ -45,6 +60,7 @@ def collect(name: str) -> dict:
     logs = engine.tail(container, 3000)
     kv = [ln for ln in logs if KV_LINE.search(ln)]
     out["kv_cache_line"] = kv[-1].strip() if kv else None
+    out["kv_cache_plan"] = plan_comparison(labels.get(f"{LABEL}.recipe"), out["kv_cache_line"])
     out["patch_lines"] = list(dict.fromkeys(ln.strip() for ln in logs if PATCH_LINE.search(ln)))[-8:]
     out["api"] = "down"
     if st.status == "running":
@@ -86,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
         rep.warn(f"published on {info['bind']} WITHOUT an API key (API_KEY=off)")
     if info["kv_cache_line"]:
         rep.info(info["kv_cache_line"][-120:])
+    if info.get("kv_cache_plan"):
+        rep.info(info["kv_cache_plan"])
     for ln in info["patch_lines"]:
         rep.info(ln[-140:])
     if "requests_running" in info:
