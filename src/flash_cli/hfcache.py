@@ -185,6 +185,10 @@ def variant_state(snapshot: Path, mode: str) -> str:
         or missing_files(var)
     ):
         return "stale"
+    if mode == "hybrid-mtp":  # built on the hybrid: a rebuilt or broken hybrid makes it stale
+        base = read_marker(variant_dir(snapshot, "hybrid")) or {}
+        if variant_state(snapshot, "hybrid") != "ready" or marker.get("hybrid_created") != base.get("created"):
+            return "stale"
     try:
         wanted = {p.name for p in snapshot.iterdir() if not p.name.startswith(".")}
     except OSError:
