@@ -26,6 +26,7 @@ COMMANDS: tuple[str, ...] = (
     "test",
     "monitor",
     "probe",
+    "bench",
     "plan",
 )
 
@@ -42,6 +43,7 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "test": ("test", "smoke test that gates: exit 1 when a required check fails", ()),
     "monitor": ("monitor", "Prometheus + Grafana + node-exporter next to the server (up|down)", ()),
     "probe": ("probe", "greedy probe to JSON; --diff A B exits 1 at the first differing byte", ()),
+    "bench": ("bench", "benchmark decode/prefill/TTFT with medians, ABBA, JSONL and plots", ()),
     "status": ("status", "what is running, how it is doing", ()),
     "logs": ("logs", "show the server log", ()),
     "stop": ("lifecycle", "stop the server (kept; flash start resumes it)", ()),
