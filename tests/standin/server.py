@@ -406,6 +406,8 @@ class Engine:
         if self.ple:
             for name, doc in PLE_COUNTERS:
                 r.family(name, "counter", doc).child(L)
+            r.family("vllm:ple_mmap_engine_start_time_seconds", "gauge",
+                     "Unix time the PLE engine started (restart marker)").child(L)["value"] = time.time()
 
     def process_metrics(self) -> str:
         """process_* like prometheus_client's ProcessCollector (Linux /proc)."""
