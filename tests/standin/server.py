@@ -997,8 +997,21 @@ class Handler(BaseHTTPRequestHandler):
         forced = None
         if tool is not None:
             forced = tokenize("<tool_call>\n" + json.dumps({"name": tool["function"]["name"], "arguments": tool_arguments(tool, tail)}) + "\n</tool_call>")
+        model = body.get("model") or self.engine.model_name
+        stream = bool(body.get("stream"))
+        emit = lambda i, t: None
+        if stream:  # Anthropic's event stream (Claude Code always streams)
+            self.start_stream()
+            self.sse({"type": "message_start", "message": {"id": rid, "type": "message", "role": "assistant", "model": model,
+                      "content": [], "stop_reason": None, "stop_sequence": None,
+                      "usage": {"input_tokens": len(tokenize(prompt)), "output_tokens": 0}}}, event="message_start")
+            if tool is None:
+                self.sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                         event="content_block_start")
+                emit = lambda i, t: self.sse({"type": "content_block_delta", "index": 0,
+                                              "delta": {"type": "text_delta", "text": t}}, event="content_block_delta")
         res = self.engine.generate(prompt, tail, {"max_tokens": body["max_tokens"], "temperature": body.get("temperature"),
-                                                  "stop": body.get("stop_sequences")}, lambda i, t: None, forced)
+                                                  "stop": body.get("stop_sequences")}, emit, forced)
         text = "".join(res["tokens"])
         content = [{"type": "text", "text": text}]
         stop = "end_turn" if res["finish_reason"] == "stop" else "max_tokens"
@@ -1007,8 +1020,20 @@ class Handler(BaseHTTPRequestHandler):
             content = [{"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": fn["name"],
                         "input": tool_arguments(tool, tail)}]
             stop = "tool_use"
-        self.log_outputs(rid, text, res["finish_reason"])
-        self.send_json(200, {"id": rid, "type": "message", "role": "assistant", "model": body.get("model") or self.engine.model_name,
+        self.log_outputs(rid, text, res["finish_reason"], " (streaming complete)" if stream else "")
+        if stream:
+            if tool is not None:
+                block = content[0]
+                self.sse({"type": "content_block_start", "index": 0, "content_block": {**block, "input": {}}},
+                         event="content_block_start")
+                self.sse({"type": "content_block_delta", "index": 0, "delta": {"type": "input_json_delta",
+                          "partial_json": json.dumps(block["input"])}}, event="content_block_delta")
+            self.sse({"type": "content_block_stop", "index": 0}, event="content_block_stop")
+            self.sse({"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
+                      "usage": {"output_tokens": len(res["tokens"])}}, event="message_delta")
+            self.sse({"type": "message_stop"}, event="message_stop")
+            return
+        self.send_json(200, {"id": rid, "type": "message", "role": "assistant", "model": model,
                              "content": content, "stop_reason": stop, "stop_sequence": None,
                              "usage": {"input_tokens": res["n_prompt"], "output_tokens": len(res["tokens"]),
                                        "cache_read_input_tokens": res["cached"]}})

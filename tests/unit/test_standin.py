@@ -174,3 +174,14 @@ def test_streaming_sends_tokens_then_usage_then_done():
     assert usage["completion_tokens"] == 5
     pieces = [json.loads(ln[5:])["choices"][0]["delta"].get("content") for ln in lines[1:-2]]
     assert len([p for p in pieces if p]) == 5
+
+
+def test_anthropic_messages_stream_events_like_claude_code_expects():
+    with StandIn() as s:
+        r = requests.post(s.url + "/v1/messages", json={"max_tokens": 4, "stream": True,
+                          "messages": [{"role": "user", "content": "hi"}], "output_config": {"effort": "high"}},
+                          stream=True, timeout=10)
+        events = [ln[7:] for ln in r.iter_lines(decode_unicode=True) if ln.startswith("event: ")]
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert events[:2] == ["message_start", "content_block_start"] and events[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert events.count("content_block_delta") == 4
