@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from .. import recipe
-from ..errors import CheckFailed, UsageError
-from ..output import _paint, print_json, say
+from ..errors import CheckFailed
+from ..output import _paint, print_json
 from ..gates import target
 
 
@@ -49,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
         mark = {"pass": _paint("32", "✔", sys.stdout), "fail": _paint("31", "✘", sys.stdout),
                 "skip": _paint("2", "-", sys.stdout)}[res.status]
         print(f"  {mark} {res.name:<{width}}{res.detail}", flush=True)
+        if res.status == "fail" and res.data.get("hint"):
+            print(f"    {'':<{width}}{_paint('2', 'hint: ' + res.data['hint'], sys.stdout)}", flush=True)
 
     results = checks.run(ctx, set(args.only) or None, set(args.skip) or None, on_result=show)
     summ = checks.summary(results)
