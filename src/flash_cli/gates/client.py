@@ -56,6 +56,22 @@ class Stream:
         return None if self.first is None else self.first - self.sent
 
 
+def describe(exc: Exception, timeout: float) -> str:
+    """One short phrase for a transport error (requests' own text nests three exceptions)."""
+    import requests
+
+    if isinstance(exc, requests.Timeout):
+        return f"timed out after {timeout:g} s"
+    if isinstance(exc, requests.ConnectionError):
+        text = str(exc)
+        if "refused" in text:
+            return "connection refused"
+        if "Name or service not known" in text or "resolve" in text:
+            return "host name does not resolve"
+        return "connection failed"
+    return f"{type(exc).__name__}: {str(exc)[:160]}"
+
+
 class Client:
     def __init__(self, url: str, key: str | None = None, timeout: float = 600.0):
         import requests
@@ -79,7 +95,7 @@ class Client:
         try:
             resp = self.session.request(method, self.url + path, json=body, timeout=timeout or self.timeout)
         except requests.RequestException as exc:
-            return Reply(0, seconds=time.perf_counter() - start, error=type(exc).__name__ + ": " + str(exc)[:200])
+            return Reply(0, seconds=time.perf_counter() - start, error=describe(exc, timeout or self.timeout))
         seconds = time.perf_counter() - start
         parsed = None
         if "json" in resp.headers.get("content-type", ""):
@@ -123,6 +139,6 @@ class Client:
                         if choice.get("finish_reason"):
                             out.finish_reason = choice["finish_reason"]
         except (requests.RequestException, ValueError) as exc:
-            out.error = type(exc).__name__ + ": " + str(exc)[:200]
+            out.error = describe(exc, timeout or self.timeout)
         out.end = time.perf_counter()
         return out
