@@ -31,7 +31,7 @@ def torch_dtype(name: str):
 
 class Stager:
     def __init__(self, table, device="cuda", out_dtype=None, max_rows: int = 8192, dedup_min: int = 256,
-                 stats=None, slots: int = 2):
+                 stats=None, slots: int = 2, graph_max_rows: int = 1024, max_graphs: int = 64):
         import numpy as np
         import torch
 
@@ -44,9 +44,14 @@ class Stager:
         self.scale = table.scale
         self.dedup_min = dedup_min
         self.stats = stats
+        self.max_graphs = max_graphs
         self.n_slots = max(1, slots)
         self.capacity = 0
         self._slot = 0
+        # Small batches on CUDA: the device part (H2D + view + dequant) replays as one CUDA graph
+        # per (slot, rows, raw, out buffer): one launch instead of 3-4 ops and their allocations.
+        self.graph_max_rows = graph_max_rows if self.cuda else 0
+        self._graphs: dict = {}
         self._alloc(max_rows)
 
     def _alloc(self, rows: int) -> None:
@@ -61,6 +66,7 @@ class Stager:
         self._rows_np = [t.numpy() for t in self._rows]
         self._inv_np = [t.numpy() for t in self._inv]
         self._events = [None] * self.n_slots
+        self._graphs = {}  # captured graphs read the old buffers
         self.capacity = rows
 
     def _host_ids(self, ids):
@@ -75,6 +81,61 @@ class Stager:
             return ids.numpy().reshape(-1).astype(np.int64, copy=False), shape, 0.0
         a = np.asarray(ids)
         return a.reshape(-1).astype(np.int64, copy=False), a.shape, 0.0
+
+    def _device_part(self, src, dev_u8, raw):
+        dev_u8.copy_(src, non_blocking=True)
+        emb = dev_u8.view(self.table_dtype)
+        if not raw:
+            emb = emb.to(self.out_dtype)
+            if self.scale is not None:
+                emb.mul_(self.scale)
+        return emb
+
+    def _replay(self, s, n, raw, out):
+        torch = self.torch
+        key = (s, n, raw, None if out is None else (out.data_ptr(), out.dtype))
+        g = self._graphs.get(key)
+        if g is None:
+            if len(self._graphs) >= self.max_graphs:
+                self._graphs.pop(next(iter(self._graphs)))
+            src = self._rows[s][:n]
+            dev_u8 = torch.empty((n, self.table.row_bytes), dtype=torch.uint8, device=self.device)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm up outside the capture (allocator, kernels)
+                self._device_part(src, dev_u8, raw)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                res = self._device_part(src, dev_u8, raw)
+                if out is not None:
+                    out.view(n, self.table.head_dim).copy_(res)
+            g = self._graphs[key] = (graph, res, dev_u8)
+        g[0].replay()
+        self._record(s)
+        return g[1]
+
+    def _record(self, s):
+        if self.cuda:
+            torch = self.torch
+            e = self._events[s]
+            if e is None:
+                e = self._events[s] = torch.cuda.Event()
+            e.record()  # on the current stream, after the H2D that read slot s
+
+    def _eager(self, s, n, k, dedup, raw):
+        dev = self.device
+        rows = self._rows[s][:k].to(dev, non_blocking=True, copy=True)
+        inv_d = self._inv[s][:n].to(dev, non_blocking=True, copy=True) if dedup and k < n else None
+        self._record(s)
+        if inv_d is not None:
+            rows = rows.index_select(0, inv_d)
+        emb = rows.view(self.table_dtype)
+        if not raw:
+            emb = emb.to(self.out_dtype)
+            if self.scale is not None:
+                emb.mul_(self.scale)
+        return emb
 
     def lookup(self, ids, raw: bool = False, out=None):
         """Embeddings ``(*ids.shape, head_dim)`` on the device: ``out_dtype`` dequantized, or the
@@ -102,27 +163,17 @@ class Stager:
             self.table.gather(flat, out=self._rows_np[s][:n])
             k = n
         ts = time.perf_counter()
-        dev = self.device
-        rows = self._rows[s][:k].to(dev, non_blocking=True, copy=True)
-        if dedup and k < n:
-            inv_d = self._inv[s][:n].to(dev, non_blocking=True, copy=True)
+        if not dedup and 0 < n <= self.graph_max_rows:
+            emb = self._replay(s, n, raw, out)
+            if out is None:
+                emb = emb.clone()  # the graph's output is static; the caller gets its own tensor
+            emb = emb.view(*shape, self.table.head_dim) if out is None else out
         else:
-            inv_d = None
-        if self.cuda:
-            e = self._events[s] or torch.cuda.Event()
-            e.record(torch.cuda.current_stream(dev))
-            self._events[s] = e
-        if inv_d is not None:
-            rows = rows.index_select(0, inv_d)
-        emb = rows.view(self.table_dtype)
-        if not raw:
-            emb = emb.to(self.out_dtype)
-            if self.scale is not None:
-                emb.mul_(self.scale)
-        emb = emb.view(*shape, self.table.head_dim)
-        if out is not None:
-            out.copy_(emb, non_blocking=True)
-            emb = out
+            emb = self._eager(s, n, k, dedup, raw)
+            emb = emb.view(*shape, self.table.head_dim)
+            if out is not None:
+                out.copy_(emb, non_blocking=True)
+                emb = out
         if self.stats is not None:
             t1 = time.perf_counter()
             self.stats.record(ops=1, op_s=t1 - t0, gpu_wait_s=wait_s, stage_s=t1 - ts)

@@ -350,7 +350,9 @@ class PLETable:
                     self.close()
                     raise PLETableError(f"VLLM_PLE_MMAP_IO=uring but io_uring is unavailable: {e}") from None
                 self.io = "mmap"
-        self._warm = 0  # consecutive fully-cached uring batches
+        self._warm = 0  # consecutive fully-cached batches
+        self._ewma = [{"uring": None, "mmap": None}, {"uring": None, "mmap": None}]
+        self._cold_n = [0, 0]
         self.last_strategy = ""
         if self.config.prewarm:
             self.prewarm()
@@ -450,7 +452,7 @@ class PLETable:
             self._take(flat, out)
             return "take"
         if self.io == "uring":
-            if self._warm >= 2 and n <= 4096:
+            if self._warm >= 2:
                 # Pages were all cached lately: read through the mapping. A major fault means the
                 # guess was wrong (that row waited alone): go back to the ring at once.
                 f0 = _majflt()
@@ -458,16 +460,50 @@ class PLETable:
                 if _majflt() != f0:
                     self._warm = 0
                 return "take"
-            inline = self._uring(flat, out)
-            self._warm = self._warm + 1 if inline else 0
-            return "uring"
-        if n <= 4096:
-            self._willneed(flat)
+            size_class = 0 if n <= 4096 else 1
+            strat = self._pick(size_class)
+            t0 = time.perf_counter()
+            if strat == "uring":
+                inline = self._uring(flat, out)
+                cold = not inline
+            else:
+                # Faults on pages WILLNEED already put under I/O do not count as major: judge by time
+                # (warm rows cost well under a µs each, a disk read tens of µs).
+                strat = self._mmap_gather(flat, out)
+                cold = time.perf_counter() - t0 > 30e-6 + 3e-6 * n
+            self._warm = 0 if cold else self._warm + 1
+            if cold:
+                self._learn(size_class, "uring" if strat == "uring" else "mmap", (time.perf_counter() - t0) / n)
+            return strat
+        return self._mmap_gather(flat, out)
+
+    def _mmap_gather(self, flat, out) -> str:
+        self._willneed(flat)
+        if flat.shape[0] <= 4096:
             self._take(flat, out)
             return "willneed"
-        self._willneed(flat)
         self._pool_gather(flat, out)
         return "pool"
+
+    # Which cold path is faster depends on the machine (16-core host: the ring; a loaded 2-core
+    # VM: WILLNEED + faults). With io=auto both are timed on cold batches (per-row EWMA, per size
+    # class) and the faster one is used, trying the other on every 16th cold batch.
+    def _pick(self, size_class: int) -> str:
+        if self.config.io == "uring":
+            return "uring"
+        e = self._ewma[size_class]
+        self._cold_n[size_class] += 1
+        for k in ("uring", "mmap"):
+            if e[k] is None:
+                return k
+        best = min(e, key=e.get)
+        if self._cold_n[size_class] % 16 == 0:
+            return "mmap" if best == "uring" else "uring"
+        return best
+
+    def _learn(self, size_class: int, strat: str, per_row: float) -> None:
+        e = self._ewma[size_class]
+        e[strat] = per_row if e[strat] is None else 0.8 * e[strat] + 0.2 * per_row
 
     # -- public --------------------------------------------------------------------------------
     def gather(self, ids, out=None):
