@@ -55,6 +55,9 @@ def test_serve_wait_test_status_logs_stop_start_rm(flash, docker_client):
     assert st["api_key"] is None and not st["exposed_without_key"]
     assert "measured 1,234,567 tokens, predicted" in st["kv_cache_plan"]  # planner next to the boot log
 
+    res = flash("serve", "published", "--start-check", "1")  # the same recipe is not rebooted
+    assert res.returncode == 0 and "already runs this recipe" in res.stdout
+
     res = flash("logs", "3")
     assert res.returncode == 0 and len(res.stdout.splitlines()) == 3
 

@@ -8,11 +8,11 @@ import os
 import sys
 from dataclasses import asdict
 
-from .. import preflight, recipe, state
+from .. import preflight, recipe, running, state
 from ..errors import ContainerDied
 from ..output import dim, say
 from ..render import docker_run_text
-from ..spec import RunSpec, build
+from ..spec import LABEL, RunSpec, build
 
 PLACEHOLDER = "<SNAPSHOT>"
 
@@ -24,6 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     recipe.add_arguments(p)
     p.add_argument("--dry-run", action="store_true", help="print the exact docker run line; run nothing")
     p.add_argument("--json", action="store_true", help="with --dry-run: the run spec as JSON")
+    p.add_argument("--force", action="store_true",
+                   help="replace the container even when it already runs this exact recipe")
     p.add_argument("--no-profile", action="store_true",
                    help="defaults + environment only (what scripts/serve.sh uses)")
     p.add_argument("--start-check", type=float, default=8.0, metavar="S",
@@ -70,6 +72,18 @@ def run(args: argparse.Namespace) -> int:
     for p in preflight.port(s, held_by_us=held):
         p.raise_()
     if existing is not None:
+        same = existing.labels.get(f"{LABEL}.settings") == spec.labels[f"{LABEL}.settings"] \
+            and existing.labels.get(f"{LABEL}.image") == spec.image and existing.image.id == client.images.get(spec.image).id
+        if held and same and not args.force:
+            print(f"{s['NAME']} already runs this recipe (settings {spec.labels[f'{LABEL}.settings']}); nothing to do "
+                  "(--force replaces it: a full reboot)")
+            return 0
+        if held:
+            from .lifecycle import drain
+
+            left, _ = drain(running.endpoint(existing), s["DRAIN_TIMEOUT"])
+            if left:
+                say(f"  ! {left:.0f} request(s) still running after {s['DRAIN_TIMEOUT']} s; replacing anyway")
         say(f"  · replacing the existing container {engine.describe(existing)}")
         existing.remove(force=True)
 
