@@ -13,7 +13,7 @@ Routes (as huggingface_hub 2.4 calls them, see its hf_api.py / file_download.py)
 Unknown repo → 404 with `X-Error-Code: RepoNotFound`; unknown revision → 404
 `RevisionNotFound`; a repo with `token` set answers 401 without `Authorization: Bearer <token>`.
 Fault injection: `drop_after[path] = n` closes the connection after n body bytes (once per
-entry), `corrupt[path] = True` flips a byte in the served body.
+entry), `corrupt[path] = True` flips the last byte of the served body.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ class FakeHub:
         self.drop_after: dict[str, int] = {}
         self.corrupt: dict[str, bool] = {}
         self.requests: list[tuple[str, str, dict]] = []
+        self.throttle_bps: float | None = None  # slow the CDN down (to interrupt a download mid-file)
         self._server: ThreadingHTTPServer | None = None
         self.port = 0
 
@@ -243,11 +244,11 @@ class FakeHub:
         with open(f.source, "rb") as src:
             src.seek(start)
             while True:
-                chunk = src.read(1 << 20)
+                chunk = src.read(1 << 16 if self.throttle_bps else 1 << 20)
                 if not chunk:
                     break
-                if self.corrupt.get(f.path) and sent == 0 and start == 0:
-                    chunk = bytes([chunk[0] ^ 0xFF]) + chunk[1:]
+                if self.corrupt.get(f.path) and start + sent + len(chunk) == f.size:
+                    chunk = chunk[:-1] + bytes([chunk[-1] ^ 0xFF])  # same size, valid header: only a hash sees it
                 if limit is not None and sent + len(chunk) > limit:
                     h.wfile.write(chunk[: max(0, limit - sent)])
                     h.wfile.flush()
@@ -259,3 +260,7 @@ class FakeHub:
                     return
                 h.wfile.write(chunk)
                 sent += len(chunk)
+                if self.throttle_bps:
+                    import time
+
+                    time.sleep(len(chunk) / self.throttle_bps)

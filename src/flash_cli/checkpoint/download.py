@@ -3,7 +3,15 @@
 Plan first (`plan()`: one `repo_info` + one recursive tree listing; exact bytes per file, what
 is cached, what is partly there as `blobs/<etag>.incomplete`, the disk check), then
 `snapshot_download` pinned to the resolved commit (so `main` moving mid-download cannot mix
-two revisions), then the structural verify. What `main` resolved to is written to `refs/main`
+two revisions), then the structural verify.
+
+Resuming: huggingface_hub 2.4 downloads into a per-process `<etag>.<random>.incomplete` file and
+deletes it on failure (its PR #4228), so a killed download starts over. Over plain HTTP we
+therefore fetch LFS files ourselves first: `blobs/<sha256>.incomplete` (a fixed name, resumed
+with `Range: bytes=N-`), sha256-checked against the LFS pointer while it streams, renamed to
+`blobs/<sha256>`; `snapshot_download` then finds the blobs and only links them and fetches the
+small files. Files the Hub serves through Xet (XET=1 and a xet hash in the listing; the only way
+for files over 50 GB) are left to hf_xet. What `main` resolved to is written to `refs/main`
 (as huggingface_hub does) and recorded in `<repo>/flash-download.json`.
 """
 
@@ -39,6 +47,7 @@ class FileInfo:
     lfs: bool
     cached: bool
     partial: int  # bytes already in blobs/<etag>.incomplete
+    xet: bool = False  # the Hub listed a xet hash for it
 
 
 @dataclass
@@ -171,13 +180,111 @@ def plan(settings, env=None) -> Plan:
         cached = blob.is_file() and blob.stat().st_size == size and link.exists()
         inc = blob.with_name(etag + ".incomplete")
         partial = inc.stat().st_size if (not cached and inc.is_file()) else 0
-        files.append(FileInfo(f.path, size, etag, lfs, cached, min(partial, size)))
+        files.append(FileInfo(f.path, size, etag, lfs, cached, min(partial, size), xet=bool(f.xet_hash)))
     p = Plan(model, requested, commit, cache, files, excluded)
     probe = cache
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     p.bytes_free = shutil.disk_usage(probe).free
     return p
+
+
+def _fetch_lfs(url: str, f: FileInfo, blobs: Path, token: str | None, bar=None) -> None:
+    """One LFS file into blobs/<sha256>, resuming blobs/<sha256>.incomplete; sha256-checked."""
+    from filelock import FileLock
+
+    blob = blobs / f.etag
+    # huggingface_hub's own lock for this blob: a parallel `hf download` waits instead of racing
+    lock = blobs.parent.parent / ".locks" / blobs.parent.name / f"{f.etag}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(lock)):
+        _fetch_locked(url, f, blob, token, bar)
+
+
+def _fetch_locked(url: str, f: FileInfo, blob: Path, token: str | None, bar) -> None:
+    import hashlib
+
+    import requests
+
+    if blob.is_file() and blob.stat().st_size == f.size:
+        return
+    part = blob.with_name(f.etag + ".incomplete")
+    h = hashlib.sha256()
+    have = part.stat().st_size if part.is_file() else 0
+    if have > f.size:
+        part.unlink()
+        have = 0
+    if have:
+        with open(part, "rb") as src:  # the hash covers the whole file, so re-read what is there
+            while chunk := src.read(16 << 20):
+                h.update(chunk)
+        if bar is not None:
+            bar.update(have)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    if have < f.size:
+        if have:
+            headers["Range"] = f"bytes={have}-"
+        # requests drops Authorization on a redirect to another host (the CDN), as it should
+        with requests.get(url, headers=headers, stream=True, timeout=(10, 60), allow_redirects=True) as r:
+            if r.status_code == 200 and have:  # the server ignored the range: start over
+                have = 0
+                h = hashlib.sha256()
+                mode = "wb"
+            elif r.status_code in (200, 206):
+                mode = "ab" if have else "wb"
+            else:
+                raise DownloadError(f"{f.path}: HTTP {r.status_code} from the Hub",
+                                    hint="a 401/403 needs HF_TOKEN; run again to resume")
+            with open(part, mode) as out:
+                for chunk in r.iter_content(chunk_size=1 << 20):
+                    out.write(chunk)
+                    h.update(chunk)
+                    if bar is not None:
+                        bar.update(len(chunk))
+                out.flush()
+                os.fsync(out.fileno())
+    size = part.stat().st_size
+    if size != f.size:
+        raise DownloadError(f"{f.path}: got {size} of {f.size} bytes", hint="run again: it resumes")
+    if h.hexdigest() != f.etag:
+        part.unlink()
+        raise DownloadError(f"{f.path}: sha256 {h.hexdigest()} does not match the Hub's {f.etag}; discarded",
+                            hint="run again to download it fresh")
+    os.chmod(part, 0o644)
+    os.replace(part, blob)
+
+
+def fetch_resumable(p: Plan, settings, env=None, progress: bool = False) -> None:
+    """Our resumable, hash-checked HTTP path for the LFS files hf_xet will not handle."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from huggingface_hub import hf_hub_url
+
+    env = os.environ if env is None else env
+    todo = [f for f in p.files if f.lfs and not f.cached and not (settings["XET"] and f.xet)]
+    if not todo:
+        return
+    blobs = hfcache.repo_dir(p.cache, p.model) / "blobs"
+    blobs.mkdir(parents=True, exist_ok=True)
+    for stale in blobs.glob("*.*.incomplete"):  # huggingface_hub's per-process temp files: never reused
+        stale.unlink(missing_ok=True)
+    token = token_for(p.cache, env)
+    endpoint = env.get("HF_ENDPOINT") or None
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(f.size for f in todo), unit="B", unit_scale=True, unit_divisor=1024,
+                   desc="download", file=sys.stderr)
+    try:
+        with ThreadPoolExecutor(max_workers=settings["MAX_WORKERS"]) as pool:
+            futs = [pool.submit(_fetch_lfs, hf_hub_url(p.model, f.path, revision=p.commit, endpoint=endpoint),
+                                f, blobs, token, bar) for f in todo]
+            for fut in futs:
+                fut.result()
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def execute(p: Plan, settings, env=None, progress: bool | None = None) -> Path:
@@ -205,6 +312,7 @@ def execute(p: Plan, settings, env=None, progress: bool | None = None) -> Path:
     while True:
         attempts += 1
         try:
+            fetch_resumable(p, settings, env, progress=tty)
             snapshot = Path(snapshot_download(**kwargs))
             break
         except KeyboardInterrupt:

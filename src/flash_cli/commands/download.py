@@ -11,6 +11,8 @@ from ..output import print_json
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("download", help="download the checkpoint into HF_CACHE (resumable; plan with --dry-run)")
     recipe.add_arguments(p)
+    p.add_argument("--no-profile", action="store_true",
+                   help="settings from defaults + environment + KEY=VALUE only (the scripts/ wrappers use this)")
     p.add_argument("--dry-run", action="store_true", help="list the files and exact bytes; download nothing")
     p.add_argument("--json", action="store_true", help="machine-readable plan/result")
     p.set_defaults(func=run)
@@ -19,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..checkpoint import download
 
-    s = recipe.load(args.recipe).settings
+    s = recipe.load(args.recipe, use_profile=not args.no_profile).settings
     plan = download.plan(s)
     if args.dry_run:
         if args.json:

@@ -13,6 +13,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("prepare", help="build <snapshot>-fp8hybrid (hybrid) or -fp8hybrid-mtpnvfp4 (graft)")
     p.add_argument("what", choices=("hybrid", "graft"), help="hybrid: fp8 side layers; graft: + NVFP4 MTP experts (RadixArk)")
     recipe.add_arguments(p)
+    p.add_argument("--no-profile", action="store_true",
+                   help="settings from defaults + environment + KEY=VALUE only (the scripts/ wrappers use this)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (files, bytes, disk); write nothing")
     p.add_argument("--force", action="store_true", help="rebuild even when the layout is ready")
     p.add_argument("--json", action="store_true", help="machine-readable result")
@@ -20,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    s = recipe.load(args.recipe).settings
+    s = recipe.load(args.recipe, use_profile=not args.no_profile).settings
     snap = hfcache.resolve_snapshot(s["HF_CACHE"], s["MODEL"], s["REVISION"])
     if snap is None:
         raise WeightsMissing(f"no snapshot of {s['MODEL']} under {hfcache.repo_dir(s['HF_CACHE'], s['MODEL'])}",

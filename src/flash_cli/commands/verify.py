@@ -13,6 +13,8 @@ from ..output import print_json
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="check the snapshot (and the MODE variant): files, headers, index; --hash for sha256")
     recipe.add_arguments(p)
+    p.add_argument("--no-profile", action="store_true",
+                   help="settings from defaults + environment + KEY=VALUE only (the scripts/ wrappers use this)")
     p.add_argument("--hash", action="store_true", help="also compare every blob's sha256 with the Hub's (reads all bytes)")
     p.add_argument("--path", type=Path, help="verify this checkpoint directory instead of the snapshot")
     p.add_argument("--json", action="store_true", help="machine-readable result")
@@ -26,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     if args.path:
         targets.append(("path", args.path))
     else:
-        s = recipe.load(args.recipe).settings
+        s = recipe.load(args.recipe, use_profile=not args.no_profile).settings
         snap = hfcache.resolve_snapshot(s["HF_CACHE"], s["MODEL"], s["REVISION"])
         if snap is None:
             raise WeightsMissing(f"no snapshot of {s['MODEL']}{'@' + s['REVISION'] if s['REVISION'] else ''} under "
