@@ -1,0 +1,25 @@
+"""Patch 8: deterministic QSA block selection, routed to patch 5's exact path."""
+
+from ..registry import Gate, Patch
+from . import _qsa_topk
+from .qsa_topk import ALL
+
+PATCH = Patch(
+    number=8,
+    name="qsa-det-topk",
+    title="Deterministic QSA block top-k",
+    why=("Greedy decoding should repeat itself (vllm#54521). The upstream recipe downloads and "
+         "compiles a deterministic `persistent_topk` (vllm#55122) inside the image build. We route "
+         "block selection to patch 5's exact `torch.topk` path instead: no network or nvcc in the "
+         "build, one code path to test, and the result is the exact top-k, identical across calls. "
+         "The kernel's author later traced real-traffic nondeterminism to upstream score "
+         "differences rather than ties, so this makes selection exact and repeatable, not the "
+         "whole forward. `VLLM_QSA_EXACT_TOPK` wins when both are set."),
+    upstream="vllm#55122 (deterministic persistent_topk, open); vllm#54521 (issue, open)",
+    gate=Gate.flag("VLLM_QSA_DET_TOPK"),
+    targets=("same hook as patch 5",),
+    applies_to=ALL,
+    check=_qsa_topk.check,
+    apply=_qsa_topk.install_hook,
+    verify=_qsa_topk.verify,
+)

@@ -1,0 +1,26 @@
+"""Patch 5: exact QSA block top-k (modes of the upstream recipe's `VLLM_QSA_EXACT_TOPK`)."""
+
+from ..registry import Gate, Patch
+from . import _qsa_topk
+
+ALL = frozenset({"v0.29", "v0.30", "v0.31", "v0.32", "v0.33"})
+
+PATCH = Patch(
+    number=5,
+    name="qsa-exact-topk",
+    title="Exact QSA block top-k",
+    why=("The stock `persistent_topk` can drop top-k candidates when many scores share a coarse "
+         "histogram bin (vllm#51782), so QSA may attend to the wrong blocks. Mode 1 selects the "
+         "blocks with `torch.topk` over the visible columns only; `fill` masks the never-written "
+         "columns and keeps the stock kernel (diagnostic)."),
+    upstream="vllm#51782 (open); vLLM's `sparse_indexer_topk_backend` reaches only the DSA indexer",
+    gate=Gate("VLLM_QSA_EXACT_TOPK", "VLLM_QSA_EXACT_TOPK=1|fill",
+              lambda e: e.get("VLLM_QSA_EXACT_TOPK", "").strip().lower() in
+              ("1", "true", "yes", "on", "fill")),
+    targets=("vllm.models.qwen4_exp.nvidia.ops.qsa:qsa_select_paged_tokens (v0.29)",
+             "vllm.models.qwen4_exp.nvidia.ops.qsa_indexer:_topk (v0.30+)"),
+    applies_to=ALL,
+    check=_qsa_topk.check,
+    apply=_qsa_topk.install_hook,
+    verify=_qsa_topk.verify,
+)

@@ -1,0 +1,101 @@
+"""flash_cli.plan.kvcache against vLLM's own allocator code, inside a release venv.
+
+The planner re-derives vLLM's hybrid KV accounting in plain Python (no vLLM on the host). Here the
+same per-layer specs are built with the release's real classes (FullAttentionSpec,
+MLAAttentionSpec, CircularBufferSpec, MambaSpec) and handed to the release's own
+`get_kv_cache_groups`, `get_kv_cache_config_from_groups` and
+`get_max_concurrency_for_kv_cache_config`; groups, bytes per block, blocks and the logged token
+count must agree exactly. (The block size itself comes from `_align_hybrid_block_size`, which needs
+the model registry; its inputs and the seed-004/003 values 1568/1600 are unit-tested instead.)
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from flash_cli.plan.geometry import REAL
+from flash_cli.plan.kvcache import layout
+
+CASES = [
+    dict(mtp=0, kv_dtype="auto", prefix_cache=True, max_model_len=262_144),
+    dict(mtp=2, kv_dtype="auto", prefix_cache=True, max_model_len=500_000),
+    dict(mtp=3, kv_dtype="auto", prefix_cache=True, max_model_len=1_000_000),
+    dict(mtp=2, kv_dtype="fp8_e4m3", prefix_cache=True, max_model_len=1_000_000),
+    dict(mtp=2, kv_dtype="auto", prefix_cache=False, max_model_len=500_000),
+]
+
+
+def vllm_specs(ours, torch, iface):
+    """Our Spec list → the release's spec objects, field by field as the layers build them."""
+    out = {}
+    kv_dtype = torch.float8_e4m3fn if ours.kv_dtype_bytes == 1 else torch.bfloat16
+    quant = iface.get_kv_quant_mode("fp8_e4m3" if ours.kv_dtype_bytes == 1 else "auto")
+    g = REAL
+    conv = (g.gdn_conv_dim, g.linear_conv_kernel_dim - 1 + ours.num_spec)
+    ssm = (g.linear_num_value_heads, g.linear_value_head_dim, g.linear_key_head_dim)
+    ple = (g.hc_width, g.ple_conv_state_len + ours.num_spec)
+    mode = "align" if ours.prefix_cache else "none"
+    for s in ours.specs:
+        if s.label == "qsa_kv":
+            spec = iface.FullAttentionSpec(block_size=s.block_size, num_kv_heads=g.num_key_value_heads,
+                                           head_size=g.head_dim, head_size_v=g.head_dim, dtype=kv_dtype,
+                                           kv_quant_mode=quant)
+        elif s.label == "qsa_index_keys":
+            spec = iface.MLAAttentionSpec(block_size=s.block_size, num_kv_heads=1, head_size=g.indexer_head_dim,
+                                          dtype=torch.bfloat16, tokens_per_state=g.indexer_compress_ratio)
+        elif s.label == "qsa_ring":
+            spec = iface.CircularBufferSpec(block_size=s.block_size, num_kv_heads=1,
+                                            head_size=g.indexer_head_dim + 12, head_size_v=0, dtype=torch.bfloat16)
+        elif s.label == "gdn_state":
+            spec = iface.MambaSpec(shapes=(conv, ssm), dtypes=(torch.bfloat16, torch.float32), block_size=s.block_size,
+                                   page_size_padded=s.page, mamba_cache_mode=mode, num_speculative_blocks=ours.num_spec)
+        else:
+            spec = iface.MambaSpec(shapes=(ple,), dtypes=(torch.bfloat16,), block_size=s.block_size,
+                                   page_size_padded=s.page, mamba_cache_mode=mode, num_speculative_blocks=ours.num_spec,
+                                   tp_replicated=True)
+        assert spec.page_size_bytes == s.page, (s.layer, spec.page_size_bytes, s.page)
+        out[s.layer] = spec
+    return out
+
+
+def fake_config(max_model_len: int, prefix_cache: bool):
+    return SimpleNamespace(
+        model_config=SimpleNamespace(max_model_len=max_model_len, hf_config=SimpleNamespace(model_type="qwen4_exp")),
+        cache_config=SimpleNamespace(kv_cache_layout="BLNHC", mamba_cache_mode="align" if prefix_cache else "none",
+                                     num_gpu_blocks_override=None, prefix_cache_retention_interval=None,
+                                     get_resolved_kv_cache_layout=lambda: __import__(
+                                         "vllm.v1.kv_cache_layout", fromlist=["KVCacheLayout"]).KVCacheLayout.BLNHC),
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+        attention_config=SimpleNamespace(hisparse_config=None),
+        speculative_config=None,
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"mtp{c['mtp']}-{c['kv_dtype']}-pc{int(c['prefix_cache'])}" for c in CASES])
+def test_groups_blocks_and_tokens_match_vllm(case):
+    torch = pytest.importorskip("torch")
+    import vllm.v1.kv_cache_interface as iface
+    from vllm.v1.core import kv_cache_utils as ku
+
+    planning = getattr(ku, "get_kv_cache_groups", None) and ku
+    if not hasattr(ku, "get_kv_cache_groups"):  # 0.33 moved the planning half out of kv_cache_utils
+        from vllm.v1.core import kv_cache_planning as planning
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+
+    ours = layout(REAL, base="v0.29", **case)
+    cfg = fake_config(case["max_model_len"], case["prefix_cache"])
+    register_all_kvcache_specs(cfg)
+    specs = vllm_specs(ours, torch, iface)
+    groups = planning.get_kv_cache_groups(cfg, dict(specs))
+    theirs = sorted(sorted(g.layer_names) for g in groups)
+    assert theirs == sorted(sorted(s.layer for s in g.layers) for g in ours.groups)
+    available = 19 * 1024**3 + 12345
+    kv_cfg = planning.get_kv_cache_config_from_groups(cfg, groups, available)
+    assert kv_cfg.num_blocks == ours.num_blocks(available)
+    assert kv_cfg.num_blocks == available // ours.bytes_per_block
+    concurrency = ku.get_max_concurrency_for_kv_cache_config(cfg, kv_cfg)
+    assert concurrency == pytest.approx(ours.concurrency(available), rel=1e-12)
+    assert int(concurrency * case["max_model_len"]) == ours.tokens(available)

@@ -1,0 +1,58 @@
+"""Fixtures for the checks that run *inside* a release venv (tools/check_vllm_release.py builds it).
+
+The outer test (tests/vllm/test_releases.py) runs these files with the release venv's Python:
+`python -m pytest tests/vllm/release -o python_files=check_*.py`. Nothing here imports vLLM at
+module level, so the project venv's pytest can load this conftest without vLLM.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_config():
+    """A default VllmConfig on the CPU device, current for the session (layers read it at init)."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    with set_current_vllm_config(cfg):
+        yield cfg
+
+
+@pytest.fixture(scope="session")
+def base():
+    from flash_vllm import compat
+
+    return compat.resolve(compat.installed_vllm_version(), {}).name
+
+
+@pytest.fixture(scope="session")
+def draft_ids(tmp_path_factory):
+    """Our own id set (the shipped one comes from the checkpoint pipeline): every 3rd id + specials."""
+    ids = np.unique(np.concatenate([np.arange(0, 512, 3), np.array([7, 500, 511])])).astype(np.int64)
+    path = tmp_path_factory.mktemp("vocab") / "ids.npy"
+    np.save(path, ids)
+    return ids, path
+
+
+@pytest.fixture(scope="session")
+def gates(draft_ids):
+    return {
+        "VLLM_QSA_EXACT_TOPK": "1",
+        "VLLM_QSA_DET_TOPK": "1",
+        "VLLM_MTP_DRAFT_VOCAB": str(draft_ids[1]),
+        "FLASH_EFFORT_ALIAS": "1",
+        "VLLM_FP8_HYBRID": "1",
+    }
+
+
+@pytest.fixture(scope="session")
+def registered(gates):
+    """flash_vllm.register() once for the session, with every gate on (as a serving process)."""
+    from flash_vllm import plugin
+
+    plugin.reset_for_tests()
+    summary = plugin.register(env=gates)
+    return summary
