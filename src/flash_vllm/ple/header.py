@@ -223,8 +223,8 @@ def _validate(obj, header_len: int, file_size: int) -> tuple[dict | None, dict[s
                 f"tensor {name!r}: data_offsets end {end} is past the data section "
                 f"({data_len} bytes; file {file_size} bytes, data starts at {data_start})"
             )
-        numel = 1
-        for d in shape:
+        numel = 0 if 0 in shape else 1  # a zero dim makes the tensor empty whatever the others say
+        for d in shape if numel else ():
             numel *= d
             if numel > data_len * 8:  # cap the int size early; such a tensor can't fit anyway
                 break
