@@ -44,7 +44,6 @@ _SYS_PIDFD_OPEN = 434
 _SYS_PROCESS_MADVISE = 440
 _IOV_MAX = 1024
 _POSIX_FADV_RANDOM = 1
-_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", 1)
 
 SUPPORTED_DTYPES = {"F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "F32": 4}
 SHARD_RE = re.compile(r"^(?P<prefix>.*layers\.(?P<layer>\d+)\.ple\.ple_embedding\.ngram_embedding\.)shard_(?P<k>\d+)\.weight$")
@@ -76,7 +75,8 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def _majflt() -> int:
-    return resource.getrusage(_RUSAGE_THREAD).ru_majflt
+    # Whole process: pool threads fault too.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
 
 
 def _oserr(what: str) -> OSError:
@@ -338,6 +338,7 @@ class PLETable:
         self._lock = threading.Lock()
         self._pool = None
         self._ring = None
+        self.io_note = ""
         self.io = self.config.io
         if self.io in ("auto", "uring"):
             try:
@@ -349,7 +350,9 @@ class PLETable:
                 if self.config.io == "uring":
                     self.close()
                     raise PLETableError(f"VLLM_PLE_MMAP_IO=uring but io_uring is unavailable: {e}") from None
+                # Docker's default seccomp profile blocks io_uring (moby#46762); process_madvise is allowed.
                 self.io = "mmap"
+                self.io_note = f"io_uring unavailable ({e})"
         self._warm = 0  # consecutive fully-cached batches
         self._ewma = [{"uring": None, "mmap": None}, {"uring": None, "mmap": None}]
         self._cold_n = [0, 0]
@@ -371,15 +374,16 @@ class PLETable:
         return (f"PLE mmap: {self.num_shards} shards, {self.num_rows} rows x {self.row_bytes} B "
                 f"({gib:.2f} GiB on disk), dtype {self.dtype}, scale {self.scale}, io {self.io}, "
                 f"madvise {self.config.madvise}{'' if self.madvise_ok else ' (failed)'}, "
-                f"prefetch {self._prefetcher.mode}, {self.config.workers} workers")
+                f"prefetch {self._prefetcher.mode}, {self.config.workers} workers"
+                + (f"; {self.io_note}" if self.io_note else ""))
 
     # -- addressing ----------------------------------------------------------------------------
     def _check(self, flat):
-        np = self._np
         if flat.size == 0:
             return
-        lo, hi = int(flat.min()), int(flat.max())
-        if lo < 0 or hi >= self.num_rows:
+        # One reduction: as uint64 a negative id is huge, so max() catches both ends.
+        if int(flat.view(self._np.uint64).max()) >= self.num_rows:
+            lo, hi = int(flat.min()), int(flat.max())
             bad = lo if lo < 0 else hi
             raise IndexError(f"PLE row id {bad} out of range [0, {self.num_rows})")
 
@@ -452,11 +456,15 @@ class PLETable:
             self._take(flat, out)
             return "take"
         if self.io == "uring":
-            if self._warm >= 2:
-                # Pages were all cached lately: read through the mapping. A major fault means the
-                # guess was wrong (that row waited alone): go back to the ring at once.
+            if self._warm >= 1:
+                # Pages were all cached lately: read through the mapping (big batches over the
+                # pool). A major fault means the guess was wrong (that row waited alone): go back
+                # to the ring at once.
                 f0 = _majflt()
-                self._take(flat, out)
+                if n > 4096:
+                    self._pool_gather(flat, out)
+                else:
+                    self._take(flat, out)
                 if _majflt() != f0:
                     self._warm = 0
                 return "take"
