@@ -191,6 +191,7 @@ class KVLayout:
     bytes_per_block: int
     blocks_per_request: int
     notes: list[str] = field(default_factory=list)
+    checkpoints: bool = False  # 0.33 Mamba prefill checkpoints (one more state block per request)
 
     @property
     def tokens_per_block(self) -> int:
@@ -292,4 +293,5 @@ def layout(geom: Geometry, *, base: str, kv_dtype: str, mtp: int, prefix_cache: 
     return KVLayout(base=base, kv_dtype_bytes=kv_bytes, num_spec=k, prefix_cache=prefix_cache,
                     max_model_len=max_model_len, block_size=block, mamba_page_unpadded=mamba_page,
                     attn_page_per_token=attn_page_1, ring_capacity=ring_capacity, specs=specs, groups=groups,
-                    bytes_per_block=bytes_per_block, blocks_per_request=per_request, notes=notes)
+                    bytes_per_block=bytes_per_block, blocks_per_request=per_request, notes=notes,
+                    checkpoints=checkpoints)

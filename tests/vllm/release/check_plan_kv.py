@@ -27,7 +27,18 @@ CASES = [
 ]
 
 
-def vllm_specs(ours, torch, iface):
+def release_base() -> str:
+    try:
+        from importlib.metadata import version
+
+        v = version("vllm")
+    except Exception:  # a source tree on PYTHONPATH has no dist-info
+        from vllm.version import __version__ as v
+    major, minor = v.split(".")[:2]
+    return f"v{major}.{minor}"
+
+
+def vllm_specs(ours, torch, iface, checkpoints: bool):
     """Our Spec list → the release's spec objects, field by field as the layers build them."""
     out = {}
     kv_dtype = torch.float8_e4m3fn if ours.kv_dtype_bytes == 1 else torch.bfloat16
@@ -37,6 +48,8 @@ def vllm_specs(ours, torch, iface):
     ssm = (g.linear_num_value_heads, g.linear_value_head_dim, g.linear_key_head_dim)
     ple = (g.hc_width, g.ple_conv_state_len + ours.num_spec)
     mode = "align" if ours.prefix_cache else "none"
+    # 0.33 + FlashInfer GDN prefill: every Mamba layer exports prefill checkpoints (one more block)
+    ckpt = dict(num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=ours.block_size) if checkpoints else {}
     for s in ours.specs:
         if s.label == "qsa_kv":
             spec = iface.FullAttentionSpec(block_size=s.block_size, num_kv_heads=g.num_key_value_heads,
@@ -50,11 +63,11 @@ def vllm_specs(ours, torch, iface):
                                             head_size=g.indexer_head_dim + 12, head_size_v=0, dtype=torch.bfloat16)
         elif s.label == "gdn_state":
             spec = iface.MambaSpec(shapes=(conv, ssm), dtypes=(torch.bfloat16, torch.float32), block_size=s.block_size,
-                                   page_size_padded=s.page, mamba_cache_mode=mode, num_speculative_blocks=ours.num_spec)
+                                   page_size_padded=s.page, mamba_cache_mode=mode, num_speculative_blocks=ours.num_spec, **ckpt)
         else:
             spec = iface.MambaSpec(shapes=(ple,), dtypes=(torch.bfloat16,), block_size=s.block_size,
                                    page_size_padded=s.page, mamba_cache_mode=mode, num_speculative_blocks=ours.num_spec,
-                                   tp_replicated=True)
+                                   tp_replicated=True, **ckpt)
         assert spec.page_size_bytes == s.page, (s.layer, spec.page_size_bytes, s.page)
         out[s.layer] = spec
     return out
@@ -85,10 +98,12 @@ def test_groups_blocks_and_tokens_match_vllm(case):
         from vllm.v1.core import kv_cache_planning as planning
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 
-    ours = layout(REAL, base="v0.29", **case)
+    base = release_base()
+    ours = layout(REAL, base=base, **case)  # flashinfer_gdn=True: the sm_121 + CUDA 13 selection
+    checkpoints = ours.checkpoints
     cfg = fake_config(case["max_model_len"], case["prefix_cache"])
     register_all_kvcache_specs(cfg)
-    specs = vllm_specs(ours, torch, iface)
+    specs = vllm_specs(ours, torch, iface, checkpoints)
     groups = planning.get_kv_cache_groups(cfg, dict(specs))
     theirs = sorted(sorted(g.layer_names) for g in groups)
     assert theirs == sorted(sorted(s.layer for s in g.layers) for g in ours.groups)
