@@ -5,8 +5,10 @@ same per-layer specs are built with the release's real classes (FullAttentionSpe
 MLAAttentionSpec, CircularBufferSpec, MambaSpec) and handed to the release's own
 `get_kv_cache_groups`, `get_kv_cache_config_from_groups` and
 `get_max_concurrency_for_kv_cache_config`; groups, bytes per block, blocks and the logged token
-count must agree exactly. (The block size itself comes from `_align_hybrid_block_size`, which needs
-the model registry; its inputs and the seed-004/003 values 1568/1600 are unit-tested instead.)
+count must agree exactly. The block size is checked against the release's
+`Platform._align_hybrid_block_size`, run on stubs of the model class and the QSA backend.
+Run by tests/vllm/test_releases.py in each release venv; by hand:
+`PYTHONPATH=<release site>:src python -m pytest tests/vllm/release/check_plan_kv.py -o python_files=check_*.py`.
 """
 
 from __future__ import annotations
@@ -114,3 +116,64 @@ def test_groups_blocks_and_tokens_match_vllm(case):
     concurrency = ku.get_max_concurrency_for_kv_cache_config(cfg, kv_cfg)
     assert concurrency == pytest.approx(ours.concurrency(available), rel=1e-12)
     assert int(concurrency * case["max_model_len"]) == ours.tokens(available)
+
+
+BLOCK_CASES = [(0, "auto", True), (2, "auto", True), (3, "auto", True), (2, "fp8_e4m3", True), (2, "auto", False)]
+
+
+@pytest.mark.parametrize("mtp, kv_dtype, prefix_cache", BLOCK_CASES, ids=[f"mtp{m}-{d}-pc{int(p)}" for m, d, p in BLOCK_CASES])
+def test_block_size_matches_align_hybrid_block_size(monkeypatch, mtp, kv_dtype, prefix_cache):
+    """Platform._align_hybrid_block_size run on stubs of what it asks: the model class (Mamba specs
+    of GDN + PLE, as `get_mamba_specs_from_config` builds them) and the QSA backend (kernel block
+    MultipleOf(16)); on 0.33 the prefill-checkpoint alignment of FlashInfer's GDN prefill (64)."""
+    torch = pytest.importorskip("torch")
+    import vllm.platforms.interface as pi
+    import vllm.v1.kv_cache_interface as iface
+    from vllm.v1.attention.backend import MultipleOf
+
+    base = release_base()
+    ours = layout(REAL, base=base, kv_dtype=kv_dtype, mtp=mtp, prefix_cache=prefix_cache, max_model_len=500_000)
+    g = REAL
+
+    class Model:
+        @staticmethod
+        def get_mamba_specs_from_config(_cfg):
+            return (iface.MambaSpec(shapes=((g.gdn_conv_dim, g.linear_conv_kernel_dim - 1 + mtp),
+                                            (g.linear_num_value_heads, g.linear_value_head_dim, g.linear_key_head_dim)),
+                                    dtypes=(torch.bfloat16, torch.float32), block_size=-1),
+                    iface.MambaSpec(shapes=((g.hc_width, g.ple_conv_state_len + mtp),), dtypes=(torch.bfloat16,),
+                                    block_size=-1, tp_replicated=True))
+
+    class Backend:
+        @staticmethod
+        def get_supported_kernel_block_sizes():
+            return [MultipleOf(16)]
+
+        @classmethod
+        def customize_spec(cls, spec):
+            return spec
+
+    from vllm.model_executor.models import ModelRegistry
+
+    monkeypatch.setattr(ModelRegistry, "resolve_model_cls", lambda *a, **k: (Model, "Qwen4ExpForConditionalGeneration"))
+    if hasattr(pi.Platform, "_find_non_ssm_backends"):
+        monkeypatch.setattr(pi.Platform, "_find_non_ssm_backends", classmethod(lambda cls, cfg: [Backend]))
+    import vllm.model_executor.layers.mamba.abstract as ab
+
+    if hasattr(ab, "get_mamba_prefill_checkpoint_alignment"):
+        monkeypatch.setattr(ab, "get_mamba_prefill_checkpoint_alignment",
+                            lambda cfg: 64 if ours.checkpoints else None)
+    cache = SimpleNamespace(cache_dtype=kv_dtype, block_size=16, user_specified_block_size=False,
+                            user_specified_mamba_block_size=False, mamba_block_size=None,
+                            mamba_cache_mode="align" if prefix_cache else "none", mamba_page_size_padded=None,
+                            kv_cache_dtype_skip_layers=None)
+    model = SimpleNamespace(use_mla=False, dtype=torch.bfloat16, architecture="Qwen4ExpForConditionalGeneration",
+                            get_num_kv_heads=lambda pc: g.num_key_value_heads, get_head_size=lambda: g.head_dim)
+    cfg = SimpleNamespace(cache_config=cache, model_config=model, parallel_config=SimpleNamespace())
+    monkeypatch.setattr(pi, "set_current_vllm_config", lambda c: __import__("contextlib").nullcontext(), raising=False)
+    import vllm.config.vllm as cv
+
+    monkeypatch.setattr(cv, "set_current_vllm_config", lambda c: __import__("contextlib").nullcontext())
+    pi.Platform._align_hybrid_block_size(cfg, Backend)
+    assert cache.block_size == ours.block_size
+    assert cache.mamba_page_size_padded == ours.block_size * ours.attn_page_per_token
