@@ -83,3 +83,12 @@ def test_approximate_gcd_matches_vllm_rule():
     assert _approximate_gcd([36, 1, 12, 12], 12) == 12
     assert _approximate_gcd([36, 1, 13, 13], 13) == 13
     assert _approximate_gcd([8, 8], 1) == 8
+
+
+def test_per_cache_breakdown():
+    rows = {r["cache"]: r for r in lay(base="v0.33").per_cache()}
+    assert rows["qsa_kv"]["bytes_per_token"] == 13 * 2048 and rows["qsa_index_keys"]["bytes_per_token"] == 13 * 64
+    assert rows["gdn_state"]["layers"] == 36 and rows["gdn_state"]["blocks_per_request"] == 2 + 2 + 1  # 0.33 checkpoint
+    assert rows["gdn_state"]["page_bytes"] == 1600 * 2048  # padded to one attention page
+    assert rows["ple_conv_state"]["layers"] == 1 and rows["qsa_ring"]["blocks_per_request"] == 1
+    assert lay(base="v0.29").per_cache()[0]["blocks_per_request"] == 2 + 2

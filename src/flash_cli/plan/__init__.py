@@ -194,6 +194,7 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
             "block_size": lay.block_size, "attention_page_bytes_per_token": lay.attn_page_per_token,
             "mamba_page_bytes": lay.mamba_page_unpadded, "padded_page_bytes": lay.block_size * lay.attn_page_per_token,
             "ring_capacity": lay.ring_capacity, "kv_dtype_bytes": lay.kv_dtype_bytes,
+            "caches": lay.per_cache(),
             "groups": [{"layers": g.describe(), "bytes_per_block": g.bytes,
                         "blocks_per_request": g.blocks_per_request(s["CTX"])} for g in lay.groups],
             "bytes_per_block": lay.bytes_per_block, "blocks_per_request_at_ctx": lay.blocks_per_request,

@@ -192,6 +192,8 @@ class KVLayout:
     blocks_per_request: int
     notes: list[str] = field(default_factory=list)
     checkpoints: bool = False  # 0.33 Mamba prefill checkpoints (one more state block per request)
+    ring_page_unpadded: int = 0
+    state_pages: dict = field(default_factory=dict)  # unpadded GDN / PLE state bytes per block
 
     @property
     def tokens_per_block(self) -> int:
@@ -210,6 +212,26 @@ class KVLayout:
     def bytes_for_requests(self, n: int, length: int) -> int:
         """Pool bytes n requests of `length` tokens hold (blocks of every group)."""
         return n * sum(g.blocks_per_request(length) for g in self.groups) * self.bytes_per_block
+
+    def per_cache(self) -> list[dict]:
+        """Each kind of cache: layers, unpadded bytes per context token (K/V, index keys) or per
+        request (ring, GDN and PLE states), and the page every one of them occupies in the pool."""
+        rows: dict[str, dict] = {}
+        for s in self.specs:
+            row = rows.setdefault(s.label, {"cache": s.label, "layers": 0, "page_bytes": s.page})
+            row["layers"] += 1
+        for label, row in rows.items():
+            n = row["layers"]
+            if label == "qsa_kv":
+                row["bytes_per_token"] = n * self.attn_page_per_token
+            elif label == "qsa_index_keys":
+                row["bytes_per_token"] = n * next(s.page for s in self.specs if s.label == label) // self.block_size
+            else:
+                spec = next(s for s in self.specs if s.label == label)
+                row["blocks_per_request"] = spec.blocks_per_request(self.max_model_len)
+                row["bytes_per_request_unpadded"] = n * (self.ring_page_unpadded if label == "qsa_ring" else
+                                                         self.state_pages[label]) * row["blocks_per_request"]
+        return list(rows.values())
 
     def bytes_per_token(self) -> float:
         """Marginal pool bytes per context token: what one more token of one request costs,
@@ -294,4 +316,5 @@ def layout(geom: Geometry, *, base: str, kv_dtype: str, mtp: int, prefix_cache: 
                     max_model_len=max_model_len, block_size=block, mamba_page_unpadded=mamba_page,
                     attn_page_per_token=attn_page_1, ring_capacity=ring_capacity, specs=specs, groups=groups,
                     bytes_per_block=bytes_per_block, blocks_per_request=per_request, notes=notes,
-                    checkpoints=checkpoints)
+                    checkpoints=checkpoints, ring_page_unpadded=ring_page,
+                    state_pages={"gdn_state": gdn_page, "ple_conv_state": ple_page})
