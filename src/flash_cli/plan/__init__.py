@@ -83,7 +83,8 @@ def resolve_snapshot(settings) -> Path | None:
                                     settings["REVISION"])
 
 
-def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how: str = "") -> dict[str, Any]:
+def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how: str = "",
+          live_checks: bool = True) -> dict[str, Any]:
     """The plan as plain data. `snapshot=True` looks the checkpoint up in HF_CACHE, a Path uses
     it, None/False plans from the known geometry."""
     s = settings
@@ -203,11 +204,11 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
         "host": host,
         "assumptions": assumptions,
     }
-    plan["findings"] = findings(plan, s, hw)
+    plan["findings"] = findings(plan, s, hw, live_checks)
     return plan
 
 
-def findings(plan: dict, s, hw: Hardware) -> list[tuple[str, str]]:
+def findings(plan: dict, s, hw: Hardware, live_checks: bool = True) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     b, tokens, conc = plan["budget"], plan["kv_cache_tokens"], plan["max_concurrency"]
     if b["kv_cache_gib"] <= 0:
@@ -227,7 +228,7 @@ def findings(plan: dict, s, hw: Hardware) -> list[tuple[str, str]]:
         if pc < minimum:
             out.append(("warn", f"only {pc} GiB of page cache is left for the {host['ple_table_gib']} GiB PLE table "
                                 f"(PAGE_CACHE_MIN={round(minimum, 1)} GiB): prefill will fault on the disk; lower GPU_MEM"))
-    if hw.host_available is not None and hw.unified and not s["KV_CACHE_MEM"] and b["requested_gib"] * GIB > hw.host_available:
+    if live_checks and hw.host_available is not None and hw.unified and not s["KV_CACHE_MEM"] and b["requested_gib"] * GIB > hw.host_available:
         out.append(("fail", f"GPU_MEM={s['GPU_MEM']} asks for {b['requested_gib']} GiB but only "
                             f"{_gib(hw.host_available)} GiB is available now: vLLM refuses at start; free memory or lower GPU_MEM"))
     if s["KV_DTYPE"].startswith("fp8") and kvcache.base_minor(s["BASE"]) < 33:
@@ -243,10 +244,11 @@ def findings(plan: dict, s, hw: Hardware) -> list[tuple[str, str]]:
 
 
 def doctor_findings(settings, hw: Hardware | None = None) -> list[tuple[str, str]]:
-    """(level, text) for `flash doctor`: levels ok / warn / fail / info."""
+    """(level, text) for `flash doctor`: levels ok / warn / fail / info. The live MemAvailable
+    check is left to doctor's own host section (it runs it with the same numbers)."""
     if hw is None:
         hw, _ = hardware_mod.detect()
-    return build(settings, hw)["findings"]
+    return build(settings, hw, live_checks=False)["findings"]
 
 
 _KV_LINE = re.compile(r"KV cache size:\s*([\d,]+)\s*tokens")
