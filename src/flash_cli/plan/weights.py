@@ -194,6 +194,9 @@ def _header_sums(model_dir: Path) -> tuple[dict[str, int], list[tuple[int, int]]
             return {**dict.fromkeys(COMPONENTS, 0), **data["components"]}, [tuple(x) for x in data["side_bf16"]], True
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    from ..output import say
+
+    say(f"plan: reading the safetensors headers of {len(files)} files in {model_dir} (cached afterwards)")
     comps = dict.fromkeys(COMPONENTS, 0)
     side_bf16: list[tuple[int, int]] = []
     for fname in files:
