@@ -67,6 +67,13 @@ def test_strips_do_not_change_results(monkeypatch):
     assert fp8.quantize_bf16(wb.tobytes(), wb.shape) == whole
 
 
+def test_values_a_rounding_above_448_cast_like_the_clamped_value():
+    # quantize_strip skips the clamp: w/s can exceed 448 by an ulp; it must still give 448's code
+    x = np.array([448, np.nextafter(np.float32(448), np.float32(500)), 455.9, 463.9], dtype=np.float32)
+    x = np.concatenate([x, -x])
+    assert np.array_equal(fp8.cast_e4m3(x), np.clip(x, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+
+
 @pytest.mark.parametrize("shape", [(100, 256), (256, 100)])
 def test_unaligned_shape_is_refused(shape):
     with pytest.raises(ValueError, match="multiple of 128"):
