@@ -34,7 +34,8 @@ Not a model: answers are deterministic filler words with a few canned facts. Kno
       slow               decode at ~8 tok/s (a swapping box)
       no_metrics         /metrics answers 404 (a server started without it / behind a proxy)
   VLLM_PLE_MMAP=1               export the vllm:ple_mmap_* counters (VLLM_PLE_MMAP_PROMETHEUS=0: off)
-  PROMETHEUS_MULTIPROC_DIR      set: *_created families vanish, like prometheus_client multiprocess mode
+  PROMETHEUS_MULTIPROC_DIR      set: *_created, process_* and python_* families vanish, as in vLLM's
+                                multiprocess mode (measured: docs/metrics/multiproc-diff-vllm-*.json)
 """
 
 from __future__ import annotations
@@ -444,7 +445,12 @@ class Engine:
             self.reg.set("vllm:num_requests_running", self.labels, self.running)
             self.reg.set("vllm:num_requests_waiting", self.labels, self.waiting)
             self.reg.set("vllm:kv_cache_usage_perc", self.labels, min(1.0, self.running_tokens / self.kv_tokens))
-        return self.process_metrics() + self.reg.exposition(created=not self.multiproc)
+        # multiprocess mode (vLLM's get_prometheus_registry): a fresh registry holding only the
+        # MultiProcessCollector, so process_*/python_* and every *_created family disappear
+        # (measured on vLLM 0.29-0.31, docs/metrics/multiproc-diff-vllm-*.json)
+        if self.multiproc:
+            return self.reg.exposition(created=False)
+        return self.process_metrics() + self.reg.exposition(created=True)
 
     # -- prefix cache -------------------------------------------------------------------------
     def prefix_lookup(self, token_ids: list[int]) -> int:
