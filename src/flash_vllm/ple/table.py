@@ -74,9 +74,12 @@ _libc.syscall.restype = ctypes.c_long
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def _majflt() -> int:
-    # Whole process: pool threads fault too.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+def _io_mark() -> int:
+    """Major faults + blocks read from disk so far, whole process (pool threads fault too; I/O that
+    readahead, WILLNEED or io_uring starts on our behalf is accounted to us). A change means a
+    gather touched the disk: it was cold."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_majflt + r.ru_inblock
 
 
 def _oserr(what: str) -> OSError:
@@ -460,25 +463,24 @@ class PLETable:
                 # Pages were all cached lately: read through the mapping (big batches over the
                 # pool). A major fault means the guess was wrong (that row waited alone): go back
                 # to the ring at once.
-                f0 = _majflt()
+                f0 = _io_mark()
                 if n > 4096:
                     self._pool_gather(flat, out)
                 else:
                     self._take(flat, out)
-                if _majflt() != f0:
+                if _io_mark() != f0:
                     self._warm = 0
                 return "take"
             size_class = 0 if n <= 4096 else 1
             strat = self._pick(size_class)
             t0 = time.perf_counter()
+            f0 = _io_mark()
             if strat == "uring":
                 inline = self._uring(flat, out)
-                cold = not inline
+                cold = not inline or _io_mark() != f0
             else:
-                # Faults on pages WILLNEED already put under I/O do not count as major: judge by time
-                # (warm rows cost well under a µs each, a disk read tens of µs).
                 strat = self._mmap_gather(flat, out)
-                cold = time.perf_counter() - t0 > 30e-6 + 3e-6 * n
+                cold = _io_mark() != f0
             self._warm = 0 if cold else self._warm + 1
             if cold:
                 self._learn(size_class, "uring" if strat == "uring" else "mmap", (time.perf_counter() - t0) / n)
