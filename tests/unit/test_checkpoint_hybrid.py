@@ -203,3 +203,15 @@ def test_unaligned_target_is_refused_before_writing(tmp_path):
     with pytest.raises(hybrid.CheckpointError, match="divisible by 128"):
         hybrid.prepare(snap)
     assert [x.name for x in snap.parent.iterdir()] == [snap.name]
+
+
+def test_row_strips_and_worker_counts_do_not_change_a_byte(tmp_path, monkeypatch):
+    a = ckpt.write_snapshot(tmp_path / "a", "radixark")
+    hybrid.build(hybrid.plan(a, hfcache.variant_dir(a, "hybrid")), workers=1)
+    monkeypatch.setattr(fp8, "STRIP_ELEMS", 128 * 256)  # several strips per tensor, scales concatenated
+    b = ckpt.write_snapshot(tmp_path / "b", "radixark")
+    hybrid.build(hybrid.plan(b, hfcache.variant_dir(b, "hybrid")), workers=3)
+    va, vb = hfcache.variant_dir(a, "hybrid"), hfcache.variant_dir(b, "hybrid")
+    rewritten = json.loads((va / ".prepared").read_text())["rewritten"]
+    for name in rewritten:
+        assert (va / name).read_bytes() == (vb / name).read_bytes()

@@ -28,7 +28,6 @@ from .layout import CheckpointError
 CONVENTION = "dispatch-2d"
 PARTIAL = ".partial"
 DISK_MARGIN = 512 * 1024 * 1024
-WINDOW = 3  # conversions in flight ahead of the writer (memory: ~3 × 100 MB at most)
 
 
 @dataclass
@@ -149,50 +148,77 @@ def _progress(total: int, desc: str):
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr)
 
 
-def _convert(src_fd: int, tgt: Target, with_error: bool = True) -> fp8.Converted:
-    raw = os.pread(src_fd, tgt.nbytes, tgt.begin)
-    if len(raw) != tgt.nbytes:
-        raise CheckpointError(f"short read of {tgt.name}: {len(raw)} of {tgt.nbytes} bytes")
-    return fp8.quantize_bf16(raw, tgt.shape, with_error)
+def _strips(tgt: Target) -> list[tuple[int, int]]:
+    """Row ranges (multiples of 128 rows, ≤ fp8.STRIP_ELEMS elements): the unit of work."""
+    n, k = tgt.shape
+    rows = max(fp8.BLOCK, (fp8.STRIP_ELEMS // max(k, 1)) // fp8.BLOCK * fp8.BLOCK)
+    return [(r0, min(n, r0 + rows)) for r0 in range(0, n, rows)]
+
+
+def _convert_strip(src_fd: int, tgt: Target, r0: int, r1: int):
+    """Read rows [r0, r1) of a BF16 weight and quantize them → (codes, scales, worst rel err)."""
+    import numpy as np
+
+    k = tgt.shape[1]
+    want = (r1 - r0) * k * 2
+    raw = os.pread(src_fd, want, tgt.begin + r0 * k * 2)
+    if len(raw) != want:
+        raise CheckpointError(f"short read of {tgt.name}: {len(raw)} of {want} bytes at row {r0}")
+    return fp8.quantize_strip(np.frombuffer(raw, dtype=np.uint16), r1 - r0, k)
+
+
+def workers_default() -> int:
+    return max(1, min(os.cpu_count() or 1, 16))
 
 
 def write_file(fp: FilePlan, src_path: Path, dst_path: Path, pool: ThreadPoolExecutor, bar=None,
-               on_write=None) -> tuple[float, list[tuple[str, float]]]:
-    """Rewrite one shard. Returns (worst rel err, [(tensor, its worst rel err)])."""
+               on_write=None, window: int = 4) -> tuple[float, list[tuple[str, float]]]:
+    """Rewrite one shard. Returns (worst rel err, [(tensor, its worst rel err)]).
+
+    Work items are row strips (a few MB each), submitted `window` ahead of the writer: the
+    workers convert while the writer copies untouched tensors and writes finished strips, and
+    memory stays ~window × 40 MB whatever the tensor sizes.
+    """
     src_fd = os.open(src_path, os.O_RDONLY)
     writer = stwriter.Writer(dst_path, [e for e, _ in fp.entries], fp.metadata, on_write=on_write)
     pending: deque = deque()
-    upcoming = deque(src for _, src in fp.entries if src[0] == "weight")
+    upcoming = deque((src[1], r0, r1) for _, src in fp.entries if src[0] == "weight" for r0, r1 in _strips(src[1]))
     worst = 0.0
     per_tensor: list[tuple[str, float]] = []
     try:
         def refill() -> None:
-            while upcoming and len(pending) < WINDOW:
-                tgt = upcoming.popleft()[1]
-                pending.append((tgt.name, pool.submit(_convert, src_fd, tgt)))
+            while upcoming and len(pending) < window:
+                tgt, r0, r1 = upcoming.popleft()
+                pending.append((tgt.name, r0, pool.submit(_convert_strip, src_fd, tgt, r0, r1)))
 
         refill()
-        current = None
+        scales: list = []
         for entry, src in fp.entries:
             if src[0] == "copy":
                 writer.copy_range(src_fd, src[1], entry.nbytes)
             elif src[0] == "weight":
-                name, fut = pending.popleft()
-                assert name == entry.name, (name, entry.name)
-                current = fut.result()
-                refill()
-                writer.write_bytes(current.weight)
-                worst = max(worst, current.worst_rel_err)
-                per_tensor.append((entry.name, current.worst_rel_err))
-            else:
-                writer.write_bytes(current.scale)
-                current = None
+                err = 0.0
+                scales = []
+                for r0, _ in _strips(src[1]):
+                    name, s0, fut = pending.popleft()
+                    assert (name, s0) == (entry.name, r0), (name, s0, entry.name, r0)
+                    q, s, e = fut.result()
+                    refill()
+                    writer.write_bytes(q)
+                    scales.append(s)
+                    err = max(err, e)
+                worst = max(worst, err)
+                per_tensor.append((entry.name, err))
+            else:  # the scale grid: strips are row-block ranges, so concatenation is row-major order
+                for s in scales:
+                    writer.write_bytes(s)
+                scales = []
             if bar is not None:
                 bar.update(entry.nbytes)
-        writer.close()
+        writer.close(fsync=False)  # synced in build() before the marker; the next file overlaps this writeback
     except BaseException:
         writer.abort()
-        for _, fut in pending:
+        for *_, fut in pending:
             fut.cancel()
         raise
     finally:
@@ -239,11 +265,13 @@ def build(p: Plan, on_write=None, workers: int | None = None) -> dict:
         log = []
         total = sum(f.new_size for f in p.files)
         bar = _progress(total, "fp8 hybrid")
-        with ThreadPoolExecutor(max_workers=workers or min(2, os.cpu_count() or 1)) as pool:
+        n_workers = workers or workers_default()
+        with ThreadPoolExecutor(max_workers=n_workers) as pool:
             for i, fp in enumerate(p.files, 1):
                 if bar is None:
                     say(f"  [{i}/{len(p.files)}] {fp.name}: {fp.targets} tensors → fp8 ({fp.new_size / 1e9:.2f} GB)")
-                w, per = write_file(fp, p.source / fp.name, partial / fp.name, pool, bar, on_write)
+                w, per = write_file(fp, p.source / fp.name, partial / fp.name, pool, bar, on_write,
+                                    window=2 * n_workers + 2)
                 worst = max(worst, w)
                 log.extend(per)
         if bar is not None:

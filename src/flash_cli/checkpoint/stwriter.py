@@ -111,11 +111,13 @@ class Writer:
                 done = n
             offset += done
 
-    def close(self) -> None:
+    def close(self, fsync: bool = True) -> None:
+        """fsync=False: the caller syncs later (lets the next file's work overlap this writeback)."""
         try:
             if self.i < len(self.entries):
                 raise RuntimeError(f"{self.path}: closed before {self.current} was written")
-            os.fsync(self.fd)
+            if fsync:
+                os.fsync(self.fd)
         finally:
             os.close(self.fd)
 
