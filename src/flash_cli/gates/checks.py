@@ -350,7 +350,12 @@ def check_metrics(ctx: Context) -> Result:
     else:
         ple_note = "; no vllm:ple_mmap_* (PLE mmap patch off or counters disabled)"
     if problems:
-        return Result("metrics", FAIL, "; ".join(problems), data={"families": len(snap.families)})
+        hint = None
+        if any(p.startswith("PLE counters missing") for p in problems):
+            hint = ("the counters live in the engine process: PROM_MULTIPROC=1 exports them "
+                    "(and drops *_created, process_* families; docs/OBSERVABILITY.md)")
+        return Result("metrics", FAIL, "; ".join(problems), data={"families": len(snap.families),
+                                                                   **({"hint": hint} if hint else {})})
     return Result("metrics", PASS, f"{len(snap.families)} families, the {len(M.CORE_FAMILIES)} expected vllm:* present"
                   + ple_note, data={"families": len(snap.families)})
 

@@ -17,6 +17,7 @@ class Target:
     key: str | None
     model: str  # expected model id ('' = take the first one the server lists)
     source: str  # how it was found, for the header line
+    ple: bool | None = None  # the container runs the PLE mmap patch with its counters on (None: unknown)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,7 +54,9 @@ def resolve(args: argparse.Namespace, recipe) -> Target:
         container = None
     if container is not None:
         ep = running.endpoint(container)
-        return Target(ep.url, key or ep.key, model or ep.model, f"container {name}")
+        env = dict(e.partition("=")[::2] for e in (container.attrs.get("Config") or {}).get("Env") or [])
+        ple = env.get("VLLM_PLE_MMAP") == "1" and env.get("VLLM_PLE_MMAP_PROMETHEUS", "1") != "0"
+        return Target(ep.url, key or ep.key, model or ep.model, f"container {name}", ple)
     from .. import state
 
     url = f"http://127.0.0.1:{recipe.settings['PORT']}"
