@@ -161,15 +161,27 @@ def ensure_venv(torch_version: str, cache: Path) -> Path:
     return venv
 
 
-def ensure_site(version: str, wheel: Path, venv: Path, cache: Path) -> Path:
+def ensure_site(version: str, wheel: Path, cache: Path) -> Path:
+    """The release, --no-deps, in its own directory: the wheel's payload minus compiled extensions.
+
+    The CUDA extensions (`*.so`, ~70% of the wheel) cannot load without a GPU driver (vLLM then
+    logs "Failed to import from vllm._C" either way), so they are not unpacked; every Python
+    module, template and data file is, with the dist-info (version and entry points).
+    """
     site = cache / f"site-{version}"
     if (site / ".complete").exists():
         return site
     tmp = cache / f".tmp-site-{version}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     t = time.monotonic()
-    pip(venv / "bin" / "python", "--no-deps", "--target", str(tmp), str(wheel))
-    (tmp / ".complete").write_text(wheel.name + "\n")
+    skipped = 0
+    with zipfile.ZipFile(wheel) as z:
+        for info in z.infolist():
+            if re.search(r"\.so(\.\d+)*$", info.filename):
+                skipped += info.file_size
+                continue
+            z.extract(info, tmp)
+    (tmp / ".complete").write_text(f"{wheel.name}\nskipped compiled extensions: {skipped} bytes\n")
     shutil.rmtree(site, ignore_errors=True)
     os.replace(tmp, site)
     say(f"  site-{version} installed in {time.monotonic() - t:.0f}s")
@@ -194,7 +206,7 @@ def ensure(version: str) -> dict:
     wheel = fetch_wheel(version, cache)
     pin = torch_pin(wheel)
     venv = ensure_venv(TORCH_FOR_PIN.get(pin, pin), cache)
-    site = ensure_site(version, wheel, venv, cache)
+    site = ensure_site(version, wheel, cache)
     shim = ensure_shim(cache)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FLASH_VLLM_BASE", "VLLM_"))}
     env.update({

@@ -52,7 +52,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flash_vllm.selfcheck", description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true", help="one JSON object on the last line")
     ap.add_argument("--assume-base", help="evaluate against this base (a newer release)")
+    ap.add_argument("--expect-patchset", help="fail unless the installed patch set has this hash "
+                    "(the Dockerfile's org.flash.patchset label)")
+    ap.add_argument("--patchset-only", action="store_true",
+                    help="only compare the patch-set hash (needs no vLLM)")
     args = ap.parse_args(argv)
+    if args.expect_patchset is not None and args.expect_patchset != patchset_hash():
+        print(f"selfcheck: installed patch set {patchset_hash()} != expected {args.expect_patchset}; "
+              "run tools/gen_patches_doc.py to refresh the Dockerfiles' PATCHSET", file=sys.stderr)
+        return 1
+    if args.patchset_only:
+        print(f"flash_vllm patch set {patchset_hash()}")
+        return 0
     env = dict(os.environ)
     # Every patch's logic is exercised: switch the gates that select code paths on.
     env.setdefault("VLLM_QSA_EXACT_TOPK", "1")

@@ -8,12 +8,14 @@ rewrites that cannot run or be tested on a CPU, and 0.31 ships the same feature 
 (vLLM itself raises "Qwen4Exp QSA requires a BF16 main KV cache" at model init).
 """
 
-from ..registry import Context, Gate, Patch, TargetMissing, resolve
+from ..registry import Context, Gate, Patch, TargetMissing, import_target, resolve
 
 BACKEND = ("vllm.models.qwen4_exp.nvidia.qsa", "Qwen4ExpQSAFlashAttentionBackend.supported_kv_cache_dtypes")
 
 
 def upstream_check(ctx: Context) -> None:
+    # qsa.py is only importable after the model module (it imports back into it).
+    import_target("vllm.models.qwen4_exp.nvidia.model")
     _, _, dtypes = resolve(*BACKEND)
     if not {"fp8", "fp8_e4m3"} <= set(dtypes):
         raise TargetMissing(f"QSA backend supports {list(dtypes)}, no fp8")

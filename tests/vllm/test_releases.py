@@ -1,0 +1,69 @@
+"""vllm tier: every patch against the real source of every supported release, on CPU.
+
+Per release (environments from tools/check_vllm_release.py, built by tests/support/tier-vllm.sh):
+1. `tools/check_vllm_release.py X.Y.Z --json` reports, for every patch, exactly the status the
+   registry declares for that base (applies / upstream / not-needed / not-ported), never broken.
+2. The in-release checks (tests/vllm/release/check_*.py) run with that release's Python: the
+   plugin registers through vLLM's loader and every patch's logic is exercised with the real
+   vLLM classes. All must pass; none may be skipped.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from flash_vllm import compat
+from flash_vllm.registry import catalogue
+
+pytestmark = pytest.mark.vllm
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "check_vllm_release.py"
+RELEASES = [compat.BASES[b] for b in compat.ORDER]
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("check_vllm_release", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_check_tool_matrix_matches_registry(release):
+    proc = subprocess.run([sys.executable, str(TOOL), release, "--json"], capture_output=True,
+                          text=True, timeout=1800)
+    last = proc.stdout.strip().splitlines()[-1]
+    result = json.loads(last)
+    assert result["release"] == release
+    base = compat.base_for_release(release)
+    got = {p["number"]: (p["name"], p["status"]) for p in result["patches"]}
+    want = {p.number: (p.name, p.expected_status(base)) for p in catalogue()}
+    broken = {n: p for n, p in ((p["number"], p) for p in result["patches"]) if p["status"] == "broken"}
+    assert not broken, f"broken on {release}: {broken}"
+    assert got == want
+    assert proc.returncode == 0
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_patch_logic_in_release(release, tmp_path):
+    rt = _tool().ensure(release)
+    junit = tmp_path / "junit.xml"
+    proc = subprocess.run(
+        [rt["python"], "-m", "pytest", str(ROOT / "tests" / "vllm" / "release"), "-q",
+         "-o", "python_files=check_*.py", "-p", "no:cacheprovider", f"--junitxml={junit}",
+         "--rootdir", str(ROOT)],
+        env=rt["env"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    suite = ET.parse(junit).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    assert counts["failures"] == counts["errors"] == 0, proc.stdout[-6000:]
+    assert counts["skipped"] == 0, f"skipped checks on {release}: {proc.stdout[-3000:]}"
+    assert counts["tests"] >= 40, counts
+    assert proc.returncode == 0, proc.stdout[-3000:]
