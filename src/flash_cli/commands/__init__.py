@@ -41,7 +41,7 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "serve": ("serve", "start the server for a profile", ("up",)),
     "wait": ("wait", "wait until the server answers /health", ()),
     "test": ("test", "smoke test that gates: exit 1 when a required check fails", ()),
-    "monitor": ("monitor", "Prometheus + Grafana + node-exporter next to the server (up|down)", ()),
+    "monitor": ("monitor", "Prometheus + Grafana + node-exporter next to the server (up|down|status)", ()),
     "probe": ("probe", "greedy probe to JSON; --diff A B exits 1 at the first differing byte", ()),
     "bench": ("bench", "benchmark decode/prefill/TTFT with medians, ABBA, JSONL and plots", ()),
     "status": ("status", "what is running, how it is doing", ()),
