@@ -3,9 +3,10 @@
 Convention: docs/decisions/hybrid-convention.md (`X.weight` F8_E4M3 + `X.weight_scale_inv`
 F32 [N/128, K/128], configs unchanged). Plan first (pure data: which files are rewritten, their
 exact new sizes, the disk check), then build in `<snapshot>-fp8hybrid.partial/`, verify, write
-`.prepared`, and rename into place. Streaming: one tensor (plus a small look-ahead window of
-conversions running in worker threads) in memory at a time; untouched tensors are copied
-kernel-side. `tools/fp8_convert.py` calls `build()` directly.
+`.prepared`, and rename into place. Streaming and out of order: worker threads convert row
+strips of the side layers and `pwrite` them at their known places while the main thread copies
+the untouched tensors kernel-side, so CPU and disk overlap and memory stays a few strips.
+`tools/fp8_convert.py` calls `build()` directly.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import os
 import shutil
 import sys
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,8 +155,8 @@ def _strips(tgt: Target) -> list[tuple[int, int]]:
     return [(r0, min(n, r0 + rows)) for r0 in range(0, n, rows)]
 
 
-def _convert_strip(src_fd: int, tgt: Target, r0: int, r1: int):
-    """Read rows [r0, r1) of a BF16 weight and quantize them → (codes, scales, worst rel err)."""
+def _convert_strip(src_fd: int, tgt: Target, r0: int, r1: int, writer) -> float:
+    """Read rows [r0, r1) of a BF16 weight, quantize, and write codes and scales in place."""
     import numpy as np
 
     k = tgt.shape[1]
@@ -164,7 +164,10 @@ def _convert_strip(src_fd: int, tgt: Target, r0: int, r1: int):
     raw = os.pread(src_fd, want, tgt.begin + r0 * k * 2)
     if len(raw) != want:
         raise CheckpointError(f"short read of {tgt.name}: {len(raw)} of {want} bytes at row {r0}")
-    return fp8.quantize_strip(np.frombuffer(raw, dtype=np.uint16), r1 - r0, k)
+    q, s, err = fp8.quantize_strip(np.frombuffer(raw, dtype=np.uint16), r1 - r0, k)
+    writer.write_at(tgt.name, r0 * k, q)
+    writer.write_at(tgt.name + layout.SCALE_SUFFIX, (r0 // fp8.BLOCK) * (k // fp8.BLOCK) * 4, s)
+    return err
 
 
 def workers_default() -> int:
@@ -172,54 +175,48 @@ def workers_default() -> int:
 
 
 def write_file(fp: FilePlan, src_path: Path, dst_path: Path, pool: ThreadPoolExecutor, bar=None,
-               on_write=None, window: int = 4) -> tuple[float, list[tuple[str, float]]]:
+               on_write=None) -> tuple[float, list[tuple[str, float]]]:
     """Rewrite one shard. Returns (worst rel err, [(tensor, its worst rel err)]).
 
-    Work items are row strips (a few MB each), submitted `window` ahead of the writer: the
-    workers convert while the writer copies untouched tensors and writes finished strips, and
-    memory stays ~window × 40 MB whatever the tensor sizes.
+    Every tensor's place in the new file is known from its header, so nothing waits for order:
+    the workers read, convert and `pwrite` row strips (a few MB each; the pool's queue holds
+    only job descriptions, so memory is ~workers × 40 MB whatever the tensor sizes) while this
+    thread copies the untouched tensors kernel-side. CPU and disk overlap fully.
     """
     src_fd = os.open(src_path, os.O_RDONLY)
-    writer = stwriter.Writer(dst_path, [e for e, _ in fp.entries], fp.metadata, on_write=on_write)
-    pending: deque = deque()
-    upcoming = deque((src[1], r0, r1) for _, src in fp.entries if src[0] == "weight" for r0, r1 in _strips(src[1]))
-    worst = 0.0
-    per_tensor: list[tuple[str, float]] = []
+    writer = stwriter.PositionalWriter(dst_path, [e for e, _ in fp.entries], fp.metadata, on_write=on_write)
+    futures: list = []
     try:
-        def refill() -> None:
-            while upcoming and len(pending) < window:
-                tgt, r0, r1 = upcoming.popleft()
-                pending.append((tgt.name, r0, pool.submit(_convert_strip, src_fd, tgt, r0, r1)))
-
-        refill()
-        scales: list = []
+        for _, src in fp.entries:
+            if src[0] == "weight":
+                tgt = src[1]
+                futures.append((tgt.name, [pool.submit(_convert_strip, src_fd, tgt, r0, r1, writer)
+                                           for r0, r1 in _strips(tgt)]))
         for entry, src in fp.entries:
             if src[0] == "copy":
-                writer.copy_range(src_fd, src[1], entry.nbytes)
-            elif src[0] == "weight":
-                err = 0.0
-                scales = []
-                for r0, _ in _strips(src[1]):
-                    name, s0, fut = pending.popleft()
-                    assert (name, s0) == (entry.name, r0), (name, s0, entry.name, r0)
-                    q, s, e = fut.result()
-                    refill()
-                    writer.write_bytes(q)
-                    scales.append(s)
-                    err = max(err, e)
-                worst = max(worst, err)
-                per_tensor.append((entry.name, err))
-            else:  # the scale grid: strips are row-block ranges, so concatenation is row-major order
-                for s in scales:
-                    writer.write_bytes(s)
-                scales = []
+                writer.copy_into(entry.name, src_fd, src[1])
+                if bar is not None:
+                    bar.update(entry.nbytes)
+        worst = 0.0
+        per_tensor: list[tuple[str, float]] = []
+        for name, futs in futures:
+            err = max(f.result() for f in futs)
+            worst = max(worst, err)
+            per_tensor.append((name, err))
             if bar is not None:
-                bar.update(entry.nbytes)
+                bar.update(writer.sizes[name] + writer.sizes[name + layout.SCALE_SUFFIX])
         writer.close(fsync=False)  # synced in build() before the marker; the next file overlaps this writeback
     except BaseException:
+        for _, futs in futures:
+            for f in futs:
+                f.cancel()
+        for _, futs in futures:  # workers still hold the fds: let running strips finish first
+            for f in futs:
+                try:
+                    f.result()
+                except BaseException:  # noqa: BLE001 - the first error is the one raised
+                    pass
         writer.abort()
-        for *_, fut in pending:
-            fut.cancel()
         raise
     finally:
         os.close(src_fd)
@@ -270,8 +267,7 @@ def build(p: Plan, on_write=None, workers: int | None = None) -> dict:
             for i, fp in enumerate(p.files, 1):
                 if bar is None:
                     say(f"  [{i}/{len(p.files)}] {fp.name}: {fp.targets} tensors → fp8 ({fp.new_size / 1e9:.2f} GB)")
-                w, per = write_file(fp, p.source / fp.name, partial / fp.name, pool, bar, on_write,
-                                    window=2 * n_workers + 2)
+                w, per = write_file(fp, p.source / fp.name, partial / fp.name, pool, bar, on_write)
                 worst = max(worst, w)
                 log.extend(per)
         if bar is not None:
