@@ -37,6 +37,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `flash … | head`: the reader left, nothing to report
         sys.stderr.close()
         return 0
+    except Exception as err:  # noqa: BLE001 - the engine's own errors become one line, not a traceback
+        if os.environ.get("FLASH_DEBUG") == "1" or not type(err).__module__.startswith(("docker.", "requests.", "urllib3.")):
+            raise
+        print(f"Error: the Docker Engine failed: {type(err).__name__}: {str(err).splitlines()[0][:300]}", file=sys.stderr)
+        print("hint: is dockerd overloaded or stuck? docker info; FLASH_DEBUG=1 shows the traceback", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

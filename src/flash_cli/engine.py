@@ -18,7 +18,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from docker.models.containers import Container
 
 
-def connect(timeout: int = 30) -> "DockerClient":
+def connect(timeout: int = 300) -> "DockerClient":
+    """A hung daemon fails after `timeout` s; an absent one at once. Creating a container copies
+    its image on some storage drivers (vfs), which takes minutes on a slow disk: hence 300."""
     import docker
     from docker.errors import DockerException
 
