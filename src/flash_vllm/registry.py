@@ -234,7 +234,7 @@ def wraps(orig: Callable) -> Callable[[Callable], Callable]:
 
 PATCH_MODULES = (
     "fla_sm121", "block_size", "qsa_topk", "fp8_hybrid", "qsa_fp8_kv", "qsa_det_topk", "m4_pad",
-    "draft_vocab", "block_fp8_mtp", "effort_alias",
+    "draft_vocab", "block_fp8_mtp", "effort_alias", "tool_marker_guard",
 )
 
 

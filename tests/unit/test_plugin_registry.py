@@ -207,3 +207,20 @@ def test_patches_doc_and_dockerfile_patchset_are_current():
     assert proc.returncode == 0, proc.stderr
     for name in ("Dockerfile", "Dockerfile.v0.29"):
         assert f"ARG PATCHSET={patchset_hash()}" in (root / name).read_text()
+
+
+def test_flash_patches_expected_matrix_json():
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "flash_cli", "patches", "--expected", "--base", "v0.29", "--json"],
+                          capture_output=True, text=True, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["base"] == "v0.29" and out["patchset"] == patchset_hash()
+    by = {p["number"]: p["status"] for p in out["patches"]}
+    assert by[11] == "applies" and by[7] == "not-ported" and by[9] == "upstream"
+    bad = subprocess.run([sys.executable, "-m", "flash_cli", "patches", "--expected", "--base", "v0.28"],
+                         capture_output=True, text=True, cwd=root)
+    assert bad.returncode == 2 and "v0.28" in bad.stderr

@@ -28,6 +28,7 @@ COMMANDS: tuple[str, ...] = (
     "probe",
     "bench",
     "plan",
+    "patches",
 )
 
 
@@ -51,6 +52,7 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "rm": ("lifecycle", "remove the server container (caches and keys are kept)", ("down",)),
     "profiles": ("profiles", "list the recipes (profiles/*.env); `show NAME` for one", ()),
     "plan": ("plan", "predict the KV pool, concurrency and host headroom before a boot", ()),
+    "patches": ("patches", "the vLLM patch matrix of an image (selfcheck inside it)", ()),
 }
 
 

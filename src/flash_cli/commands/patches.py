@@ -1,0 +1,87 @@
+"""`flash patches [--image IMAGE] [--json] [--expected]`: the patch matrix of an image.
+
+Runs `python3 -m flash_vllm.selfcheck --json` inside the image (no GPU needed; the same check
+the Dockerfile's last step ran) and prints, per patch, its status on that image's vLLM:
+applies / upstream / not-needed / not-ported / broken. `--expected` prints what the registry
+declares for a base instead, without Docker. Exit 1 when a patch is broken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from ..errors import FlashError, UsageError
+from ..output import print_json, say
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("patches", help="the vLLM patch matrix of an image (selfcheck inside it)")
+    p.add_argument("--image", help="image to inspect (default: IMAGE, else flash-vllm:<BASE>)")
+    p.add_argument("--base", help="base for --expected / the default image name (default: BASE or current)")
+    p.add_argument("--expected", action="store_true", help="the registry's declared matrix; no Docker")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.set_defaults(func=run)
+
+
+def _base(args: argparse.Namespace) -> str:
+    from ..settings import BASES, CURRENT_BASE
+
+    base = args.base or os.environ.get("BASE") or CURRENT_BASE
+    if base not in BASES:
+        raise UsageError(f"--base {base!r} is not a supported base", hint=f"one of: {', '.join(BASES)}")
+    return base
+
+
+def expected(base: str) -> dict:
+    from flash_vllm.registry import catalogue, patchset_hash
+
+    return {"release": None, "base": base, "patchset": patchset_hash(), "source": "registry",
+            "patches": [{"number": p.number, "name": p.name, "status": p.expected_status(base),
+                         "detail": p.not_ported.get(base, "")} for p in catalogue()]}
+
+
+def from_image(image: str) -> dict:
+    from .. import engine
+
+    client = engine.connect()
+    labels = engine.require_image(client, image)
+    try:
+        out = client.containers.run(image, ["-m", "flash_vllm.selfcheck", "--json"], entrypoint=["python3"],
+                                    remove=True, stdout=True, stderr=False, network_mode="none")
+    except Exception as e:  # docker.errors.ContainerError carries the exit status and stderr
+        stderr = getattr(e, "stderr", b"") or b""
+        text = stderr.decode(errors="replace").strip().splitlines()[-5:] if stderr else [str(e)]
+        raise FlashError(f"selfcheck failed inside {image}: {' | '.join(text)}",
+                         hint="a patch no longer fits this image's vLLM: rebuild with flash setup") from None
+    lines = [ln for ln in out.decode(errors="replace").splitlines() if ln.startswith("{")]
+    if not lines:
+        raise FlashError(f"selfcheck in {image} printed no result", hint="is flash_vllm installed in it?")
+    result = json.loads(lines[-1])
+    result.update(image=image, source="image", label_patchset=labels.get("org.flash.patchset"))
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    base = _base(args)
+    if args.expected:
+        result = expected(base)
+    else:
+        from ..spec import default_image
+
+        image = args.image or os.environ.get("IMAGE") or default_image(base)
+        say(f"running the flash_vllm selfcheck inside {image} …")
+        result = from_image(image)
+    broken = [p for p in result["patches"] if p["status"] == "broken"]
+    if args.json:
+        print_json(result)
+        return 1 if broken else 0
+    where = result.get("image") or "registry"
+    release = f"vLLM {result['release']}, " if result.get("release") else ""
+    print(f"{where}: {release}base {result['base']}, patch set {result['patchset']}")
+    for p in result["patches"]:
+        print(f"  {p['number']:>2}  {p['name']:<20} {p['status']:<11} {p.get('detail', '')}".rstrip())
+    if result.get("label_patchset") and result["label_patchset"] != result["patchset"]:
+        print(f"  note: image label org.flash.patchset={result['label_patchset']} differs from the code inside")
+    return 1 if broken else 0
