@@ -9,7 +9,6 @@ import argparse
 import os
 import platform
 import shutil
-import subprocess
 from pathlib import Path
 
 from .. import hfcache, preflight, recipe
@@ -30,41 +29,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def meminfo() -> dict[str, int]:
-    out = {}
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            out[key] = int(rest.split()[0]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return out
-
-
-def gpu_names() -> list[str] | None:
-    if not shutil.which("nvidia-smi"):
-        return None
-    try:
-        res = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=15, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return [ln.strip() for ln in res.stdout.splitlines() if ln.strip()]
-
-
 def check_host(s, rep: Report) -> None:
     rep.step("host")
     sec = "host"
     arch = platform.machine()
     (rep.ok if arch in ("aarch64", "arm64") else rep.warn)(
         f"architecture {arch}" + ("" if arch in ("aarch64", "arm64") else ": the recipe targets the DGX Spark (aarch64); untested here"), sec)
-    mem = meminfo()
+    from ..plan import hardware  # the planner's host readers: one implementation
+
+    mem = hardware.read_meminfo()
     total, avail = mem.get("MemTotal", 0), mem.get("MemAvailable", 0)
     if total >= SPARK_MEM_GIB * GIB:
         rep.ok(f"memory {total / GIB:.0f} GiB", sec)
     else:
         rep.fail(f"memory {total / GIB:.0f} GiB: the recipe needs the Spark's 128 GB pool", sec)
-    need = total * s["GPU_MEM"]
+    # vLLM budgets GPU_MEM × the device total cudaMemGetInfo reports, which on a Spark's unified
+    # memory is larger than MemTotal (121.69 vs 119.68 GiB): use the larger of the two.
+    device_total = hardware.PRESETS["gb10"].device_total if arch in ("aarch64", "arm64") else 0
+    need = max(total, device_total) * s["GPU_MEM"]
     if avail >= need:
         rep.ok(f"{avail / GIB:.0f} GiB available (GPU_MEM={s['GPU_MEM']:.2f} needs {need / GIB:.0f} GiB free to boot)", sec)
     else:
@@ -74,7 +56,8 @@ def check_host(s, rep: Report) -> None:
     if swappiness is not None and swappiness > 10 and mem.get("SwapTotal", 0) > 0:
         rep.warn(f"vm.swappiness={swappiness} with swap on: under memory pressure the engine pages out; "
                  "sudo sysctl vm.swappiness=1", sec)
-    gpus = gpu_names()
+    rows = hardware.query_gpus()
+    gpus = None if rows is None else [r[0] for r in rows]
     if gpus is None:
         rep.warn("nvidia-smi not found: no NVIDIA driver visible", sec)
     elif not gpus:
