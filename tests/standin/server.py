@@ -33,6 +33,8 @@ Not a model: answers are deterministic filler words with a few canned facts. Kno
       no_tool_calls      tools are ignored: plain text, never tool_calls
       slow               decode at ~8 tok/s (a swapping box)
       no_metrics         /metrics answers 404 (a server started without it / behind a proxy)
+      ple_engine_only    PLE counters only in multiprocess mode: what stock vLLM does with counters
+                         registered in the EngineCore (measured, docs/OBSERVABILITY.md)
   VLLM_PLE_MMAP=1               export the vllm:ple_mmap_* counters (VLLM_PLE_MMAP_PROMETHEUS=0: off)
   PROMETHEUS_MULTIPROC_DIR      set: *_created, process_* and python_* families vanish, as in vLLM's
                                 multiprocess mode (measured: docs/metrics/multiproc-diff-vllm-*.json)
@@ -57,7 +59,8 @@ from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 VERSION = "0.33.0+standin"
-FAULT_NAMES = ("nondeterministic", "no_prefix_hits", "reject_high_effort", "no_tool_calls", "slow", "no_metrics")
+FAULT_NAMES = ("nondeterministic", "no_prefix_hits", "reject_high_effort", "no_tool_calls", "slow", "no_metrics",
+               "ple_engine_only")
 ACCEPTED_EFFORTS = ("low", "medium", "xhigh")  # what the Qwen3.8-Flash-Next template itself accepts
 ALIASED_EFFORTS = {"high": "xhigh", "max": "xhigh", "minimal": "low"}  # EFFORT_ALIAS=1 rewrites these
 BLOCK_SIZE = 16
@@ -346,8 +349,10 @@ class Engine:
         self.prefill_tps = float(env.get("STANDIN_PREFILL_TPS", "20000"))
         self.delay_s = float(env.get("STANDIN_DELAY_MS", "0")) / 1000.0
         self.api_key = ns.api_key or env.get("VLLM_API_KEY") or None
-        self.ple = env.get("VLLM_PLE_MMAP") == "1" and env.get("VLLM_PLE_MMAP_PROMETHEUS", "1") != "0"
         self.multiproc = bool(env.get("PROMETHEUS_MULTIPROC_DIR"))
+        self.ple = env.get("VLLM_PLE_MMAP") == "1" and env.get("VLLM_PLE_MMAP_PROMETHEUS", "1") != "0"
+        if "ple_engine_only" in self.faults and not self.multiproc:
+            self.ple = False
         self.cond = threading.Condition()
         self.running = 0
         self.waiting = 0

@@ -152,3 +152,13 @@ def test_metrics_snapshot_totals_and_parse_errors():
     assert snap.total("vllm:absent") is None
     with pytest.raises(metrics.MetricsError):
         metrics.parse("vllm:x{le= 1\n")
+
+
+def test_ple_counters_hidden_in_the_engine_fail_metrics_when_expected(capsys, tmp_path):
+    with StandIn(faults="ple_engine_only", env={"VLLM_PLE_MMAP": "1"}) as s:
+        rc, report = flash_test(capsys, s.url, "--only", "metrics", "--expect-ple", "yes")
+    by = {c["name"]: c for c in report["checks"]}
+    assert rc == 1 and "PLE counters missing" in by["metrics"]["detail"] and "PROM_MULTIPROC" in by["metrics"]["data"]["hint"]
+    with StandIn(faults="ple_engine_only", env={"VLLM_PLE_MMAP": "1", "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}) as s:
+        rc, report = flash_test(capsys, s.url, "--only", "metrics", "--expect-ple", "yes")
+    assert rc == 0

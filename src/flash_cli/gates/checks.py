@@ -66,6 +66,7 @@ class Context:
     # filled in as checks run
     prefill: dict = field(default_factory=dict)
     healthy: bool = False
+    generated: bool = False  # a generating check ran, so the token/request counters must have moved
 
 
 def _first_logprobs(body: dict) -> dict[str, float] | None:
@@ -333,7 +334,7 @@ def check_metrics(ctx: Context) -> Result:
     # counters that exist but never move are as useless as absent ones (a counter registered in
     # one process and incremented in another reads 0 forever)
     for fam in ("vllm:generation_tokens", "vllm:request_success"):
-        if snap.has(fam) and not snap.total(fam):
+        if ctx.generated and snap.has(fam) and not snap.total(fam):
             problems.append(f"{fam}_total is 0 after this run's requests")
     ple = [f for f in M.PLE_FAMILIES if snap.has(f)]
     ple_note = ""
@@ -341,7 +342,7 @@ def check_metrics(ctx: Context) -> Result:
         absent = [f for f in M.PLE_FAMILIES if f not in ple]
         if absent:
             problems.append(f"PLE counters missing: {', '.join(absent)}")
-        elif not snap.total("vllm:ple_mmap_lookup_ops"):
+        elif ctx.generated and not snap.total("vllm:ple_mmap_lookup_ops"):
             problems.append("vllm:ple_mmap_lookup_ops_total is 0 after a prefill (counters not wired to the engine?)")
         else:
             ple_note = f"; PLE counters: {len(ple)}/8, {snap.total('vllm:ple_mmap_lookup_ops'):,.0f} lookups"
@@ -387,6 +388,8 @@ def run(ctx: Context, only: set[str] | None = None, skip: set[str] | None = None
             except Exception as exc:  # a bug or a malformed reply must fail this check, not hide the rest
                 res = Result(name, FAIL, f"{type(exc).__name__}: {exc}")
         res.seconds = time.perf_counter() - start
+        if name not in ("health", "model", "metrics") and res.status != SKIP:
+            ctx.generated = True
         results.append(res)
         if on_result:
             on_result(res)
