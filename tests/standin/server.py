@@ -35,6 +35,8 @@ Not a model: answers are deterministic filler words with a few canned facts. Kno
       no_metrics         /metrics answers 404 (a server started without it / behind a proxy)
       ple_engine_only    PLE counters only in multiprocess mode: what stock vLLM does with counters
                          registered in the EngineCore (measured, docs/OBSERVABILITY.md)
+      frozen_counters    token and request counters never move (registered in one process,
+                         incremented in another)
   VLLM_PLE_MMAP=1               export the vllm:ple_mmap_* counters (VLLM_PLE_MMAP_PROMETHEUS=0: off)
   PROMETHEUS_MULTIPROC_DIR      set: *_created, process_* and python_* families vanish, as in vLLM's
                                 multiprocess mode (measured: docs/metrics/multiproc-diff-vllm-*.json)
@@ -60,7 +62,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 VERSION = "0.33.0+standin"
 FAULT_NAMES = ("nondeterministic", "no_prefix_hits", "reject_high_effort", "no_tool_calls", "slow", "no_metrics",
-               "ple_engine_only")
+               "ple_engine_only", "frozen_counters")
 ACCEPTED_EFFORTS = ("low", "medium", "xhigh")  # what the Qwen3.8-Flash-Next template itself accepts
 ALIASED_EFFORTS = {"high": "xhigh", "max": "xhigh", "minimal": "low"}  # EFFORT_ALIAS=1 rewrites these
 BLOCK_SIZE = 16
@@ -527,9 +529,10 @@ class Engine:
 
     def finish(self, n_prompt: int, n_gen: int, reason: str, t: dict) -> None:
         L = self.labels
-        self.reg.inc("vllm:prompt_tokens", L, n_prompt)
-        self.reg.inc("vllm:generation_tokens", L, n_gen)
-        self.reg.inc("vllm:request_success", {**L, "finished_reason": reason})
+        if "frozen_counters" not in self.faults:
+            self.reg.inc("vllm:prompt_tokens", L, n_prompt)
+            self.reg.inc("vllm:generation_tokens", L, n_gen)
+            self.reg.inc("vllm:request_success", {**L, "finished_reason": reason})
         self.reg.observe("vllm:request_prompt_tokens", L, n_prompt)
         self.reg.observe("vllm:request_generation_tokens", L, n_gen)
         self.reg.observe("vllm:e2e_request_latency_seconds", L, t["end"] - t["arrived"])

@@ -50,6 +50,7 @@ def test_faithful_server_passes_every_check(capsys):
     ("reject_high_effort", "effort"),
     ("no_tool_calls", "tool_call"),
     ("slow", "decode"),
+    ("frozen_counters", "metrics"),
 ])
 def test_each_fault_fails_exactly_its_check(capsys, fault, check):
     with StandIn(faults=fault) as s:
