@@ -129,8 +129,7 @@ def test_tiny_model_generate_and_checkpoint(tmp_path):
     with PLETable.from_checkpoint(tmp_path, expected_rows=lay.num_rows) as t:
         assert t.dtype == "F32" and t.num_shards == 7 and t.num_rows == lay.num_rows
         assert t.shards[-1].rows < t.rows_per_shard  # transformers' torch.chunk leaves a partial last shard
-        lay.check_buffers(t.buffers["layer_multipliers"], t.buffers["ngram_heads_offsets"],
-                          t.buffers["ngram_heads_vocab_sizes"])
+        lay.check_buffers(**t.buffers)
         ids = ngram_ids(out[0].numpy(), lay)
         rows = t.gather(ids).view(np.float32).reshape(*ids.shape, -1)
         assert np.array_equal(rows[..., 0].astype(np.int64), ids)

@@ -27,7 +27,7 @@ Hashing (``hashing.py``, numpy, bit-identical to transformers' qwen4_exp)::
                                                    # -> int64 (T, 16) global row ids
     ids = ngram_ids_batch(tokens, query_start_loc, layout, contexts=None)
                                                    # flat tokens of many requests; contexts (R, 2)
-    layout.check_buffers(multipliers, offsets, vocab_sizes)  # vs the checkpoint's I64 buffers
+    layout.check_buffers(**table.buffers)        # vs the checkpoint's I64 buffers (ValueError)
 
 Table (``table.py``)::
 
@@ -35,7 +35,7 @@ Table (``table.py``)::
         # shards via model.safetensors.index.json (any file layout), dtype + scale from headers,
         # partial last shard, MADV_RANDOM (cfg.madvise), optional prewarm; raises PLETableError
     table.num_rows, table.row_bytes, table.head_dim, table.dtype ("F8_E4M3"|"F8_E5M2"|"BF16"|"F16"),
-    table.scale (float or None), table.rows_per_shard
+    table.scale (float or None), table.rows_per_shard, table.buffers (the I64 buffers), table.describe()
     rows = table.gather(ids)            # any int array -> uint8 (ids.size, row_bytes), row i =
                                         # bytes of table[ids.flat[i]]; IndexError if out of range
     urows, inverse = table.gather_unique(ids)   # rows of np.unique(ids) + inverse (for staging)

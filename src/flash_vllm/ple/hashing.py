@@ -134,12 +134,13 @@ class PLELayout:
             head_dim=int(embed) // heads,
         )
 
-    def check_buffers(self, multipliers, offsets, vocab_sizes) -> None:
-        """Compare with the checkpoint's I64 buffers; ValueError naming the first mismatch."""
+    def check_buffers(self, layer_multipliers, ngram_heads_offsets, ngram_heads_vocab_sizes) -> None:
+        """Compare with the checkpoint's I64 buffers (``check_buffers(**table.buffers)``);
+        ValueError naming the first mismatch."""
         for name, ours, theirs in (
-            ("layer_multipliers", self.multipliers, multipliers),
-            ("ngram_heads_offsets", self.head_offsets, offsets),
-            ("ngram_heads_vocab_sizes", self.head_sizes, vocab_sizes),
+            ("layer_multipliers", self.multipliers, layer_multipliers),
+            ("ngram_heads_offsets", self.head_offsets, ngram_heads_offsets),
+            ("ngram_heads_vocab_sizes", self.head_sizes, ngram_heads_vocab_sizes),
         ):
             theirs = tuple(int(v) for v in list(theirs))
             if theirs != tuple(ours):
