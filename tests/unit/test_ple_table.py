@@ -163,3 +163,32 @@ def test_prefetch_and_prewarm(ckpt):
         with pytest.raises(IndexError):
             t.prefetch(np.array([t.num_rows]))
         assert "PLE mmap:" in t.describe()
+
+
+def test_cold_path_choice_and_warm_switch(ckpt):
+    """auto keeps the faster timed cold path (retrying the other every 16th cold batch); a batch
+    that read nothing from disk switches to the mapping, and a drop of the cache switches back."""
+    try:
+        t = PLETable.from_checkpoint(ckpt)
+    except PLETableError as e:
+        pytest.skip(f"io_uring unavailable here: {e}")
+    with t:
+        if t.io != "uring":
+            pytest.skip("io_uring unavailable here")
+        t._ewma[0] = {"uring": 2e-6, "mmap": 1e-6}
+        t._cold_n[0] = 0
+        picks = [t._pick(0) for _ in range(32)]
+        assert picks.count("uring") == 2 and picks[15] == picks[31] == "uring"
+        assert set(picks) == {"uring", "mmap"}
+        for _ in range(5):  # the ring got faster: the choice follows
+            t._learn(0, "uring", 0.0)
+        assert t._ewma[0]["uring"] < t._ewma[0]["mmap"] and t._pick(0) == "uring"
+        ids = np.arange(0, t.num_rows, 97)[:48]
+        t.drop_cache()
+        t.gather(ids)
+        t.gather(ids)  # now cached: nothing read from disk
+        t.gather(ids)
+        assert t.last_strategy == "take"
+        t.drop_cache()
+        assert t._warm == 0
+        assert np.array_equal(t.gather(ids), reference_rows(ckpt, ids)) and t.last_strategy != "take"
