@@ -17,6 +17,8 @@ Configuration (``config.py``)::
     cfg.stats_sec      # VLLM_PLE_MMAP_STATS_SEC float, default 30, <= 0 disables the log line
     cfg.prometheus     # VLLM_PLE_MMAP_PROMETHEUS 0/1, default 1
     cfg.source_dir     # VLLM_PLE_MMAP_DIR or None (then the model path)
+    cfg.io             # VLLM_PLE_MMAP_IO auto (timed choice) | uring | mmap (never io_uring)
+    cfg.ring_depth, cfg.chunk   # VLLM_PLE_MMAP_RING_DEPTH (256), VLLM_PLE_MMAP_CHUNK (2048)
 
 Hashing (``hashing.py``, numpy, bit-identical to transformers' qwen4_exp)::
 
@@ -36,8 +38,9 @@ Table (``table.py``)::
         # partial last shard, MADV_RANDOM (cfg.madvise), optional prewarm; raises PLETableError
     table.num_rows, table.row_bytes, table.head_dim, table.dtype ("F8_E4M3"|"F8_E5M2"|"BF16"|"F16"),
     table.scale (float or None), table.rows_per_shard, table.buffers (the I64 buffers), table.describe()
-    rows = table.gather(ids)            # any int array -> uint8 (ids.size, row_bytes), row i =
-                                        # bytes of table[ids.flat[i]]; IndexError if out of range
+    rows = table.gather(ids, out=None)  # any int array -> uint8 (ids.size, row_bytes), row i =
+                                        # bytes of table[ids.flat[i]]; IndexError if out of range;
+                                        # out= a preallocated C-contiguous uint8 array (pinned view)
     urows, inverse = table.gather_unique(ids)   # rows of np.unique(ids) + inverse (for staging)
     table.prefetch(ids)                 # hint only (WILLNEED), returns at once
     table.last_strategy                 # uring | take | willneed | pool (see table.py docstring)
@@ -52,6 +55,9 @@ GPU staging (``stager.py``, torch; also runs on CPU torch)::
                                         # async H2D, GPU-side expansion via the inverse (batches >=
                                         # dedup_min), CUDA-event reuse guard (no device-wide sync).
     stager.lookup(ids, out=buf)         # fills a caller-provided (persistent) device tensor
+    # lookup() does host work (the gather) and replays its own small CUDA graphs: call it before
+    # the forward or in an eager break (never inside a vLLM graph capture). Batches <= 1024 rows
+    # replay one graph per (slot, rows, out buffer): keep `out` persistent so graphs are reused.
 
 Observability (``stats.py``)::
 
