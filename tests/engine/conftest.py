@@ -96,9 +96,14 @@ class Flash:
 
 
 @pytest.fixture(scope="session")
-def built_image(docker_client, standin_image, hf_cache, tmp_path_factory):
+def setup_home(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("setup-home")
+
+
+@pytest.fixture(scope="session")
+def built_image(docker_client, standin_image, hf_cache, setup_home):
     """Our real Dockerfile, built by `flash setup` FROM the stand-in base."""
-    home = tmp_path_factory.mktemp("setup-home")
+    home = setup_home
     f = Flash(home, hf_cache, free_port(), "flash-setup")
     if docker_client.images.list(name=IMAGE):
         docker_client.images.remove(IMAGE, force=True)

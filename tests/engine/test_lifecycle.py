@@ -26,8 +26,11 @@ def post_chat(url: str, key: str | None = None, timeout: float = 60) -> tuple[in
         return exc.code, {}
 
 
-def test_dockerfile_builds_over_the_standin_base_with_labels(docker_client, built_image):
+def test_dockerfile_builds_over_the_standin_base_with_labels(docker_client, built_image, setup_home):
     labels = docker_client.images.get(built_image).labels
+    record = json.loads((setup_home / ".local" / "state" / "flash" / "images.json").read_text())[built_image]
+    assert record["base_image"] == "flash-standin:test" and record["base_digest"].startswith("sha256:")
+    assert record["patchset"] == labels["org.flash.patchset"]
     assert labels.get("org.flash.base") == "v0.33" and labels.get("qwen38.base") == "v0.33"
     assert labels.get("org.flash.patchset"), labels
     assert labels.get("org.flash.selfcheck") == "skipped"  # this base has no vLLM to check against

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 from dataclasses import dataclass
 from typing import Callable
 
@@ -51,6 +52,40 @@ def build_args(s) -> dict[str, str]:
     return args
 
 
+def dockerfile_base(dockerfile: str) -> str:
+    """The Dockerfile's default `ARG BASE_IMAGE=…` (what a build without the arg is FROM)."""
+    for line in (REPO / dockerfile).read_text().splitlines():
+        if line.startswith("ARG BASE_IMAGE="):
+            return line.split("=", 1)[1].strip()
+    return "?"
+
+
+def record_build(client, image: str, base_image: str, labels: dict) -> dict:
+    """Remember which base digest an image was built from (state dir images.json)."""
+    import datetime
+
+    from .. import state
+
+    digest = None
+    try:
+        digests = client.images.get(base_image).attrs.get("RepoDigests") or []
+        digest = digests[0].split("@", 1)[1] if digests else client.images.get(base_image).id
+    except Exception:  # noqa: BLE001 - a missing record must not fail a good build
+        pass
+    path = state.state_dir() / "images.json"
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data[image] = {"base_image": base_image, "base_digest": digest, "patchset": labels.get("org.flash.patchset"),
+                   "built_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+    return data[image]
+
+
 def image_step(r: recipe.Recipe) -> Step:
     from .. import engine, preflight
 
@@ -81,7 +116,9 @@ def image_step(r: recipe.Recipe) -> Step:
                 raise FlashError(f"docker build of {dockerfile} failed: {chunk['error'].strip()[:300]}",
                                  hint="the last build lines are above")
         labels = engine.image_labels(c, image) or {}
-        say(f"  ✔ built {image} (base {labels.get('org.flash.base', '?')}, patch set {labels.get('org.flash.patchset', '?')})")
+        record = record_build(c, image, args.get("BASE_IMAGE") or dockerfile_base(dockerfile), labels)
+        say(f"  ✔ built {image} (base {labels.get('org.flash.base', '?')}, patch set {labels.get('org.flash.patchset', '?')}, "
+            f"from {record['base_image']}@{record['base_digest'] or 'unknown digest'})")
 
     return Step("image", done, what, build)
 
