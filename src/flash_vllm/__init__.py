@@ -12,3 +12,9 @@ def register() -> None:
     from .plugin import register as _register
 
     _register()
+    # Metrics bridge (not a vLLM patch, so outside the patch set): registers, in the process that
+    # serves /metrics, the collector that carries the engine's vllm:ple_mmap_* counters there.
+    # Never raises. See flash_vllm/metrics_bridge.py.
+    from .metrics_bridge import install
+
+    install()

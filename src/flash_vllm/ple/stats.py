@@ -10,7 +10,9 @@ prefix is upstream's, which benchmark scripts parse, the suffix came later upstr
     (0.50 ms/op), 5760 rows, 0.9 MiB read, gpu-wait 0.01 ms/op, host 0.69 ms/op (dedup 0.05,
     gather 0.50, stage 0.14)
 
-Counters (created lazily, once per process; ``vllm:`` names as upstream):
+Counters (created lazily, once per process; ``vllm:`` names as upstream). Outside prometheus
+multiprocess mode they are not registered here but carried to the API server's /metrics by
+``flash_vllm.metrics_bridge`` (same names, types and help; ``FLASH_METRICS_BRIDGE=0``: native):
 ``vllm:ple_mmap_lookup_ops_total``, ``_op_seconds_total``, ``_gpu_wait_seconds_total``,
 ``_dedup_seconds_total``, ``_gather_seconds_total``, ``_stage_seconds_total``, ``_rows_total``,
 ``_bytes_total`` and the gauge ``vllm:ple_mmap_engine_start_time_seconds`` (restart marker).
@@ -82,9 +84,17 @@ class PLEStats:
         self._since = clock()
         self._log = logger or _log
         self._prom = None
+        self._bridge = None
         if prometheus:
             try:
-                self._prom = _prom_metrics(registry) or None
+                if registry is None:
+                    # single-process /metrics: publish the totals for the API server's collector
+                    # (flash_vllm.metrics_bridge); None in multiprocess mode -> native counters
+                    from .. import metrics_bridge
+
+                    self._bridge = metrics_bridge.attach(self)
+                if self._bridge is None:
+                    self._prom = _prom_metrics(registry) or None
             except Exception as e:
                 self._log.warning("PLE mmap: Prometheus counters disabled (%s)", e)
 
