@@ -34,10 +34,14 @@ Not a model: answers are deterministic filler words with a few canned facts. Kno
       slow               decode at ~8 tok/s (a swapping box)
       no_metrics         /metrics answers 404 (a server started without it / behind a proxy)
       ple_engine_only    PLE counters only in multiprocess mode: what stock vLLM does with counters
-                         registered in the EngineCore (measured, docs/OBSERVABILITY.md)
+                         registered in the EngineCore (measured, docs/OBSERVABILITY.md), i.e. a
+                         server without flash_vllm's metrics bridge (FLASH_METRICS_BRIDGE=0)
       frozen_counters    token and request counters never move (registered in one process,
                          incremented in another)
   VLLM_PLE_MMAP=1               export the vllm:ple_mmap_* counters (VLLM_PLE_MMAP_PROMETHEUS=0: off)
+                                exactly as flash_vllm's metrics bridge does in single-process mode
+                                (and prometheus_client in multiprocess mode): unlabelled, the help
+                                texts of flash_vllm/ple/stats.py (tests/unit/test_metrics_bridge.py)
   PROMETHEUS_MULTIPROC_DIR      set: *_created, process_* and python_* families vanish, as in vLLM's
                                 multiprocess mode (measured: docs/metrics/multiproc-diff-vllm-*.json)
 """
@@ -318,16 +322,18 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000,
                  200000, 500000, 1000000)
+# As flash_vllm/ple/stats.py declares them (names, help) and the metrics bridge exposes them: no labels.
 PLE_COUNTERS = (
-    ("vllm:ple_mmap_lookup_ops", "PLE lookups (hash + gather + H2D)."),
-    ("vllm:ple_mmap_op_seconds", "Seconds in the PLE lookup op, GPU wait included."),
-    ("vllm:ple_mmap_gpu_wait_seconds", "Of op seconds: waiting for GPU work queued ahead of the lookup."),
-    ("vllm:ple_mmap_dedup_seconds", "Of op seconds: copying row ids to the host and deduplicating them."),
-    ("vllm:ple_mmap_gather_seconds", "Of op seconds: the row gather (disk reads)."),
-    ("vllm:ple_mmap_stage_seconds", "Of op seconds: staging the rows for the GPU (pinned copy, H2D launch)."),
-    ("vllm:ple_mmap_rows", "PLE rows gathered."),
-    ("vllm:ple_mmap_bytes", "Bytes read from the PLE table."),
+    ("vllm:ple_mmap_lookup_ops", "PLE mmap lookups (one per forward of the PLE layer)"),
+    ("vllm:ple_mmap_op_seconds", "Seconds in PLE lookups end to end (ids, gather, H2D)"),
+    ("vllm:ple_mmap_gpu_wait_seconds", "Seconds waiting for the GPU before a lookup"),
+    ("vllm:ple_mmap_dedup_seconds", "Seconds deduplicating row ids"),
+    ("vllm:ple_mmap_gather_seconds", "Seconds reading rows from the table (disk/page cache)"),
+    ("vllm:ple_mmap_stage_seconds", "Seconds staging rows to the device"),
+    ("vllm:ple_mmap_rows", "Table rows read"),
+    ("vllm:ple_mmap_bytes", "Table bytes read"),
 )
+PLE_START_GAUGE = ("vllm:ple_mmap_engine_start_time_seconds", "Unix time the PLE engine started (restart marker)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,9 +419,8 @@ class Engine:
                 r.family(name, "counter", doc).child(L)
         if self.ple:
             for name, doc in PLE_COUNTERS:
-                r.family(name, "counter", doc).child(L)
-            r.family("vllm:ple_mmap_engine_start_time_seconds", "gauge",
-                     "Unix time the PLE engine started (restart marker)").child(L)["value"] = time.time()
+                r.family(name, "counter", doc).child({})
+            r.family(PLE_START_GAUGE[0], "gauge", PLE_START_GAUGE[1]).child({})["value"] = time.time()
 
     def process_metrics(self) -> str:
         """process_* like prometheus_client's ProcessCollector (Linux /proc)."""
@@ -521,11 +526,10 @@ class Engine:
         rows = tokens * 16
         gather = rows * 2.0e-7
         dedup, stage, gpu_wait = rows * 2.0e-8, rows * 4.0e-8, steps * 0.004
-        L = self.labels
         for name, v in (("lookup_ops", steps), ("rows", rows), ("bytes", rows * 160), ("gather_seconds", gather),
                         ("dedup_seconds", dedup), ("stage_seconds", stage), ("gpu_wait_seconds", gpu_wait),
                         ("op_seconds", gather + dedup + stage + gpu_wait + steps * 0.0005)):
-            self.reg.inc(f"vllm:ple_mmap_{name}", L, v)
+            self.reg.inc(f"vllm:ple_mmap_{name}", {}, v)
 
     def finish(self, n_prompt: int, n_gen: int, reason: str, t: dict) -> None:
         L = self.labels

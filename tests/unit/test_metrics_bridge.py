@@ -287,3 +287,26 @@ def test_publisher_writes_atomically_and_only_on_change(tmp_path):
         assert json.loads(pub.path.read_text())["format"] == 1
         seen += 1
     assert seen > 10
+
+
+def test_standin_exposes_exactly_what_the_bridge_does():
+    """The stand-in server (tests/standin) stays faithful: same PLE family names, types, help
+    texts, sample names and label sets as the bridge's exposition, in single-process mode."""
+    import requests
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families as parse
+
+    sys.path.insert(0, str(ROOT / "tests" / "standin"))
+    from harness import StandIn
+
+    def shape(text):
+        return {f.name: (f.type, f.documentation, sorted((s.name, tuple(sorted(s.labels))) for s in f.samples))
+                for f in parse(text) if f.name.startswith("vllm:ple_mmap")}
+
+    agg = {"values": dict.fromkeys(COUNTERS, 1.0), "created": 1.8e9, "engine_start": 1.8e9}
+    reg = CollectorRegistry()
+    reg.register(type("C", (), {"collect": lambda self: list(mb.PLEBridgeCollector._families(agg))})())
+    with StandIn(env={"VLLM_PLE_MMAP": "1"}) as s:
+        standin = shape(requests.get(s.url + "/metrics", timeout=5).text)
+    assert standin == shape(generate_latest(reg).decode())
+    assert len(standin) == 17  # 8 counters, their 8 *_created, the start-time gauge
