@@ -1,8 +1,9 @@
 """vllm tier: every patch against the real source of every supported release, on CPU.
 
 Per release (environments from tools/check_vllm_release.py, built by tests/support/tier-vllm.sh):
-1. `tools/check_vllm_release.py X.Y.Z --json` reports, for every patch, exactly the status the
-   registry declares for that base (applies / upstream / not-needed / not-ported), never broken.
+1. `tools/check_vllm_release.py X.Y.Z --json` (0.29.0 and 0.33.0; the in-release session checks
+   the same matrix on every release) reports, for every patch, exactly the status the registry
+   declares for that base (applies / upstream / not-needed / not-ported), never broken.
 2. The in-release checks (tests/vllm/release/check_*.py) run with that release's Python: the
    plugin registers through vLLM's loader and every patch's logic is exercised with the real
    vLLM classes. All must pass; none may be skipped.
@@ -35,7 +36,9 @@ def _tool():
     return mod
 
 
-@pytest.mark.parametrize("release", RELEASES)
+# The tool end to end on the oldest and the newest release (the interface others rely on); the
+# same matrix is asserted on every release inside the in-release session (check_selfcheck.py).
+@pytest.mark.parametrize("release", [RELEASES[0], RELEASES[-1]])
 def test_check_tool_matrix_matches_registry(release):
     proc = subprocess.run([sys.executable, str(TOOL), release, "--json"], capture_output=True,
                           text=True, timeout=1800)
