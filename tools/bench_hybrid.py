@@ -3,11 +3,16 @@
 
     tools/bench_hybrid.py [--dir DIR] [--reps 2] [--layout radixark] [--out docs/benchmarks/hybrid-prep.json]
 
-Builds a full-size sparse replica of the checkpoint (real names, shapes, dtypes, file sizes;
-data are holes) under DIR, then alternates, `--reps` times each:
+Builds a full-size replica of the checkpoint (real names, shapes, dtypes, file sizes) under
+DIR: sparse files, except that the 312 side-layer tensors get real random BF16 data (zeros
+would convert ~30% faster than real weights). Then alternates, `--reps` times each:
 - floor: read every side-layer tensor's bytes (the only data the conversion needs) and write
-  files of exactly the new shards' sizes (fsync'd, like the prep), nothing else;
-- prep: `hybrid.build()` (the code `flash prepare hybrid` runs) in a child process, with its peak RSS.
+  files of exactly the new shards' sizes (fsync'd, like the prep), nothing else — the issue's
+  yardstick;
+- copy floor: the same plus reading the untouched tensors the new shards must contain
+  (copy_file_range, as the prep does): everything the prep does except the fp8 math;
+- prep: `hybrid.build()` (the code `flash prepare hybrid` runs) in a child process, with its
+  peak RSS and CPU seconds.
 Then the second run: `scripts/prepare-hybrid.sh` on the prepared snapshot, timed end to end.
 Outputs are deleted after each measurement (they are real bytes: ~13 GB for RadixArk).
 """
@@ -64,6 +69,60 @@ def floor(plan: hybrid.Plan, out_dir: Path) -> float:
     return dt
 
 
+def copy_floor(plan: hybrid.Plan, out_dir: Path) -> float:
+    """Everything but the math: side-layer bytes read, untouched tensors copied, sizes written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    for fp in plan.files:
+        src = os.open(plan.source / fp.name, os.O_RDONLY)
+        dst = os.open(out_dir / fp.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        written = 0
+        try:
+            for e, s in fp.entries:
+                if s[0] == "copy":
+                    off, end = s[1], s[1] + e.nbytes
+                    while off < end:
+                        n = os.copy_file_range(src, dst, min(64 << 20, end - off), off)
+                        off += n
+                        written += n
+                elif s[0] == "weight":
+                    data = os.pread(src, s[1].nbytes, s[1].begin)
+                    os.write(dst, memoryview(data)[: len(data) // 2])
+                    written += len(data) // 2
+            os.write(dst, b"\0" * (fp.new_size - written))
+            os.fsync(dst)
+        finally:
+            os.close(src)
+            os.close(dst)
+    dt = time.perf_counter() - t0
+    shutil.rmtree(out_dir)
+    return dt
+
+
+def fill_side_layers(plan: hybrid.Plan) -> None:
+    """Real random BF16 data where the conversion reads (written into the replica's blobs)."""
+    import ml_dtypes
+    import numpy as np
+
+    pattern = (np.random.default_rng(0).standard_normal(32 << 20).astype(np.float32) * 0.02)
+    pattern = pattern.astype(ml_dtypes.bfloat16).tobytes()  # 64 MB, reused with a rotating start
+    for fp in plan.files:
+        fd = os.open(plan.source / fp.name, os.O_WRONLY)
+        try:
+            for _, s in fp.entries:
+                if s[0] != "weight":
+                    continue
+                t, pos = s[1], 0
+                while pos < t.nbytes:
+                    start = (pos // 2 * 7919 * 2) % (len(pattern) // 2)
+                    chunk = (pattern[start:] + pattern[:start])[: min(len(pattern), t.nbytes - pos)]
+                    os.pwrite(fd, chunk, t.begin + pos)
+                    pos += len(chunk)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 PREP_CHILD = r"""
 import json, resource, sys, time
 from pathlib import Path
@@ -73,7 +132,8 @@ t0 = time.perf_counter()
 p = hybrid.plan(src, dst)
 m = hybrid.build(p)
 dt = time.perf_counter() - t0
-print(json.dumps({"seconds": dt, "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+ru = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"seconds": dt, "maxrss_kb": ru.ru_maxrss, "cpu_s": ru.ru_utime + ru.ru_stime,
                   "tensors": m["tensors"], "worst": m["worst_block_rel_err"]}))
 """
 
@@ -117,16 +177,24 @@ def main() -> int:
     free = shutil.disk_usage(a.dir).free
     if need * 1.1 > free:
         raise SystemExit(f"needs {need / 1e9:.1f} GB free under {a.dir}, has {free / 1e9:.1f}")
+    t0 = time.perf_counter()
+    fill_side_layers(plan)
+    print(f"side layers filled with random BF16 in {time.perf_counter() - t0:.1f} s", flush=True)
     print(f"replica in {gen:.1f} s; {len(plan.targets)} tensors in {len(plan.files)} files; "
           f"reads {plan.read_bytes / 1e9:.2f} GB of side layers, writes {need / 1e9:.2f} GB", flush=True)
-    floors, preps = [], []
+    floors, copies, preps, loads = [], [], [], []
     for i in range(a.reps):
+        loads.append(os.getloadavg()[0])
         f = floor(plan, a.dir / "floor-out")
         floors.append(f)
         print(f"  rep {i + 1}: floor {f:.1f} s", flush=True)
+        c = copy_floor(plan, a.dir / "copy-out")
+        copies.append(c)
+        print(f"  rep {i + 1}: copy floor {c:.1f} s", flush=True)
         p = prep(snap)
         preps.append(p)
-        print(f"  rep {i + 1}: prep  {p['seconds']:.1f} s (peak RSS {p['maxrss_kb'] / 1024:.0f} MiB)", flush=True)
+        print(f"  rep {i + 1}: prep  {p['seconds']:.1f} s (CPU {p['cpu_s']:.1f} s, peak RSS {p['maxrss_kb'] / 1024:.0f} MiB)",
+              flush=True)
     second = [second_run(cache, {"radixark": ckpt.RADIXARK, "nvidia": ckpt.NVIDIA}[a.layout]) for _ in range(3)]
     ratio = statistics.median(p["seconds"] for p in preps) / statistics.median(floors)
     result = {
@@ -135,7 +203,9 @@ def main() -> int:
                     "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
         "layout": a.layout, "tensors": len(plan.targets), "files": [f.name for f in plan.files],
         "read_bytes": plan.read_bytes, "write_bytes": need,
-        "floor_s": floors, "prep_s": [p["seconds"] for p in preps],
+        "floor_s": floors, "copy_floor_s": copies, "prep_s": [p["seconds"] for p in preps],
+        "prep_cpu_s": [round(p["cpu_s"], 1) for p in preps], "load_avg_1min_at_rep_start": loads,
+        "ratio_to_copy_floor_median": round(statistics.median(p["seconds"] for p in preps) / statistics.median(copies), 3),
         "prep_peak_rss_mib": [round(p["maxrss_kb"] / 1024) for p in preps],
         "worst_block_rel_err": preps[-1]["worst"], "ratio_median": round(ratio, 3),
         "second_run_s": second,
