@@ -37,7 +37,7 @@ if role == "engine":  # the EngineCore: our PLE counters, incremented by one loo
     sys.exit(0)
 from vllm.config import CacheConfig, ObservabilityConfig
 cc = CacheConfig(); cc.num_gpu_blocks = 1000
-cfg = NS(observability_config=ObservabilityConfig(), speculative_config=None, kv_transfer_config=None,
+cfg = NS(observability_config=ObservabilityConfig(), speculative_config=None, kv_transfer_config=None, watermark_config=None,
          ec_transfer_config=None, cache_config=cc, lora_config=None,
          model_config=NS(served_model_name="qwen3.8-flash-next", max_model_len=262144, is_diffusion=False,
                          hf_config=NS(), architecture="Qwen3_8FlashNextForCausalLM"),
@@ -77,6 +77,7 @@ def families(text: str) -> dict[str, list[list[str]]]:
 def measure(multi: bool) -> tuple[str, dict]:
     env = dict(os.environ)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    env["FLASH_METRICS_BRIDGE"] = "0"  # stock behaviour: what multiprocess mode alone does (the bridge: metrics_bridge_diff.py)
     tmp = None
     if multi:
         tmp = tempfile.TemporaryDirectory()

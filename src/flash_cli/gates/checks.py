@@ -353,8 +353,10 @@ def check_metrics(ctx: Context) -> Result:
     if problems:
         hint = None
         if any(p.startswith("PLE counters missing") for p in problems):
-            hint = ("the counters live in the engine process: PROM_MULTIPROC=1 exports them "
-                    "(and drops *_created, process_* families; docs/OBSERVABILITY.md)")
+            hint = ("the counters live in the engine process; flash_vllm's metrics bridge carries them to "
+                    "/metrics (look for 'PLE metrics bridge' in the server log; FLASH_METRICS_BRIDGE=0 turns "
+                    "it off); PROM_MULTIPROC=1 exports them too but drops *_created, process_* families "
+                    "(docs/OBSERVABILITY.md)")
         return Result("metrics", FAIL, "; ".join(problems), data={"families": len(snap.families),
                                                                    **({"hint": hint} if hint else {})})
     return Result("metrics", PASS, f"{len(snap.families)} families, the {len(M.CORE_FAMILIES)} expected vllm:* present"
