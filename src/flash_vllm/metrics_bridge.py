@@ -49,6 +49,8 @@ FORMAT = 1
 MAX_RECORD_BYTES = 1 << 16
 MAX_RECORDS = 4096                     # bound on the work one scrape does
 GC_EVERY_S = 60.0
+HEARTBEAT_S = 300.0                    # a live writer rewrites its record at least this often
+FOREIGN_STALE_S = 86400.0              # another pid namespace's record untouched this long: its writer is gone
 _OFF = {"0", "false", "no", "off"}
 _TRUE = {"1", "true", "yes", "on"}
 _NAME = re.compile(r"^ple-(\d+)-(\d+)-(\d+)\.json$")
@@ -170,6 +172,7 @@ class Publisher:
         self.stats: list = []        # strong refs: a collected PLEStats must keep its counts
         self._lock = threading.Lock()
         self._last: dict | None = None
+        self._last_write = 0.0
         self._seq = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -198,7 +201,7 @@ class Publisher:
     def publish(self, force: bool = False) -> bool:
         try:
             values = self.totals()
-            if not force and values == self._last:
+            if not force and values == self._last and time.monotonic() - self._last_write < HEARTBEAT_S:
                 return False
             self._seq += 1
             doc = {"format": FORMAT, "ns": self.ns, "pid": self.pid, "start": self.start,
@@ -209,6 +212,7 @@ class Publisher:
                 fh.write(json.dumps(doc, separators=(",", ":")))
             os.replace(tmp, self.path)
             self._last = values
+            self._last_write = time.monotonic()
             return True
         except Exception as e:  # never let metrics break the engine
             if not self._failed:
@@ -270,13 +274,15 @@ def read_records(dirpath: Path, ns: int | None = None) -> list[dict]:
     """Every well-formed record in the directory (of pid namespace `ns` when given)."""
     out = []
     try:
-        entries = sorted(os.scandir(dirpath), key=lambda e: e.name)[:MAX_RECORDS]
+        entries = []
+        for e in os.scandir(dirpath):
+            m = _NAME.match(e.name)
+            if m and (ns is None or int(m.group(1)) == ns):
+                entries.append((e, m))
+        entries = sorted(entries, key=lambda em: em[0].name)[:MAX_RECORDS]
     except OSError:
         return out
-    for e in entries:
-        m = _NAME.match(e.name)
-        if not m or (ns is not None and int(m.group(1)) != ns):
-            continue
+    for e, m in entries:
         try:
             with open(e.path, "rb") as fh:
                 raw = fh.read(MAX_RECORD_BYTES + 1)
@@ -314,7 +320,9 @@ def aggregate(records: list[dict], me: tuple[int, int, int]) -> dict | None:
 
 def collect_garbage(dirpath: Path, ns: int, min_age_s: float = 60.0) -> list[str]:
     """Delete records of finished servers: writer dead and its server's root process dead.
-    Leftover tmp files of dead writers too. Only our pid namespace (others we cannot judge)."""
+    Leftover tmp files of dead writers too. Another pid namespace's processes (another container
+    sharing /dev/shm through --ipc=host) cannot be looked up: their records go only when untouched
+    for FOREIGN_STALE_S (live writers rewrite every HEARTBEAT_S)."""
     removed = []
     now = time.time()
     for r in read_records(dirpath, ns):
@@ -330,11 +338,20 @@ def collect_garbage(dirpath: Path, ns: int, min_age_s: float = 60.0) -> list[str
                 pass
     try:
         for e in os.scandir(dirpath):
-            m = _TMP.match(e.name)
-            if m and int(m.group(1)) == ns and not alive(int(m.group(2)), int(m.group(3))):
-                if now - e.stat().st_mtime > min_age_s:
+            m = _TMP.match(e.name) or _NAME.match(e.name)
+            if not m:
+                continue
+            try:
+                age = now - e.stat(follow_symlinks=False).st_mtime
+                if int(m.group(1)) != ns:
+                    stale = age > FOREIGN_STALE_S
+                else:  # our namespace's records were judged above; tmp files of dead writers
+                    stale = e.name.endswith(".tmp") and age > min_age_s and not alive(int(m.group(2)), int(m.group(3)))
+                if stale:
                     os.unlink(e.path)
                     removed.append(e.path)
+            except OSError:
+                continue
     except OSError:
         pass
     return removed

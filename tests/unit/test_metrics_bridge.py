@@ -210,6 +210,8 @@ def test_collector_scope_garbage_and_broken_records(tmp_path):
         lst = mb._stat(live.pid)
         _record(tmp_path, ns, live.pid, lst[1], [[1, 0]], f"{live.pid}:{lst[1]}", 1000)  # a live other server
         _record(tmp_path, ns + 1, pid, start, [], "1:1", 10_000)                       # other pid namespace
+        _record(tmp_path, ns + 2, 77, 7, [], "1:1", 10_000)                            # ... untouched for 2 days
+        os.utime(tmp_path / f"ple-{ns + 2}-77-7.json", (time.time() - 2 * 86400,) * 2)
         (tmp_path / f"ple-{ns}-999999-7.json").write_text('{"format": 1, "ns"')        # torn/foreign bytes
         (tmp_path / f".ple-{ns}-999999-7.1.tmp").write_text("{")
         reg = CollectorRegistry()
@@ -223,6 +225,7 @@ def test_collector_scope_garbage_and_broken_records(tmp_path):
         assert f"ple-{ns}-9999991-5.json" in left                          # our dead child: kept (monotonic)
         assert f"ple-{ns}-{live.pid}-{lst[1]}.json" in left                # live other server: untouched
         assert f"ple-{ns + 1}-{pid}-{start}.json" in left                  # other namespace: untouched
+        assert f"ple-{ns + 2}-77-7.json" not in left                       # ... unless stale for a day
     finally:
         live.kill()
         live.wait()
