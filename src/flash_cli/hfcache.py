@@ -187,7 +187,8 @@ def variant_state(snapshot: Path, mode: str) -> str:
         return "stale"
     if mode == "hybrid-mtp":  # built on the hybrid: a rebuilt or broken hybrid makes it stale
         base = read_marker(variant_dir(snapshot, "hybrid")) or {}
-        if variant_state(snapshot, "hybrid") != "ready" or marker.get("hybrid_created") != base.get("created"):
+        if variant_state(snapshot, "hybrid") != "ready" or not base.get("build_id") \
+                or marker.get("hybrid_build") != base["build_id"]:
             return "stale"
     try:
         wanted = {p.name for p in snapshot.iterdir() if not p.name.startswith(".")}

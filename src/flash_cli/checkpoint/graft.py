@@ -259,7 +259,7 @@ def build(snapshot: Path, donor_path: Path, donor: Donor = DONOR) -> dict:
                                   + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
         hm = hfcache.read_marker(hyb) or {}
         data = marker.write(partial, "hybrid-mtp", snapshot, donor=f"{donor.repo}@{donor.revision}",
-                            donor_sha256=donor.sha256, hybrid_created=hm.get("created"),
+                            donor_sha256=donor.sha256, hybrid_build=hm.get("build_id"),
                             removed=list(FUSED), added_keys=len(donor_keys), excludes=len(excludes),
                             rewritten=fused_files)
         layout.fsync_dir(partial)

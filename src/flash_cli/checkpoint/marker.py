@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from pathlib import Path
 
 from .. import __version__
@@ -18,6 +19,7 @@ def write(directory: Path, mode: str, source: Path, **fields) -> dict:
         "source_revision": Path(source).name,
         "tool": f"flash {__version__}",
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "build_id": uuid.uuid4().hex,  # what a variant built on top records (timestamps repeat)
         **fields,
     }
     path = Path(directory) / MARKER
