@@ -220,6 +220,21 @@ def ensure(version: str) -> dict:
     return {"python": str(venv / "bin" / "python"), "env": env, "torch_pin": pin}
 
 
+def setup(versions: list[str]) -> None:
+    """Wheels first, then the (independent) torch venvs side by side, then each release."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cache = cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    t = time.monotonic()
+    pins = {TORCH_FOR_PIN.get(p, p) for p in (torch_pin(fetch_wheel(v, cache)) for v in versions)}
+    with ThreadPoolExecutor(max_workers=len(pins)) as pool:
+        list(pool.map(lambda tv: ensure_venv(tv, cache), sorted(pins)))
+    for v in versions:
+        ensure(v)
+    say(f"{len(versions)} release(s) ready in {time.monotonic() - t:.0f}s")
+
+
 def check(version: str) -> dict:
     sys.path.insert(0, str(SRC))
     from flash_vllm import compat
@@ -248,8 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"not a release version: {', '.join(bad)} (expected X.Y.Z, e.g. 0.33.0)")
     try:
         if args.setup:
-            for v in args.versions:
-                ensure(v)
+            setup(args.versions)
             return 0
         if len(args.versions) != 1:
             ap.error("check one release at a time (or use --setup)")
