@@ -6,8 +6,6 @@ Standard library only: `flash status` and `flash wait` poll these, and must star
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 
 
@@ -22,6 +20,9 @@ class Reply:
 
 
 def get(url: str, key: str | None = None, timeout: float = 3.0) -> Reply:
+    import urllib.error
+    import urllib.request
+
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:

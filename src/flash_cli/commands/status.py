@@ -38,10 +38,12 @@ def plan_comparison(recipe_label: str | None, kv_line: str | None) -> str | None
 
 
 def collect(name: str) -> dict:
-    from .. import engine
+    from .. import engine, engine_read
 
-    client = engine.connect()
-    container = engine.find(client, name)
+    try:
+        container = engine_read.find(name)  # plain Engine API GETs: no docker-py import
+    except LookupError:  # TLS or ssh DOCKER_HOST: the SDK knows how
+        container = engine.find(engine.connect(), name)
     if container is None:
         return {"name": name, "state": "absent"}
     st = engine.state(container)
