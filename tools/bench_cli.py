@@ -26,9 +26,10 @@ COMMANDS = {
 }
 
 
-def time_once(argv: list[str]) -> tuple[float, int]:
+def time_once(argv: list[str], env: dict | None = None) -> tuple[float, int]:
     t0 = time.perf_counter()
-    res = subprocess.run([str(ROOT / "flash"), *argv], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    res = subprocess.run([str(ROOT / "flash"), *argv], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         env={**os.environ, **(env or {})})
     return time.perf_counter() - t0, res.returncode
 
 
@@ -36,16 +37,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("-n", type=int, default=15, help="runs per command (default 15)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--running", metavar="NAME", help="also time `flash status` for this running flash container")
     args = ap.parse_args()
+    commands = dict(COMMANDS)
+    envs = {}
+    if args.running:
+        commands["status-running"] = ["status"]
+        envs["status-running"] = {"NAME": args.running}
     time_once(["--version"])  # first use builds the venv and byte-compiles; not what we measure
-    out = {"machine": f"{platform.machine()} {os.cpu_count()} cpus", "python": platform.python_version(), "runs": args.n,
+    out = {"machine": f"{platform.machine()} {os.cpu_count()} cpus", "load_before": os.getloadavg()[0], "python": platform.python_version(), "runs": args.n,
            "results": {}}
     # Interleave commands so machine noise spreads evenly over them.
-    samples: dict[str, list[float]] = {k: [] for k in COMMANDS}
+    samples: dict[str, list[float]] = {k: [] for k in commands}
     codes: dict[str, int] = {}
     for _ in range(args.n):
-        for key, argv in COMMANDS.items():
-            t, rc = time_once(argv)
+        for key, argv in commands.items():
+            t, rc = time_once(argv, envs.get(key))
             samples[key].append(t)
             codes[key] = rc
     for key, xs in samples.items():

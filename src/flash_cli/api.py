@@ -34,14 +34,27 @@ def get(url: str, key: str | None = None, timeout: float = 3.0) -> Reply:
 
 
 def metric_sums(text: str, names: tuple[str, ...]) -> dict[str, float]:
-    """Sum every sample of the named metric families (labels folded), via prometheus_client."""
-    from prometheus_client.parser import text_string_to_metric_families
+    """Sum every sample of the named series (labels folded).
 
-    wanted = {n.removesuffix("_total") for n in names}
+    A line reader, not prometheus_client's parser: importing that package costs ~170 ms, which
+    `flash status` cannot afford. Sample lines are `name{labels} value [timestamp]`; label
+    values may hold spaces, so the value is taken after the closing brace. The unit tier checks
+    this against prometheus_client on the stand-in server's real exposition.
+    """
+    wanted = set(names)
     out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        if fam.name in wanted:
-            for sample in fam.samples:
-                if sample.name in names or sample.name == fam.name:
-                    out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        brace = line.find("{")
+        space = line.find(" ")
+        name = line[:brace] if 0 <= brace < space or (brace >= 0 and space < 0) else line[:space]
+        if name not in wanted:
+            continue
+        rest = line[line.rfind("}") + 1:] if brace >= 0 else line[space:]
+        try:
+            value = float(rest.split()[0])
+        except (IndexError, ValueError):
+            continue
+        out[name] = out.get(name, 0.0) + value
     return out

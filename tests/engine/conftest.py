@@ -109,7 +109,10 @@ def built_image(docker_client, standin_image, hf_cache, setup_home):
         docker_client.images.remove(IMAGE, force=True)
     res = f("setup", "published", f"BASE_IMAGE={standin_image}", "SELFCHECK=0", timeout=900)
     assert res.returncode == 0, res.stdout + res.stderr
-    return IMAGE
+    yield IMAGE
+    # Rebuilds leave untagged copies behind (vfs stores each in full): drop ours only.
+    for label in ("org.flash.base", "org.flash.test"):
+        docker_client.images.prune(filters={"dangling": True, "label": label})
 
 
 @pytest.fixture
