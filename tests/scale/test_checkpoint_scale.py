@@ -26,6 +26,7 @@ from flash_vllm.ple.header import read_header
 pytestmark = pytest.mark.scale
 ROOT = Path(__file__).resolve().parents[2]
 GB = 1e9
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}  # this checkout, whatever is installed
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ def test_verify_full_index_in_seconds(which, request):
     snap = request.getfixturevalue(which)
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "flash_cli", "verify", "--path", str(snap), "--json"],
-                         capture_output=True, text=True, cwd=ROOT)
+                         capture_output=True, text=True, cwd=ROOT, env=ENV)
     dt = time.monotonic() - t0
     assert out.returncode == 0, out.stdout + out.stderr
     r = json.loads(out.stdout)[0]
@@ -91,7 +92,7 @@ def test_hybrid_full_scale_memory_time_and_second_run(radixark, cache):
             "out = hybrid.prepare(Path(sys.argv[1])); "
             "print(json.dumps({'rss_kb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, **out['marker']}))")
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, "-c", code, str(radixark)], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", code, str(radixark)], capture_output=True, text=True, env=ENV)
     dt = time.monotonic() - t0
     assert r.returncode == 0, r.stderr[-2000:]
     m = json.loads(r.stdout.strip().splitlines()[-1])

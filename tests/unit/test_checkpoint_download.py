@@ -89,7 +89,7 @@ def test_killed_download_resumes_from_incomplete_blob(hub, tmp_path):
     sha = h.repos[ckpt.RADIXARK].commits[COMMIT][BIG].sha256
     cache = tmp_path / "cache"
     part = hfcache.repo_dir(cache, ckpt.RADIXARK) / "blobs" / (sha + ".incomplete")
-    env = dict(os.environ, HF_ENDPOINT=h.endpoint, HF_HUB_OFFLINE="0")
+    env = dict(os.environ, HF_ENDPOINT=h.endpoint, HF_HUB_OFFLINE="0", PYTHONPATH=str(ROOT / "src"))
     proc = subprocess.Popen([sys.executable, "-m", "flash_cli", "download", "--no-profile", f"MODEL={ckpt.RADIXARK}",
                              f"HF_CACHE={cache}", "MAX_WORKERS=8"], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -192,7 +192,7 @@ def test_corrupt_transfer_is_refused_and_corrupt_blob_caught_by_verify_hash(hub,
 
 def test_cli_dry_run_json_and_xet_switch(hub, tmp_path):
     h, src = hub
-    env = dict(os.environ, HF_ENDPOINT=h.endpoint, HF_HUB_OFFLINE="0")
+    env = dict(os.environ, HF_ENDPOINT=h.endpoint, HF_HUB_OFFLINE="0", PYTHONPATH=str(ROOT / "src"))
     out = subprocess.run([sys.executable, "-m", "flash_cli", "download", "--no-profile", f"MODEL={ckpt.RADIXARK}",
                           f"HF_CACHE={tmp_path / 'c'}", "XET=0", "--dry-run", "--json"],
                          env=env, capture_output=True, text=True, cwd=ROOT)

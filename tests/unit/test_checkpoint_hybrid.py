@@ -181,7 +181,8 @@ def test_killed_at_random_points_then_rerun_verifies(tmp_path, delay):
     snap = ckpt.write_snapshot(tmp_path / "hf", "radixark", ckpt.with_layers(ckpt.TINY, 24))
     code = ("import sys; from flash_cli.checkpoint import hybrid; from pathlib import Path; "
             "hybrid.prepare(Path(sys.argv[1]))")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(snap)], stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-c", code, str(snap)], stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     time.sleep(delay)
     proc.send_signal(signal.SIGKILL)
     proc.wait()

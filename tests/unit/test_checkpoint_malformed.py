@@ -20,6 +20,7 @@ from flash_vllm.ple.header import HeaderError, MAX_HEADER_BYTES, parse_header, r
 
 ROOT = Path(__file__).resolve().parents[2]
 FUZZ_ITERS = int(os.environ.get("FLASH_FUZZ_ITERS", "6000"))
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}  # this checkout, whatever is installed
 
 
 def _file(tmp_path, header: bytes, data_len: int, name="x.safetensors") -> Path:
@@ -78,7 +79,7 @@ def _replace(path: Path, data: bytes) -> None:
 
 def _flash_verify(snap: Path):
     return subprocess.run([sys.executable, "-m", "flash_cli", "verify", "--path", str(snap)],
-                          capture_output=True, text=True, cwd=ROOT)
+                          capture_output=True, text=True, cwd=ROOT, env=ENV)
 
 
 @pytest.mark.parametrize("index,needle", [
@@ -121,13 +122,13 @@ def test_verify_cli_by_settings_exit_codes(tmp_path):
     snap = _snap(tmp_path)
     cmd = [sys.executable, "-m", "flash_cli", "verify", "--no-profile", f"MODEL={ckpt.NVIDIA}",
            f"HF_CACHE={tmp_path / 'hf'}"]
-    ok = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    ok = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=ENV)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     os.unlink(os.path.realpath(snap / "model-fp8-mtp-ple.safetensors"))
-    bad = subprocess.run(cmd + ["--json"], capture_output=True, text=True, cwd=ROOT)
+    bad = subprocess.run(cmd + ["--json"], capture_output=True, text=True, cwd=ROOT, env=ENV)
     assert bad.returncode == 1
     assert json.loads(bad.stdout)[0]["problems"] == ["missing: model-fp8-mtp-ple.safetensors"]
-    none = subprocess.run(cmd[:-1] + [f"HF_CACHE={tmp_path / 'empty'}"], capture_output=True, text=True, cwd=ROOT)
+    none = subprocess.run(cmd[:-1] + [f"HF_CACHE={tmp_path / 'empty'}"], capture_output=True, text=True, cwd=ROOT, env=ENV)
     assert none.returncode == 5 and "no snapshot" in none.stderr
 
 
