@@ -216,3 +216,24 @@ def test_row_strips_and_worker_counts_do_not_change_a_byte(tmp_path, monkeypatch
     rewritten = json.loads((va / ".prepared").read_text())["rewritten"]
     for name in rewritten:
         assert (va / name).read_bytes() == (vb / name).read_bytes()
+
+
+def test_standalone_fp8_convert_tool_same_result(tmp_path):
+    import shutil as sh
+
+    snap = ckpt.write_snapshot(tmp_path / "hf", "nvidia")
+    plain = tmp_path / "plain"  # a plain directory copy, not a cache snapshot
+    sh.copytree(snap, plain, symlinks=False)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    tool = [sys.executable, str(ROOT / "tools" / "fp8_convert.py")]
+    dry = subprocess.run(tool + [str(plain), "--dry-run"], capture_output=True, text=True, env=env)
+    assert dry.returncode == 0 and "52 tensors" in dry.stdout and not (tmp_path / "plain-fp8hybrid").exists()
+    out = subprocess.run(tool + [str(plain)], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "worst per-block relative error 0.03" in out.stdout
+    hybrid.prepare(snap)
+    a, b = tmp_path / "plain-fp8hybrid", hfcache.variant_dir(snap, "hybrid")
+    for name in json.loads((b / ".prepared").read_text())["rewritten"]:
+        assert (a / name).read_bytes() == (b / name).read_bytes()
+    bad = subprocess.run(tool + [str(tmp_path / "nowhere")], capture_output=True, text=True, env=env)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
