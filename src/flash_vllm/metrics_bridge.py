@@ -181,7 +181,12 @@ class Publisher:
     def attach(self, stats) -> None:
         with self._lock:
             self.stats.append(stats)
-        self.publish(force=True)  # the families exist (at 0) as soon as the engine does
+        # the families exist (at 0) as soon as the engine does; a first write that fails hands the
+        # stats back to native counters (the caller falls back)
+        if not self.publish(force=True) and self._last is None:
+            with self._lock:
+                self.stats.remove(stats)
+            raise OSError(f"cannot write {self.path}")
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="flash-metrics-bridge", daemon=True)
             self._thread.start()
@@ -208,9 +213,16 @@ class Publisher:
                    "lineage": self.lineage, "root": self.root, "created": self.started,
                    "engine_start": self.started, "seq": self._seq, "time": time.time(), "values": values}
             tmp = self.dir / f".ple-{self.ns}-{self.pid}-{self.start}.{threading.get_ident()}.tmp"
-            with open(tmp, "w", encoding="utf-8") as fh:
-                fh.write(json.dumps(doc, separators=(",", ":")))
-            os.replace(tmp, self.path)
+            try:
+                with open(tmp, "w", encoding="utf-8") as fh:
+                    fh.write(json.dumps(doc, separators=(",", ":")))
+                os.replace(tmp, self.path)
+            except BaseException:
+                try:  # e.g. a full /dev/shm: the last whole record stays, no torn tmp left behind
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                raise
             self._last = values
             self._last_write = time.monotonic()
             return True

@@ -48,7 +48,7 @@ API = textwrap.dedent(r'''
                              "samples": [[s.name, s.labels, s.value] for s in fam.samples]}
         return out
 
-    def wait_value(name, want, timeout=10):
+    def wait_value(name, want, timeout=30):
         t0 = time.time()
         while time.time() - t0 < timeout:
             f = scrape().get(name)
@@ -132,7 +132,7 @@ def test_two_engines_sum_restart_and_dead_pids_keep_counting(tmp_path):
     # one record per engine process, no tmp leftovers
     assert len([n for n in r["dir"] if n.endswith(".json")]) == 3 and not [n for n in r["dir"] if n.endswith(".tmp")]
     # published within a few intervals (50 ms here), not per lookup
-    assert r["steps"][0]["lag_s"] < 5
+    assert r["steps"][0]["lag_s"] < 10
 
 
 def test_nothing_else_lost_and_exact_families(tmp_path):
@@ -281,15 +281,12 @@ def test_publisher_writes_atomically_and_only_on_change(tmp_path):
     assert doc["values"]["ops"] == 2 and doc["values"]["rows"] == 32 and doc["seq"] == 2
     assert [doc["ns"], doc["pid"], doc["start"]] == list(mb.identity())
     assert [n for n in os.listdir(tmp_path)] == [pub.path.name]
-    # a reader sees a whole record at any moment (rename), even while the writer races it
-    t0 = time.time()
-    seen = 0
-    while time.time() - t0 < 0.3:
+    # every read sees a whole record (rename), and the latest one
+    for i in range(50):
         st.record(ops=1)
-        pub.publish()
-        assert json.loads(pub.path.read_text())["format"] == 1
-        seen += 1
-    assert seen > 10
+        assert pub.publish()
+        assert json.loads(pub.path.read_text())["values"]["ops"] == 3 + i
+    assert os.listdir(tmp_path) == [pub.path.name]
 
 
 def test_standin_exposes_exactly_what_the_bridge_does():
@@ -313,3 +310,13 @@ def test_standin_exposes_exactly_what_the_bridge_does():
         standin = shape(requests.get(s.url + "/metrics", timeout=5).text)
     assert standin == shape(generate_latest(reg).decode())
     assert len(standin) == 17  # 8 counters, their 8 *_created, the start-time gauge
+
+
+def test_failed_first_write_falls_back_to_native_counters(tmp_path, monkeypatch):
+    from flash_vllm.ple.stats import PLEStats
+
+    pub = mb.Publisher(tmp_path, interval=3600)
+    monkeypatch.setattr(mb.os, "replace", lambda a, b: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(OSError):
+        pub.attach(PLEStats(prometheus=False))
+    assert pub.stats == [] and os.listdir(tmp_path) == []  # nothing attached, no torn tmp file left
