@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     # Every patch's logic is exercised: switch the gates that select code paths on.
     env.setdefault("VLLM_QSA_EXACT_TOPK", "1")
-    version = compat.installed_vllm_version()
     try:
+        version = compat.installed_vllm_version()
         base = compat.resolve(version, env, assume=args.assume_base)
     except compat.CompatError as e:
         print(f"selfcheck: {e}", file=sys.stderr)

@@ -47,17 +47,21 @@ def from_image(image: str) -> dict:
 
     client = engine.connect()
     labels = engine.require_image(client, image)
+    # Detached so a non-zero exit (a broken patch) still yields the matrix on stdout.
+    container = client.containers.run(image, ["-m", "flash_vllm.selfcheck", "--json"], entrypoint=["python3"],
+                                      detach=True, network_mode="none")
     try:
-        out = client.containers.run(image, ["-m", "flash_vllm.selfcheck", "--json"], entrypoint=["python3"],
-                                    remove=True, stdout=True, stderr=False, network_mode="none")
-    except Exception as e:  # docker.errors.ContainerError carries the exit status and stderr
-        stderr = getattr(e, "stderr", b"") or b""
-        text = stderr.decode(errors="replace").strip().splitlines()[-5:] if stderr else [str(e)]
-        raise FlashError(f"selfcheck failed inside {image}: {' | '.join(text)}",
-                         hint="a patch no longer fits this image's vLLM: rebuild with flash setup") from None
-    lines = [ln for ln in out.decode(errors="replace").splitlines() if ln.startswith("{")]
+        status = container.wait().get("StatusCode")
+        out = container.logs(stdout=True, stderr=False).decode(errors="replace")
+        err = container.logs(stdout=False, stderr=True).decode(errors="replace")
+    finally:
+        container.remove(force=True)
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     if not lines:
-        raise FlashError(f"selfcheck in {image} printed no result", hint="is flash_vllm installed in it?")
+        hint = ("is it a vLLM image with flash_vllm installed? (flash setup builds one)" if status == 2
+                else "rebuild the image with flash setup; docs/PATCHES.md lists what each base needs")
+        tail = " | ".join(err.strip().splitlines()[-3:]) or "no output"
+        raise FlashError(f"selfcheck failed inside {image} (exit {status}): {tail}", hint=hint)
     result = json.loads(lines[-1])
     result.update(image=image, source="image", label_patchset=labels.get("org.flash.patchset"))
     return result
