@@ -1,0 +1,254 @@
+"""Patch 1: serve the PLE n-gram table from the mmapped checkpoint shards (`VLLM_PLE_MMAP=1`).
+
+The table is 47.68 GiB. 0.30+ selects its storage class in `Qwen4ExpNGramEmbedding.__init__`:
+`Qwen4ExpPLEDeviceEmbedding` (the whole table on the GPU) or, by default on 0.33
+(`EngramConfig.cpu_offload=True`), `Qwen4ExpPLEPinnedHostEmbedding` (the whole table pinned in
+host RAM for UVA). On GB10's unified memory either costs the full 48 GiB. With the gate on, both
+names are replaced by subclasses of the release's `Qwen4ExpPLEEmbedding` that:
+
+- allocate the weight on the `meta` device (no storage at all) and skip the
+  `ngram_embedding.shard_<i>.weight` rows at load time (the checkpoint stays on disk);
+- open the table once per process and layer with the PLE engine (`PLETable.from_checkpoint` on
+  `VLLM_PLE_MMAP_DIR` or vLLM's model path) and look rows up through `Stager(table, device)`,
+  which dequantises fp8 rows with the table scale and counts through one `PLEStats`
+  (the metrics bridge exports the `vllm:ple_mmap_*` counters);
+- write into a persistent per-layer output buffer (`max_total_tokens` rows, allocated at the
+  first eager call, i.e. the profile run, never during a capture);
+- run the gather as `eager_break_during_capture` (wrapped at layer init, after VllmConfig has
+  decided breakable graphs), zero-filling the buffer while a graph is being captured (the ids
+  queued before it are recorded, not computed, at that point).
+
+Graph regime shipped: PIECEWISE. Qwen4Exp backends report UNIFORM_BATCH, so under the default
+FULL_AND_PIECEWISE uniform decode batches are captured FULL, where an eager break does not break
+and a host gather would be baked into the graph. The run spec therefore forces
+`--compilation-config {"cudagraph_mode":"PIECEWISE"}`. Gathering before the forward from the
+token ids (so FULL decode graphs stay legal) is future work.
+
+Not ported yet: 0.29 (the table is a `VocabParallelEmbedding` inside `ple_layer.py`'s
+`Qwen4ExpNGramEmbedding`, lookup after the `qwen4_exp_compute_ple_ngram_ids` splitting op) and
+0.30-0.32 (storage classes in `nvidia/ngram_embedding.py` with a different prefetch API; not yet
+checked against this subclass). With the gate on there, vLLM's native storage runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import re
+import threading
+
+from ..registry import (Context, Gate, Patch, TargetMissing, expect_installed, expect_source, install,
+                        original, resolve)
+
+NUMBER = 1
+ENV = "VLLM_PLE_MMAP"
+NGRAM = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
+COMMON = "vllm.models.qwen4_exp.common.ngram_embedding"
+PINNED = (NGRAM, "Qwen4ExpPLEPinnedHostEmbedding")
+DEVICE = (NGRAM, "Qwen4ExpPLEDeviceEmbedding")
+INIT = (NGRAM, "Qwen4ExpNGramEmbedding.__init__")
+FORWARD = (NGRAM, "Qwen4ExpNGramEmbedding.forward")
+LOAD = (NGRAM, "Qwen4ExpNGramEmbedding.load_weights")
+BASE_CLS = (COMMON, "Qwen4ExpPLEEmbedding")
+log = logging.getLogger("vllm.flash")
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_of(prefix: str) -> int | None:
+    """Decoder layer index of a module prefix (`model.layers.3.ple...` -> 3), None if absent."""
+    m = _LAYER_RE.search(prefix)
+    return int(m.group(1)) if m else None
+
+
+def table_dir(cfg_source_dir: str | None, model_path: str | None) -> str:
+    """Where the shards are read: VLLM_PLE_MMAP_DIR, else vLLM's model path (a local directory)."""
+    d = cfg_source_dir or model_path
+    if not d:
+        raise ValueError("VLLM_PLE_MMAP: no table directory (set VLLM_PLE_MMAP_DIR or serve a local "
+                         "model directory)")
+    if not os.path.isdir(d):
+        raise ValueError(f"VLLM_PLE_MMAP: table directory {d!r} is not a local directory (a snapshot "
+                         "path or VLLM_PLE_MMAP_DIR is needed)")
+    return d
+
+
+class Tables:
+    """One `PLETable` per (directory, layer) and one `PLEStats` per process, opened on first use."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._tables: dict[tuple[str, int | None], object] = {}
+        self.stats = None
+        self.config = None
+
+    def get(self, model_path: str | None, layer: int | None, env=None):
+        from .. import ple
+
+        with self._lock:
+            if self.config is None:
+                self.config = ple.config_from_env(os.environ if env is None else env)
+                self.stats = ple.PLEStats(stats_sec=self.config.stats_sec, prometheus=self.config.prometheus)
+            d = table_dir(self.config.source_dir, model_path)
+            key = (d, layer)
+            if key not in self._tables:
+                t = ple.PLETable.from_checkpoint(d, layer=layer, config=self.config, stats=self.stats)
+                log.info("flash_vllm patch 1: %s (layer %s, %s)", t.describe(), layer, d)
+                self._tables[key] = t
+            return self._tables[key]
+
+
+TABLES = Tables()
+
+
+def _is_capturing(torch) -> bool:
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def make_storage(upstream_cls):
+    """A subclass of the release's `Qwen4ExpPLEEmbedding` serving rows from the mmapped table.
+
+    `upstream_cls` is the class it replaces (pinned-host or device); its base provides ETP/DP
+    helpers, `weight_loader` and the quant-method plumbing.
+    """
+    import torch
+    from vllm.config import get_current_vllm_config
+
+    from vllm.models.qwen4_exp.common.ngram_embedding import Qwen4ExpPLEEmbedding
+
+    class FlashMmapPLEEmbedding(Qwen4ExpPLEEmbedding):
+        """PLE rows read from the checkpoint's mmapped shards by flash's PLE engine (patch 1)."""
+
+        supports_prefetch = False
+
+        def __init__(self, num_embeddings, embedding_dim, *, params_dtype, padding_size, prefix,
+                     embedding_method, num_ngram_heads=1, max_total_tokens=0, data_parallel_rank=0,
+                     reduce_results=True):
+            super().__init__(num_embeddings, embedding_dim, params_dtype=params_dtype,
+                             padding_size=padding_size, prefix=prefix, embedding_method=embedding_method,
+                             num_ngram_heads=num_ngram_heads, max_total_tokens=max_total_tokens,
+                             data_parallel_rank=data_parallel_rank, reduce_results=reduce_results)
+            if self.tp_size != 1:
+                raise ValueError(f"VLLM_PLE_MMAP serves the whole table per process; ETP size "
+                                 f"{self.tp_size} is not supported (use 1)")
+            vcfg = get_current_vllm_config()
+            self._flash_model_path = getattr(getattr(vcfg, "model_config", None), "model", None)
+            self._flash_layer = layer_of(prefix)
+            self._flash_rows = max(int(max_total_tokens), 1)
+            self._flash_heads = int(num_ngram_heads)
+            self._flash_out_dtype = params_dtype
+            self._flash_out = None
+            self._flash_stager = None
+            try:
+                from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+            except ImportError:  # pragma: no cover - the release check pins this
+                eager_break_during_capture = None
+            # Wrapped here, not at import: the decorator reads VLLM_USE_BREAKABLE_CUDAGRAPH when
+            # applied, which VllmConfig sets before the model is built.
+            self._flash_gather = (eager_break_during_capture(self._gather_into)
+                                  if eager_break_during_capture else self._gather_into)
+
+        def allocate_embedding_weight(self, num_embeddings, embedding_dim, dtype):
+            # Shape and dtype for the loaders' checks; no storage anywhere.
+            return torch.empty(num_embeddings, embedding_dim, dtype=dtype, device="meta")
+
+        def weight_loader(self, param, loaded_weight, checkpoint_start=None):
+            if param is self.weight:
+                return  # the rows are served from disk
+            return super().weight_loader(param, loaded_weight, checkpoint_start=checkpoint_start)
+
+        def dequantize(self, embeddings, output_dtype):
+            return embeddings.to(output_dtype)  # the Stager already applied the table scale
+
+        def stager(self, device):
+            if self._flash_stager is None:
+                from ..ple import Stager
+
+                table = TABLES.get(self._flash_model_path, self._flash_layer)
+                if table.num_rows < self.org_vocab_size:
+                    raise ValueError(f"PLE table of layer {self._flash_layer} has {table.num_rows} rows; "
+                                     f"the model expects {self.org_vocab_size}")
+                self._flash_stager = Stager(table, device, out_dtype=self._flash_out_dtype,
+                                            stats=TABLES.stats)
+            return self._flash_stager
+
+        def _gather_into(self, ngram_ids, out):
+            if _is_capturing(torch):
+                out.zero_()
+                return
+            self.stager(out.device).lookup(ngram_ids, out=out)
+
+        def start_prefetch(self, ngram_ids):
+            return None
+
+        def finalize_prefetch(self, total_tokens):
+            raise RuntimeError("mmap PLE embedding does not prefetch")
+
+        def forward(self, ngram_ids):
+            n = ngram_ids.shape[0]
+            out = self._flash_out
+            if out is None or out.shape[0] < n or out.device != ngram_ids.device:
+                if _is_capturing(torch):
+                    raise RuntimeError("mmap PLE output buffer must be allocated before graph capture")
+                out = torch.empty(max(self._flash_rows, n), *ngram_ids.shape[1:], self.embedding_dim,
+                                  dtype=self._flash_out_dtype, device=ngram_ids.device)
+                self._flash_out = out
+            view = out[:n]
+            self._flash_gather(ngram_ids, view)
+            return view
+
+    FlashMmapPLEEmbedding.__name__ = FlashMmapPLEEmbedding.__qualname__ = f"FlashMmap{upstream_cls.__name__}"
+    FlashMmapPLEEmbedding.__doc__ = f"{FlashMmapPLEEmbedding.__doc__} Replaces {upstream_cls.__name__}."
+    return FlashMmapPLEEmbedding
+
+
+def check(ctx: Context) -> None:
+    if not ctx.base.at_least("v0.33"):
+        raise TargetMissing(f"patch 1 ships code for v0.33 only (base {ctx.base.name})")
+    expect_source(*INIT, "Qwen4ExpPLEPinnedHostEmbedding", "Qwen4ExpPLEDeviceEmbedding",
+                  "engram_config.cpu_offload", "embedding_cls(")
+    expect_source(*FORWARD, "embedding.supports_prefetch", "embedding(ngram_ids).flatten(-2)")
+    expect_source(*LOAD, "parameter.weight_loader(", "checkpoint_start=checkpoint_start")
+    expect_source(*BASE_CLS, "def allocate_embedding_weight", "def dequantize")
+    _, _, pinned = resolve(*PINNED)
+    src = inspect.getsource(original(pinned).allocate_embedding_weight)
+    if "pin_memory=True" not in src:
+        raise TargetMissing(f"{NGRAM}:Qwen4ExpPLEPinnedHostEmbedding no longer pins its weight")
+    expect_source("vllm.compilation.breakable_cudagraph", "eager_break_during_capture",
+                  "cudagraph_runtime_mode")
+
+
+def apply(ctx: Context) -> None:
+    install(NUMBER, *PINNED, make_storage)
+    install(NUMBER, *DEVICE, make_storage)
+
+
+def verify(ctx: Context) -> None:
+    expect_installed(NUMBER, *PINNED)
+    expect_installed(NUMBER, *DEVICE)
+
+
+PATCH = Patch(
+    number=NUMBER,
+    name="ple-mmap",
+    title="PLE n-gram table served from the mmapped checkpoint (never on the GPU, never pinned)",
+    why=("The 47.68 GiB PLE table is allocated on the GPU or (0.33 default, cpu_offload) pinned in "
+         "host RAM; on GB10 unified memory both cost the whole table. The storage class is "
+         "replaced by one reading rows from the checkpoint shards through the PLE engine into a "
+         "persistent buffer, as an eager break. Ships with cudagraph_mode=PIECEWISE (FULL decode "
+         "graphs would capture the gather; gathering before the forward is future work)."),
+    upstream="vllm#54129 (VLLM_PLE_MMAP, open) / vllm#54070 (disk-backed tables, open)",
+    gate=Gate.flag(ENV),
+    targets=tuple(f"{m}:{q}" for m, q in (PINNED, DEVICE, INIT, FORWARD, LOAD)),
+    applies_to=frozenset({"v0.33"}),
+    not_ported={
+        "v0.29": "table is a VocabParallelEmbedding in ple_layer.py; the splitting-op port is not written yet",
+        "v0.30": "storage classes in nvidia/ngram_embedding.py with another prefetch API; not ported yet",
+        "v0.31": "as v0.30; not ported yet",
+        "v0.32": "as v0.30; not ported yet",
+    },
+    check=check, apply=apply, verify=verify,
+    notes="Graph regime: the run spec forces cudagraph_mode=PIECEWISE; FULL decode graphs need the "
+          "gather moved before the forward (future work).",
+)
