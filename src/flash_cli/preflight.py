@@ -54,6 +54,19 @@ def weights(s: Settings, hf_cache: Path, snapshot: Path | None) -> list[Problem]
     return out
 
 
+FP8_KV_BASES = ("v0.31", "v0.32", "v0.33")  # native fp8 KV on QSA from 0.31; not ported to 0.29/0.30
+
+
+def recipe(s: Settings) -> list[Problem]:
+    """Combinations the image cannot serve, caught before a ten-minute boot."""
+    out = []
+    if s["KV_DTYPE"] in ("fp8", "fp8_e4m3") and s["BASE"] not in FP8_KV_BASES:
+        out.append(Problem(ConfigError, f"KV_DTYPE={s['KV_DTYPE']} is not available on BASE={s['BASE']}: "
+                           "fp8 KV on QSA is native from vLLM 0.31 and not ported to 0.29/0.30",
+                           f"use KV_DTYPE=auto, or BASE={FP8_KV_BASES[-1]}"))
+    return out
+
+
 def image(s: Settings, image_name: str, labels: dict[str, str] | None) -> list[Problem]:
     if labels is None:
         return [Problem(ImageMissing, f"image {image_name!r} is not built", "build it: flash setup")]

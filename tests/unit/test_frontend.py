@@ -106,3 +106,18 @@ def test_image_base_label_must_match():
     assert preflight.image(s, "img", None)[0].message.endswith("is not built")
     assert "built for base v0.33" in preflight.image(s, "img", {"org.flash.base": "v0.33"})[0].message
     assert preflight.image(s, "img", {"qwen38.base": "v0.29"}) == []
+
+
+def test_fp8_kv_refused_where_the_release_lacks_it():
+    assert preflight.recipe(resolve(overrides={"KV_DTYPE": "fp8_e4m3", "BASE": "v0.33"})) == []
+    p = preflight.recipe(resolve(overrides={"KV_DTYPE": "fp8_e4m3", "BASE": "v0.29"}))
+    assert p and p[0].error is ConfigError and "KV_DTYPE=auto" in p[0].hint
+
+
+def test_setup_builds_v030_to_v032_from_their_release_image():
+    from flash_cli.commands.setup import build_args, dockerfile_for
+
+    assert build_args(resolve(overrides={"BASE": "v0.31"}))["BASE_IMAGE"] == "vllm/vllm-openai:v0.31.0"
+    assert "BASE_IMAGE" not in build_args(resolve(overrides={"BASE": "v0.33"}))
+    assert build_args(resolve(overrides={"BASE": "v0.31", "BASE_IMAGE": "mine:1"}))["BASE_IMAGE"] == "mine:1"
+    assert dockerfile_for("v0.29") == "Dockerfile.v0.29" and dockerfile_for("v0.31") == "Dockerfile"

@@ -143,3 +143,9 @@ def test_container_env_passthrough_and_secret_refusal():
     for bad in ("VLLM_API_KEY=x", "notakv", "1BAD=x"):
         with pytest.raises(ConfigError):
             spec_for("default", CONTAINER_ENV=bad)
+
+
+def test_effort_map_is_the_plugins():
+    from flash_vllm.patches.effort_alias import EFFORT_MAP
+
+    assert spec.EFFORT_MAP == EFFORT_MAP  # the run spec's --reasoning-effort-map and patch 12 agree

@@ -166,6 +166,8 @@ def check_profile(r: recipe.Recipe, rep: Report) -> None:
         rep.fail(f"CTX={s['CTX']} needs YARN=1 (native context is {NATIVE_CTX})", sec)
     if s["KV_DTYPE"] in ("auto", "bfloat16") and s["CTX"] > BF16_KV_CEILING:
         rep.warn(f"CTX={s['CTX']} with {s['KV_DTYPE']} KV is above the validated {BF16_KV_CEILING}; 1M needs KV_DTYPE=fp8_e4m3", sec)
+    for p in preflight.recipe(s):
+        rep.fail(f"{p.message}: {p.hint}", sec)
     if not is_loopback(s["BIND"]) and s["API_KEY"] == "off":
         rep.warn(f"BIND={s['BIND']} with API_KEY=off: the API is open to the network without a key", sec)
     if s["PAD_M4"]:

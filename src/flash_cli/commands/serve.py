@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     s = r.settings
     snapshot = r.snapshot()
     spec = plan(r, snapshot.name if snapshot else PLACEHOLDER)
-    problems = preflight.weights(s, r.hf_cache, snapshot)
+    problems = preflight.recipe(s) + preflight.weights(s, r.hf_cache, snapshot)
 
     say(f"serve: profile '{r.profile.name}': {r.profile.desc}")
     say(dim(f"  MODE={s['MODE']} BASE={s['BASE']} IMAGE={spec.image} NAME={s['NAME']} {s['BIND']}:{s['PORT']} "

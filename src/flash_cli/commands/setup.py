@@ -49,6 +49,8 @@ def build_args(s) -> dict[str, str]:
     args = {"SELFCHECK": "1" if s["SELFCHECK"] else "0", "FLASH_VLLM_BASE": s["BASE"]}
     if s["BASE_IMAGE"]:
         args["BASE_IMAGE"] = s["BASE_IMAGE"]
+    elif s["BASE"] not in ("v0.33", "v0.29"):  # Dockerfile serves v0.30-v0.32 too, FROM their release image
+        args["BASE_IMAGE"] = f"vllm/vllm-openai:{s['BASE']}.0"
     return args
 
 
