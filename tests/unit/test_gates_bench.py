@@ -53,7 +53,9 @@ def test_dry_run_prints_the_plan_and_sends_nothing(capsys):
 
 def test_real_run_against_two_standins_writes_raw_summary_and_plots(tmp_path, capsys):
     out = tmp_path / "res"
-    with StandIn() as a, StandIn(env={"STANDIN_DECODE_TPS": "150"}) as b:
+    # prefill slow enough (512 tokens ≈ 0.26 s cold) that a loaded CI box cannot blur cold vs hit
+    slow_prefill = {"STANDIN_PREFILL_TPS": "2000"}
+    with StandIn(env=slow_prefill) as a, StandIn(env={**slow_prefill, "STANDIN_DECODE_TPS": "150"}) as b:
         rc = main(["bench", "BENCH_REPEATS=2", "BENCH_CONCURRENCY=1,2", "BENCH_PREFILL=512", "BENCH_DECODE_TOKENS=24",
                    "--url", a.url, "--url", b.url, "--label", "fast", "--label", "slow", "--out", str(out), "--json"])
     assert rc == 0
