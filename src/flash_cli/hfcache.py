@@ -27,7 +27,7 @@ QUANT_FILE = "hf_quant_config.json"
 MARKER = ".prepared"
 VARIANT_SUFFIX = {"nvfp4": "", "hybrid": "-fp8hybrid", "hybrid-mtp": "-fp8hybrid-mtpnvfp4"}
 # Bumped when the layout a step writes changes; a marker with another value is stale.
-VARIANT_FORMAT = {"hybrid": 1, "hybrid-mtp": 1}
+VARIANT_FORMAT = {"hybrid": 2, "hybrid-mtp": 2}  # 2: FP8_PB_WO + MIXED_PRECISION configs (was dispatch-2d)
 _REV = re.compile(r"[0-9a-f]{40}")
 
 

@@ -103,9 +103,9 @@ def test_hybrid_full_scale_memory_time_and_second_run(radixark, cache):
     assert verify.structure(var).ok
     # sparse (zero) data: every block takes the amax floor, codes are 0
     h = read_header(var / "model-bf16-00011.safetensors")
-    name = next(k for k in h.tensors if k.endswith("in_proj_qkv.weight_scale_inv"))
+    name = next(k for k in h.tensors if k.endswith("in_proj_qkv.weight_scale"))
     t = h.tensors[name]
-    assert t.shape == (80, 20)
+    assert t.shape == (80, 1, 20, 1)  # FP8_PB_WO: the [80, 20] grid as 4-D
     with open(var / "model-bf16-00011.safetensors", "rb") as f:
         f.seek(t.begin)
         s = np.frombuffer(f.read(t.nbytes), dtype=np.float32)
@@ -132,7 +132,7 @@ def test_graft_full_scale(radixark, cache):
     s = resolve(overrides={"MODEL": ckpt.RADIXARK, "HF_CACHE": str(cache), "MODE": "hybrid-mtp"})
     out = graft.prepare(radixark, s, donor=donor)
     m = out["marker"]
-    assert m["added_keys"] == 6144 and m["excludes"] == 40 and m["rewritten"] == ["model-bf16-00011.safetensors"]
+    assert m["added_keys"] == 6144 and m["excludes"] == 37 and m["rewritten"] == ["model-bf16-00011.safetensors"]
     dest = hfcache.variant_dir(radixark, "hybrid-mtp")
     wm = json.loads((dest / layout.INDEX).read_text())["weight_map"]
     assert len(wm) == 296_475 + 312 - 2 + 6144

@@ -51,10 +51,21 @@ def test_graft_builds_the_documented_layout(ready):
             assert not any(k in read_header(f).tensors for k in graft.FUSED)
     cfg = json.loads((dest / "config.json").read_text())["quantization_config"]["ignore"]
     hq = json.loads((dest / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"]
-    assert cfg == hq and len(cfg) == 13 - 2 + 29 == 40
+    # the hybrid dropped the 3 side-layer globs (FP8_PB_WO, MIXED_PRECISION); the graft: 2 blanket → 29 names
+    assert cfg == hq and len(cfg) == 13 - 3 - 2 + 29 == 37
     assert "mtp.*" not in cfg and "model.mtp.*" not in cfg
     assert {"mtp.fc_embedding", "mtp.fc_hidden", "mtp.layers.0.self_attn.q_proj"} <= set(cfg)
-    assert cfg[:11] == [x for x in ckpt.IGNORE_13 if x not in graft.BLANKET]  # order of the rest kept
+    hyb_cfg = json.loads((hyb / "config.json").read_text())["quantization_config"]["ignore"]
+    assert cfg[:8] == [x for x in hyb_cfg if x not in graft.BLANKET]  # order of the rest kept
+    for name in ("config.json", "hf_quant_config.json"):
+        c = json.loads((dest / name).read_text())
+        q = c["quantization_config"] if name == "config.json" else c["quantization"]
+        assert q["quant_algo"] == "MIXED_PRECISION"
+        assert q["quantized_layers"]["mtp.layers.0.mlp.experts"] == {"quant_algo": "NVFP4", "group_size": 16}
+        hq_hyb = json.loads((hyb / name).read_text())
+        hq_hyb = hq_hyb["quantization_config"] if name == "config.json" else hq_hyb["quantization"]
+        assert {k: v for k, v in q["quantized_layers"].items() if k != "mtp.layers.0.mlp.experts"} == \
+            hq_hyb["quantized_layers"]  # the hybrid's FP8_PB_WO + NVFP4 entries carried over unchanged
     donor_link = dest / "nvfp4_experts_mtp.safetensors"
     assert donor_link.is_symlink() and not os.path.isabs(os.readlink(donor_link))
     assert "models--Inferact--" in os.path.realpath(donor_link)

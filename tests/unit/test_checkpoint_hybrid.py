@@ -42,18 +42,18 @@ def test_build_layout_values_and_marker(snap):
     idx = json.loads((snap / layout.INDEX).read_text())["weight_map"]
     targets = sorted(k for k in idx if layout.SIDE_LAYER.fullmatch(k))
     assert marker["tensors"] == len(targets) == 52  # 6 GDN×3 + 2 QSA×5 + 8 shared×3 in the tiny model
-    assert marker["source_revision"] == snap.name and marker["convention"] == "dispatch-2d"
+    assert marker["source_revision"] == snap.name and marker["convention"] == "FP8_PB_WO"
     assert 0 < marker["worst_block_rel_err"] <= fp8.REL_ERR_BOUND * (1 + 1e-5)
     rewritten = set(marker["rewritten"])
     assert rewritten == {idx[t] for t in targets}
     for p in var.iterdir():
-        if p.name in rewritten or p.name in (layout.INDEX, ".prepared", "fp8_convert.log"):
+        if p.name in rewritten or p.name in (layout.INDEX, ".prepared", "fp8_convert.log", *hybrid.CONFIGS):
             assert not p.is_symlink() and oct(p.stat().st_mode & 0o777) == "0o644"
         else:  # relative link into the cache's blobs, same target as the snapshot's
             assert p.is_symlink() and not os.path.isabs(os.readlink(p))
             assert os.path.realpath(p) == os.path.realpath(snap / p.name)
     new_idx = json.loads((var / layout.INDEX).read_text())
-    assert set(new_idx["weight_map"]) == set(idx) | {t + "_scale_inv" for t in targets}
+    assert set(new_idx["weight_map"]) == set(idx) | {t + "_scale" for t in targets}
     assert new_idx["metadata"]["total_size"] == sum((var / f).stat().st_size for f in set(new_idx["weight_map"].values()))
     # every target: the exact quantization of its source bytes; everything else byte-identical
     for fname in rewritten:
@@ -64,9 +64,10 @@ def test_build_layout_values_and_marker(snap):
                 conv = fp8.quantize_bf16(_raw(src, name, hs), t.shape)
                 assert hd.tensors[name].dtype == "F8_E4M3" and hd.tensors[name].shape == t.shape
                 assert _raw(dst, name, hd) == conv.weight
-                s = hd.tensors[name + "_scale_inv"]
-                assert s.dtype == "F32" and s.shape == (t.shape[0] // 128, t.shape[1] // 128)
-                assert _raw(dst, name + "_scale_inv", hd) == conv.scale
+                s = hd.tensors[name + "_scale"]  # ModelOpt FP8_PB_WO: 4-D, the 2-D grid's bytes
+                assert s.dtype == "F32" and s.shape == (t.shape[0] // 128, 1, t.shape[1] // 128, 1)
+                assert _raw(dst, name + "_scale", hd) == conv.scale
+                assert name + "_scale_inv" not in hd.tensors
             else:
                 assert _raw(dst, name, hd) == _raw(src, name, hs)
         assert hd.metadata == hs.metadata
@@ -76,10 +77,90 @@ def test_build_layout_values_and_marker(snap):
     for fname in rewritten:
         with safe_open(str(var / fname), "np") as f:
             keys = set(f.keys())
-            scale_key = next(k for k in keys if k.endswith("_scale_inv"))
-            assert f.get_tensor(scale_key).dtype == np.float32
+            scale_key = next(t + "_scale" for t in targets if t + "_scale" in keys)
+            assert f.get_tensor(scale_key).dtype == np.float32 and f.get_tensor(scale_key).ndim == 4
     assert verify.structure(var).ok
     assert hfcache.variant_state(snap, "hybrid") == "ready"
+
+
+def _quant_sections(directory: Path) -> dict:
+    cfg = json.loads((directory / "config.json").read_text())
+    hq = json.loads((directory / "hf_quant_config.json").read_text())
+    return {"config.json": cfg["quantization_config"], "hf_quant_config.json": hq["quantization"]}
+
+
+def _excluded(name: str, patterns: list) -> bool:
+    import fnmatch
+
+    vllm = name.replace("model.language_model.", "model.", 1)
+    return any(p in n or fnmatch.fnmatchcase(n, p) for p in patterns for n in (name, vllm))
+
+
+def test_configs_become_mixed_precision_fp8_pb_wo(snap):
+    """What vLLM's ModelOpt MIXED_PRECISION dispatch needs (patch 6 ships no code): every converted
+    module FP8_PB_WO in quantized_layers and matched by no exclude pattern; experts stay NVFP4."""
+    before = _quant_sections(snap)
+    hybrid.prepare(snap)
+    var = hfcache.variant_dir(snap, "hybrid")
+    after = _quant_sections(var)
+    idx = json.loads((snap / layout.INDEX).read_text())["weight_map"]
+    modules = sorted(k[: -len(".weight")] for k in idx if layout.SIDE_LAYER.fullmatch(k))
+    n_layers = json.loads((snap / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    for where, q in after.items():
+        assert q["quant_algo"] == "MIXED_PRECISION", where
+        excl = (q.get("ignore") or []) + (q.get("exclude_modules") or [])
+        for m in modules:
+            assert q["quantized_layers"][m] == {"quant_algo": "FP8_PB_WO", "group_size": 128}, (where, m)
+            assert not _excluded(m, excl), (where, m)
+            # the fused vLLM modules are not excluded either (is_layer_skipped checks shards)
+            assert not _excluded(m.replace("in_proj_qkv", "in_proj_qkvz").replace("gate_proj", "gate_up_proj"), excl)
+        for i in range(n_layers):
+            assert q["quantized_layers"][f"model.language_model.layers.{i}.mlp.experts"] == \
+                {"quant_algo": "NVFP4", "group_size": 16}, where
+        # what stays BF16 is excluded exactly as before: head, embedding, MTP layer, vision, routers, PLE
+        old = (before[where].get("ignore") or []) + (before[where].get("exclude_modules") or [])
+        for keep in ("lm_head", "model.language_model.embed_tokens", "mtp.layers.0.self_attn.q_proj",
+                     "model.visual.blocks.0.attn.qkv", "model.language_model.layers.0.mlp.gate",
+                     "model.language_model.layers.1.ple.key_proj"):
+            assert _excluded(keep, excl) == _excluded(keep, old), (where, keep)
+        assert _excluded("lm_head", excl)
+        # nothing that was quantized_layers before changed
+        for k, v in (before[where].get("quantized_layers") or {}).items():
+            assert q["quantized_layers"][k] == v
+        added_experts = n_layers if before[where]["quant_algo"] == "NVFP4" else 0
+        assert len(q["quantized_layers"]) == len(before[where].get("quantized_layers") or {}) + len(modules) + added_experts
+    ex = [q.get("ignore") or q.get("exclude_modules") for q in after.values()]
+    assert ex[0] == ex[1]  # identical before, identical after (the graft requires it)
+    assert before["config.json"]["quant_algo"] != "NVFP4" or set(before["config.json"]["ignore"]) - set(ex[0]) == \
+        {"*.self_attn.*", "*.linear_attn.*", "*.mlp.shared_expert.*"}
+    m = json.loads((var / ".prepared").read_text())
+    assert m["quant_config"]["fp8_pb_wo_layers"] == len(modules) and m["format"] == hfcache.VARIANT_FORMAT["hybrid"] == 2
+    # the snapshot's own configs are untouched (the variant has real copies, not links)
+    assert _quant_sections(snap) == before and not (var / "config.json").is_symlink()
+
+
+def test_format_1_variant_is_stale_and_rebuilt(tmp_path):
+    snap = ckpt.write_snapshot(tmp_path / "hf", "radixark")
+    hybrid.prepare(snap)
+    var = hfcache.variant_dir(snap, "hybrid")
+    m = json.loads((var / ".prepared").read_text())
+    m["format"], m["convention"] = 1, "dispatch-2d"
+    (var / ".prepared").write_text(json.dumps(m))
+    assert hfcache.variant_state(snap, "hybrid") == "stale"
+    assert hybrid.prepare(snap, dry_run=True)["action"] == "build"
+    assert hybrid.prepare(snap)["action"] == "built"
+    assert json.loads((var / ".prepared").read_text())["format"] == 2
+
+
+def test_refuses_a_source_that_already_has_dispatch_2d_scales(tmp_path):
+    snap = ckpt.write_snapshot(tmp_path / "hf", "radixark")
+    idx = json.loads((snap / layout.INDEX).read_text())
+    k = next(k for k in idx["weight_map"] if layout.SIDE_LAYER.fullmatch(k))
+    idx["weight_map"][k + "_scale_inv"] = idx["weight_map"][k]
+    (snap / layout.INDEX).unlink()
+    (snap / layout.INDEX).write_text(json.dumps(idx))
+    with pytest.raises(layout.CheckpointError, match="already has fp8 side layers"):
+        hybrid.plan(snap, hfcache.variant_dir(snap, "hybrid"))
 
 
 def test_second_run_is_a_noop_and_fast(snap):

@@ -63,6 +63,8 @@ def test_classify_real_names():
     assert c("model.language_model.layers.5.mlp.experts.17.down_proj.weight_scale") == "routed_experts"
     assert c("model.language_model.layers.4.linear_attn.in_proj_qkv.weight") == "side_layers"
     assert c("model.language_model.layers.3.self_attn.indexer.index_qk_proj.weight_scale_inv") == "side_layers"
+    assert c("model.language_model.layers.4.linear_attn.in_proj_qkv.weight_scale") == "side_layers"  # FP8_PB_WO hybrid
+    assert c("model.language_model.layers.4.linear_attn.in_proj_a.weight_scale") == "other_dense"
     assert c("model.language_model.layers.4.linear_attn.in_proj_a.weight") == "other_dense"
     assert c("model.language_model.layers.1.ple.ple_embedding.ngram_embedding.shard_7.weight") == "ple_table"
     assert c("model.language_model.layers.1.ple.key_proj.weight") == "ple_projections"

@@ -8,7 +8,10 @@ BF16 because `mtp.*` is ignored). The graft (model-and-checkpoints.md §3.4):
    6,144 per-expert keys to it;
 3. in both `config.json` quantization_config.ignore and `hf_quant_config.json`
    quantization.exclude_modules replace `mtp.*` and `model.mtp.*` with the 29 explicit
-   non-expert MTP module names (13 → 40 entries, identical lists);
+   non-expert MTP module names (identical lists; 13 → 40 on the published configs, 10 → 37 on
+   the hybrid's, which dropped the three side-layer globs);
+   under MIXED_PRECISION (the hybrid's configs, docs/decisions/hybrid-convention.md) the donor
+   experts are also listed in `quantized_layers` as NVFP4: there an unlisted layer is unquantized;
 4. a static gate before `.prepared`. Built in a `.partial` sibling and renamed, like the hybrid.
 """
 
@@ -136,6 +139,18 @@ def rewrite_excludes(lst: list, names: list[str], where: str) -> list[str]:
     return [x for x in lst if x not in BLANKET] + names
 
 
+MTP_EXPERTS = "mtp.layers.0.mlp.experts"
+
+
+def _list_mtp_experts(q: dict) -> None:
+    """MIXED_PRECISION: the donor's NVFP4 experts need their own quantized_layers entry."""
+    if str(q.get("quant_algo", "")).upper() != "MIXED_PRECISION":
+        return
+    layers = q.setdefault("quantized_layers", {})
+    nvfp4 = [v for v in layers.values() if str(v.get("quant_algo", "")).upper() == "NVFP4"]
+    layers[MTP_EXPERTS] = {"quant_algo": "NVFP4", "group_size": int(nvfp4[0].get("group_size", 16)) if nvfp4 else 16}
+
+
 def edit_configs(hybrid_dir: Path, names: list[str]) -> tuple[dict, dict, list[str]]:
     cfg = json.loads((hybrid_dir / "config.json").read_text())
     hq = json.loads((hybrid_dir / "hf_quant_config.json").read_text())
@@ -148,6 +163,8 @@ def edit_configs(hybrid_dir: Path, names: list[str]) -> tuple[dict, dict, list[s
     hq_new = rewrite_excludes(list(hq["quantization"].get("exclude_modules") or []), names,
                               "hf_quant_config.json quantization.exclude_modules")
     hq["quantization"]["exclude_modules"] = hq_new
+    for q in (qc, hq["quantization"]):
+        _list_mtp_experts(q)
     if new != hq_new:
         raise CheckpointError("config.json and hf_quant_config.json exclude lists differ; they must be identical",
                               hint=f"config.json: {len(new)} entries, hf_quant_config.json: {len(hq_new)}")
@@ -179,6 +196,10 @@ def gate(directory: Path, donor_keys: list[str], donor_file: str, excludes_expec
         problems.append("the two exclude lists differ")
     if len(a) != excludes_expected or any(x in BLANKET for x in a):
         problems.append(f"exclude list has {len(a)} entries (expected {excludes_expected}, no blanket mtp globs)")
+    for where, q in (("config.json", qc), ("hf_quant_config.json", hq.get("quantization") or {})):
+        if str(q.get("quant_algo", "")).upper() == "MIXED_PRECISION" \
+                and ((q.get("quantized_layers") or {}).get(MTP_EXPERTS) or {}).get("quant_algo") != "NVFP4":
+            problems.append(f"{where}: {MTP_EXPERTS} is not NVFP4 in quantized_layers (vLLM would load it unquantized)")
     for need in ("mtp.fc_embedding", "mtp.fc_hidden"):
         if need not in a:
             problems.append(f"{need} is not excluded (vLLM would quantize it)")

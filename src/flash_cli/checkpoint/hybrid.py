@@ -1,7 +1,9 @@
 """`flash prepare hybrid`: BF16 side layers → 128×128 block fp8 in `<snapshot>-fp8hybrid/`.
 
-Convention: docs/decisions/hybrid-convention.md (`X.weight` F8_E4M3 + `X.weight_scale_inv`
-F32 [N/128, K/128], configs unchanged). Plan first (pure data: which files are rewritten, their
+Convention: docs/decisions/hybrid-convention.md, ModelOpt FP8_PB_WO served natively by vLLM
+(`X.weight` F8_E4M3 + `X.weight_scale` F32 4-D [N/128, 1, K/128, 1]; config.json and
+hf_quant_config.json become MIXED_PRECISION with the module in `quantized_layers` and out of
+the exclude lists, see quantcfg.py). Plan first (pure data: which files are rewritten, their
 exact new sizes, the disk check), then build in `<snapshot>-fp8hybrid.partial/`, verify, write
 `.prepared`, and rename into place. Streaming and out of order: worker threads convert row
 strips of the side layers and `pwrite` them at their known places while the main thread copies
@@ -22,10 +24,11 @@ from pathlib import Path
 from .. import hfcache
 from ..errors import ConfigError, WeightsMissing
 from ..output import say
-from . import fp8, layout, marker, stwriter
+from . import fp8, layout, marker, quantcfg, stwriter
 from .layout import CheckpointError
 
-CONVENTION = "dispatch-2d"
+CONVENTION = "FP8_PB_WO"
+CONFIGS = ("config.json", "hf_quant_config.json")  # rewritten (real files), never linked
 PARTIAL = ".partial"
 DISK_MARGIN = 512 * 1024 * 1024
 
@@ -92,9 +95,9 @@ def plan(source: Path, dest: Path) -> Plan:
     idx = layout.load_index(source)
     weight_map: dict[str, str] = idx["weight_map"]
     targets = sorted(k for k in weight_map if layout.SIDE_LAYER.fullmatch(k))
-    done = [k for k in targets if k + layout.SCALE_SUFFIX in weight_map]
+    done = [k + sfx for k in targets for sfx in (layout.SCALE_SUFFIX, layout.OLD_SCALE_SUFFIX) if k + sfx in weight_map]
     if done:
-        raise CheckpointError(f"{source} already has fp8 side layers (e.g. {done[0]}{layout.SCALE_SUFFIX}); "
+        raise CheckpointError(f"{source} already has fp8 side layers (e.g. {done[0]}); "
                               "the hybrid is made from the exports with BF16 side layers")
     if not targets:
         raise CheckpointError(f"{source}: no side-layer weights (linear_attn/self_attn/shared_expert) in the index")
@@ -120,8 +123,8 @@ def plan(source: Path, dest: Path) -> Plan:
             read_bytes += t.nbytes
             n, k = tgt.shape
             entries.append((stwriter.Entry(t.name, "F8_E4M3", tgt.shape, n * k), ("weight", tgt)))
-            sshape = (n // fp8.BLOCK, k // fp8.BLOCK)
-            entries.append((stwriter.Entry(t.name + layout.SCALE_SUFFIX, "F32", sshape, sshape[0] * sshape[1] * 4),
+            sshape = scale_shape(n, k)
+            entries.append((stwriter.Entry(t.name + layout.SCALE_SUFFIX, "F32", sshape, (n // fp8.BLOCK) * (k // fp8.BLOCK) * 4),
                             ("scale", tgt)))
         missing_keys = want - set(header.tensors)
         if missing_keys:
@@ -131,13 +134,33 @@ def plan(source: Path, dest: Path) -> Plan:
         files.append(FilePlan(fname, header.file_size, new_size, entries, header.metadata, len(want)))
     rewritten = {f.name for f in files}
     linked = sorted(p.name for p in source.iterdir()
-                    if not p.name.startswith(".") and p.name not in rewritten and p.name != layout.INDEX)
+                    if not p.name.startswith(".") and p.name not in rewritten and p.name != layout.INDEX
+                    and p.name not in CONFIGS)
+    if not (source / "config.json").is_file():
+        raise CheckpointError(f"{source}: no config.json; the hybrid edits its quantization_config")
     p = Plan(source, Path(dest), files, linked, weight_map, idx.get("metadata") or {}, targets, read_bytes=read_bytes)
     index_size = (source / layout.INDEX).stat().st_size
     p.bytes_needed = sum(f.new_size for f in files) + index_size * 2 + len(targets) * 200
     parent = Path(dest).parent
     p.bytes_free = shutil.disk_usage(parent if parent.exists() else source.parent).free
     return p
+
+
+def scale_shape(n: int, k: int) -> tuple[int, int, int, int]:
+    """FP8_PB_WO's `weight_scale`: the [N/128, K/128] row-major grid as 4-D (same bytes)."""
+    return (n // fp8.BLOCK, 1, k // fp8.BLOCK, 1)
+
+
+def edited_configs(p: "Plan") -> tuple[dict, dict | None, dict]:
+    """(config.json, hf_quant_config.json or None, summary) with the side layers as FP8_PB_WO."""
+    import json
+
+    cfg = json.loads((p.source / "config.json").read_text())
+    hq_path = p.source / "hf_quant_config.json"
+    hq = json.loads(hq_path.read_text()) if hq_path.is_file() else None
+    modules = [n[: -len(".weight")] for n in p.targets]
+    summary = quantcfg.edit(cfg, hq, modules, quantcfg.expert_prefixes(p.weight_map))
+    return cfg, hq, summary
 
 
 def _progress(total: int, desc: str):
@@ -238,8 +261,17 @@ def check_built(p: Plan, directory: Path) -> list[str]:
         w = header.tensors.get(name)
         s = header.tensors.get(name + layout.SCALE_SUFFIX)
         if w is None or w.dtype != "F8_E4M3" or s is None or s.dtype != "F32" \
-                or s.shape != (w.shape[0] // fp8.BLOCK, w.shape[1] // fp8.BLOCK):
-            problems.append(f"{fname}: {name} is not F8_E4M3 + F32 [N/128,K/128] weight_scale_inv")
+                or s.shape != scale_shape(*w.shape):
+            problems.append(f"{fname}: {name} is not F8_E4M3 + F32 [N/128,1,K/128,1] weight_scale")
+    import json
+
+    try:
+        cfg = json.loads((directory / "config.json").read_text())
+        hq_path = directory / "hf_quant_config.json"
+        hq = json.loads(hq_path.read_text()) if hq_path.is_file() else None
+    except (OSError, ValueError) as exc:
+        return problems + [f"unreadable config: {exc}"]
+    problems += quantcfg.problems(cfg, hq, [n[: -len(".weight")] for n in p.targets])
     return problems
 
 
@@ -253,11 +285,18 @@ def build(p: Plan, on_write=None, workers: int | None = None) -> dict:
         raise CheckpointError(f"not enough disk for the hybrid: need {p.bytes_needed / 1e9:.2f} GB "
                               f"(+{DISK_MARGIN / 1e9:.1f} GB margin), {p.bytes_free / 1e9:.2f} GB free on {dest.parent}",
                               hint="free space there, or move HF_CACHE")
+    cfg, hq, qsummary = edited_configs(p)  # before any work: a config we cannot edit stops here
     partial.mkdir()
     t0 = time.monotonic()
     try:
         for name in p.linked:
             layout.link_relative(p.source / name, partial / name)
+        layout.write_json_atomic(partial / "config.json", cfg)
+        if hq is not None:
+            layout.write_json_atomic(partial / "hf_quant_config.json", hq)
+        for name in CONFIGS:
+            if (partial / name).exists():
+                os.chmod(partial / name, 0o644)
         worst = 0.0
         log = []
         total = sum(f.new_size for f in p.files)
@@ -300,7 +339,7 @@ def build(p: Plan, on_write=None, workers: int | None = None) -> dict:
             os.close(fd)
         data = marker.write(partial, "hybrid", p.source, convention=CONVENTION, block=[fp8.BLOCK, fp8.BLOCK],
                             tensors=len(p.targets), worst_block_rel_err=round(worst, 6),
-                            rewritten=[fp.name for fp in p.files], modules=[n[: -len(".weight")] for n in p.targets],
+                            rewritten=[fp.name for fp in p.files], quant_config=qsummary, modules=[n[: -len(".weight")] for n in p.targets],
                             seconds=round(time.monotonic() - t0, 1))
         layout.fsync_dir(partial)
         _swap_into_place(partial, dest)
@@ -328,7 +367,8 @@ def repair_links(source: Path, dest: Path) -> list[str]:
     have = {p.name for p in dest.iterdir()}
     added = []
     for p in sorted(source.iterdir()):
-        if p.name.startswith(".") or p.name in have or p.name.endswith(".safetensors") or p.name == layout.INDEX:
+        if p.name.startswith(".") or p.name in have or p.name.endswith(".safetensors") or p.name == layout.INDEX \
+                or p.name in CONFIGS:
             continue
         layout.link_relative(p, dest / p.name)
         added.append(p.name)
@@ -345,7 +385,7 @@ def prepare(source: Path, dry_run: bool = False, force: bool = False) -> dict:
     if state == "stale" and not force:
         m = hfcache.read_marker(dest) or {}
         if (m.get("source_revision") == source.name and m.get("format") == hfcache.VARIANT_FORMAT["hybrid"]
-                and all((dest / n).is_file() for n in [layout.INDEX, *m.get("rewritten", [])])):
+                and all((dest / n).is_file() for n in [layout.INDEX, "config.json", *m.get("rewritten", [])])):
             if dry_run:
                 return {"action": "repair", "state": state, "dest": str(dest)}
             added = repair_links(source, dest)

@@ -24,7 +24,8 @@ SIDE_LAYER = re.compile(
     r"|self_attn\.(?:q_proj|k_proj|v_proj|o_proj|indexer\.index_qk_proj)"
     r"|mlp\.shared_expert\.(?:gate_proj|up_proj|down_proj))\.weight"
 )
-SCALE_SUFFIX = "_scale_inv"  # X.weight → X.weight_scale_inv
+SCALE_SUFFIX = "_scale"  # X.weight → X.weight_scale (ModelOpt FP8_PB_WO, 4-D [N/128,1,K/128,1])
+OLD_SCALE_SUFFIX = "_scale_inv"  # the format-1 (dispatch-2d) hybrids: refused as a source
 
 
 class CheckpointError(FlashError):
