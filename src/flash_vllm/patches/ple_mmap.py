@@ -24,10 +24,11 @@ and a host gather would be baked into the graph. The run spec therefore forces
 `--compilation-config {"cudagraph_mode":"PIECEWISE"}`. Gathering before the forward from the
 token ids (so FULL decode graphs stay legal) is future work.
 
-Not ported yet: 0.29 (the table is a `VocabParallelEmbedding` inside `ple_layer.py`'s
-`Qwen4ExpNGramEmbedding`, lookup after the `qwen4_exp_compute_ple_ngram_ids` splitting op) and
-0.30-0.32 (storage classes in `nvidia/ngram_embedding.py` with a different prefetch API; not yet
-checked against this subclass). With the gate on there, vLLM's native storage runs.
+Bases: 0.30-0.33 (the abstract base is in `nvidia/` on 0.30 and `common/` on 0.31+, found through
+the replaced class's MRO; `reduce_results` exists from 0.32 and is passed through). Not ported
+yet: 0.29 (the table is a `VocabParallelEmbedding` inside `ple_layer.py`'s
+`Qwen4ExpNGramEmbedding`, looked up after the `qwen4_exp_compute_ple_ngram_ids` splitting op);
+with the gate on there, vLLM's native (GPU-resident) table runs.
 """
 
 from __future__ import annotations
@@ -44,13 +45,11 @@ from ..registry import (Context, Gate, Patch, TargetMissing, expect_installed, e
 NUMBER = 1
 ENV = "VLLM_PLE_MMAP"
 NGRAM = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
-COMMON = "vllm.models.qwen4_exp.common.ngram_embedding"
 PINNED = (NGRAM, "Qwen4ExpPLEPinnedHostEmbedding")
 DEVICE = (NGRAM, "Qwen4ExpPLEDeviceEmbedding")
 INIT = (NGRAM, "Qwen4ExpNGramEmbedding.__init__")
 FORWARD = (NGRAM, "Qwen4ExpNGramEmbedding.forward")
 LOAD = (NGRAM, "Qwen4ExpNGramEmbedding.load_weights")
-BASE_CLS = (COMMON, "Qwen4ExpPLEEmbedding")
 log = logging.getLogger("vllm.flash")
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -115,20 +114,18 @@ def make_storage(upstream_cls):
     import torch
     from vllm.config import get_current_vllm_config
 
-    from vllm.models.qwen4_exp.common.ngram_embedding import Qwen4ExpPLEEmbedding
+    Qwen4ExpPLEEmbedding = storage_base(upstream_cls)
 
     class FlashMmapPLEEmbedding(Qwen4ExpPLEEmbedding):
         """PLE rows read from the checkpoint's mmapped shards by flash's PLE engine (patch 1)."""
 
         supports_prefetch = False
 
-        def __init__(self, num_embeddings, embedding_dim, *, params_dtype, padding_size, prefix,
-                     embedding_method, num_ngram_heads=1, max_total_tokens=0, data_parallel_rank=0,
-                     reduce_results=True):
-            super().__init__(num_embeddings, embedding_dim, params_dtype=params_dtype,
-                             padding_size=padding_size, prefix=prefix, embedding_method=embedding_method,
-                             num_ngram_heads=num_ngram_heads, max_total_tokens=max_total_tokens,
-                             data_parallel_rank=data_parallel_rank, reduce_results=reduce_results)
+        def __init__(self, num_embeddings, embedding_dim, *, params_dtype, prefix, num_ngram_heads=1,
+                     max_total_tokens=0, **kwargs):
+            # kwargs: padding_size, embedding_method, data_parallel_rank (+ reduce_results on 0.32+)
+            super().__init__(num_embeddings, embedding_dim, params_dtype=params_dtype, prefix=prefix,
+                             num_ngram_heads=num_ngram_heads, max_total_tokens=max_total_tokens, **kwargs)
             if self.tp_size != 1:
                 raise ValueError(f"VLLM_PLE_MMAP serves the whole table per process; ETP size "
                                  f"{self.tp_size} is not supported (use 1)")
@@ -179,7 +176,7 @@ def make_storage(upstream_cls):
                 return
             self.stager(out.device).lookup(ngram_ids, out=out)
 
-        def start_prefetch(self, ngram_ids):
+        def start_prefetch(self, *args):  # (ngram_ids) on 0.32+, (hidden_states, ngram_ids) before
             return None
 
         def finalize_prefetch(self, total_tokens):
@@ -203,17 +200,30 @@ def make_storage(upstream_cls):
     return FlashMmapPLEEmbedding
 
 
+def storage_base(upstream_cls):
+    """The release's abstract `Qwen4ExpPLEEmbedding` (nvidia/ on 0.30, common/ on 0.31+)."""
+    for c in original(upstream_cls).__mro__:
+        if c.__name__ == "Qwen4ExpPLEEmbedding":
+            return c
+    raise TargetMissing(f"{upstream_cls.__name__} no longer derives from Qwen4ExpPLEEmbedding")
+
+
 def check(ctx: Context) -> None:
-    if not ctx.base.at_least("v0.33"):
-        raise TargetMissing(f"patch 1 ships code for v0.33 only (base {ctx.base.name})")
+    if not PATCH.meant_for(ctx.base.name):
+        raise TargetMissing(f"patch 1 ships no code for {ctx.base.name}: {PATCH.not_ported.get(ctx.base.name)}")
     expect_source(*INIT, "Qwen4ExpPLEPinnedHostEmbedding", "Qwen4ExpPLEDeviceEmbedding",
-                  "engram_config.cpu_offload", "embedding_cls(")
+                  "engram_config.cpu_offload", "embedding_cls(", "max_total_tokens=max_total_tokens")
     expect_source(*FORWARD, "embedding.supports_prefetch", "embedding(ngram_ids).flatten(-2)")
-    expect_source(*LOAD, "parameter.weight_loader(", "checkpoint_start=checkpoint_start")
-    expect_source(*BASE_CLS, "def allocate_embedding_weight", "def dequantize")
+    expect_source(*LOAD, "weight_loader(", "checkpoint_start=checkpoint_start")
     _, _, pinned = resolve(*PINNED)
-    src = inspect.getsource(original(pinned).allocate_embedding_weight)
-    if "pin_memory=True" not in src:
+    _, _, device = resolve(*DEVICE)
+    base = storage_base(pinned)
+    if storage_base(device) is not base:
+        raise TargetMissing("the pinned-host and device PLE classes no longer share Qwen4ExpPLEEmbedding")
+    for name in ("allocate_embedding_weight", "dequantize", "weight_loader", "start_prefetch"):
+        if not hasattr(base, name):
+            raise TargetMissing(f"Qwen4ExpPLEEmbedding has no {name}")
+    if "pin_memory=True" not in inspect.getsource(original(pinned).allocate_embedding_weight):
         raise TargetMissing(f"{NGRAM}:Qwen4ExpPLEPinnedHostEmbedding no longer pins its weight")
     expect_source("vllm.compilation.breakable_cudagraph", "eager_break_during_capture",
                   "cudagraph_runtime_mode")
@@ -241,12 +251,9 @@ PATCH = Patch(
     upstream="vllm#54129 (VLLM_PLE_MMAP, open) / vllm#54070 (disk-backed tables, open)",
     gate=Gate.flag(ENV),
     targets=tuple(f"{m}:{q}" for m, q in (PINNED, DEVICE, INIT, FORWARD, LOAD)),
-    applies_to=frozenset({"v0.33"}),
+    applies_to=frozenset({"v0.30", "v0.31", "v0.32", "v0.33"}),
     not_ported={
         "v0.29": "table is a VocabParallelEmbedding in ple_layer.py; the splitting-op port is not written yet",
-        "v0.30": "storage classes in nvidia/ngram_embedding.py with another prefetch API; not ported yet",
-        "v0.31": "as v0.30; not ported yet",
-        "v0.32": "as v0.30; not ported yet",
     },
     check=check, apply=apply, verify=verify,
     notes="Graph regime: the run spec forces cudagraph_mode=PIECEWISE; FULL decode graphs need the "

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 NGRAM = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
-COMMON = "vllm.models.qwen4_exp.common.ngram_embedding"
 PREFIX = "model.language_model.layers.1.ple.ple_embedding.ngram_embedding"
 ROWS, LAST, SHARDS, WIDTH = 50, 30, 4, 32
 NUM_ROWS = ROWS * (SHARDS - 1) + LAST
@@ -54,7 +53,8 @@ def applied(patch1, base):
     if not patch1.meant_for(base):
         return None
     ng = importlib.import_module(NGRAM)
-    common = importlib.import_module(COMMON)
+    # where the storage classes are defined: nvidia/ngram_embedding on 0.30, common/ on 0.31+
+    common = importlib.import_module(ng.Qwen4ExpPLEPinnedHostEmbedding.__module__)
     stock = (ng.Qwen4ExpPLEPinnedHostEmbedding, ng.Qwen4ExpPLEDeviceEmbedding)
     ctx = _ctx()
     patch1.check(ctx)
@@ -76,7 +76,8 @@ def test_apply_swaps_storage_classes_idempotently(applied, base, patch1):
     assert pinned.__flash_patch__ == device.__flash_patch__ == 1
     assert pinned is not device
     assert pinned.__flash_original__ is applied.stock[0] and device.__flash_original__ is applied.stock[1]
-    assert common.Qwen4ExpPLEPinnedHostEmbedding is pinned  # stale binding rebound
+    assert common.Qwen4ExpPLEPinnedHostEmbedding is pinned  # stale binding rebound (0.31+)
+    assert common.Qwen4ExpPLEDeviceEmbedding is device
     assert issubclass(pinned, common.Qwen4ExpPLEEmbedding)
     assert not issubclass(pinned, applied.stock[0])       # nothing of the pinned allocation inherited
 
