@@ -15,8 +15,9 @@ names are replaced by subclasses of the release's `Qwen4ExpPLEEmbedding` that:
 - write into a persistent per-layer output buffer (`max_total_tokens` rows, allocated at the
   first eager call, i.e. the profile run, never during a capture);
 - run the gather as `eager_break_during_capture` (wrapped at layer init, after VllmConfig has
-  decided breakable graphs), zero-filling the buffer while a graph is being captured (the ids
-  queued before it are recorded, not computed, at that point).
+  decided breakable graphs), zero-filling the buffer during the capture-time run of the eager
+  segment (the ids queued before it are recorded, not computed, at that point) and refusing
+  loudly when called inside a plain stream capture (a FULL graph would replay a constant).
 
 Graph regime shipped: PIECEWISE. Qwen4Exp backends report UNIFORM_BATCH, so under the default
 FULL_AND_PIECEWISE uniform decode batches are captured FULL, where an eager break does not break
@@ -105,6 +106,17 @@ def _is_capturing(torch) -> bool:
     return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
+def _in_breakable_capture() -> bool:
+    """True while a breakable CUDA-graph capture runs (its eager segments included): the ids
+    computed before us were recorded, not run, so they are garbage. Replay runs outside it."""
+    try:
+        from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+    except ImportError:
+        return False
+    cap = BreakableCUDAGraphCapture.current()
+    return cap is not None and bool(getattr(cap, "_capturing", False))
+
+
 def make_storage(upstream_cls):
     """A subclass of the release's `Qwen4ExpPLEEmbedding` serving rows from the mmapped table.
 
@@ -172,7 +184,12 @@ def make_storage(upstream_cls):
 
         def _gather_into(self, ngram_ids, out):
             if _is_capturing(torch):
-                out.zero_()
+                # A host gather inside a stream capture (a FULL graph) would replay as a constant.
+                raise RuntimeError("VLLM_PLE_MMAP: the PLE gather is being captured into a FULL CUDA "
+                                   "graph; serve with --compilation-config "
+                                   "'{\"cudagraph_mode\":\"PIECEWISE\"}'")
+            if _in_breakable_capture():
+                out.zero_()  # capture-time run of the eager segment; replay does the real gather
                 return
             self.stager(out.device).lookup(ngram_ids, out=out)
 

@@ -156,3 +156,44 @@ def test_lookup_returns_table_rows_without_storage(layer, checkpoint, base, patc
 
     total = ple_mmap.TABLES.stats.snapshot()["total"]
     assert total["ops"] >= 4 and total["rows"] >= 1 + 3 * 2 + 16 * 2  # one op per lookup, every row
+
+
+def test_capture_time_run_zero_fills(layer, checkpoint, base, patch1, monkeypatch):
+    """During a breakable capture the eager segment runs once with recorded (garbage) ids: it
+    must not read the table (ids may be out of range) and leaves zeros; the recorded segment,
+    replayed outside the capture on the same static buffers, gathers the real rows."""
+    if layer is None:
+        assert not patch1.meant_for(base)
+        return
+    from vllm.compilation import breakable_cudagraph as bc
+
+    class Capture:  # BreakableCUDAGraphCapture.add_eager's contract: run now, record for replay
+        _capturing = True
+
+        def __init__(self):
+            self.segments = []
+
+        def add_eager(self, fn):
+            result = fn()
+            self.segments.append(fn)
+            return result
+
+    emb = layer.emb
+    ids = torch.full((4, 2), 1 << 40, dtype=torch.long)  # the static ids buffer, garbage at capture
+    with pytest.raises(IndexError):
+        emb(ids)  # outside a capture the engine range-checks the ids
+    cap = Capture()
+    monkeypatch.setattr(bc.BreakableCUDAGraphCapture, "current", classmethod(lambda cls: cap))
+    monkeypatch.setattr(bc, "_weak_ref_capture_arg", lambda a: a)  # weak refs need vllm._C (CUDA)
+    emb._flash_out.fill_(7)
+    out = emb(ids)
+    assert out.shape == (4, 2, WIDTH) and not out.any()
+    # the gather is an eager break exactly when the decorator was active at layer init
+    # (VLLM_USE_BREAKABLE_CUDAGRAPH, which VllmConfig sets for Qwen4Exp)
+    wrapped = getattr(emb._flash_gather, "__wrapped__", None) is not None
+    assert len(cap.segments) == (1 if wrapped else 0)
+    if cap.segments:
+        monkeypatch.setattr(bc.BreakableCUDAGraphCapture, "current", classmethod(lambda cls: None))
+        ids.copy_(torch.tensor([[0, 1], [NUM_ROWS - 1, 5], [60, 61], [100, 2]]))
+        cap.segments[0]()  # replay
+        assert torch.equal(out.view(torch.int16), _reference(checkpoint, ids).view(torch.int16))
