@@ -54,9 +54,29 @@ def test_check_tool_matrix_matches_registry(release):
     assert proc.returncode == 0
 
 
+@pytest.fixture(scope="module")
+def tiny_hybrids(tmp_path_factory):
+    """OUR writer's output (flash prepare hybrid on the TINY fakes, both layouts) for
+    check_fp8_hybrid_ours.py: the proof that the hybrid and patch 6's native dispatch meet."""
+    import os
+
+    from fakes import ckpt
+    from flash_cli import hfcache
+    from flash_cli.checkpoint import hybrid
+
+    root = tmp_path_factory.mktemp("hybrids")
+    out = []
+    for flavour in ("radixark", "nvidia"):
+        snap = ckpt.write_snapshot(root / flavour / "hf", flavour)
+        hybrid.prepare(snap)
+        out.append(str(hfcache.variant_dir(snap, "hybrid")))
+    return os.pathsep.join(out)
+
+
 @pytest.mark.parametrize("release", RELEASES)
-def test_patch_logic_in_release(release, tmp_path):
+def test_patch_logic_in_release(release, tmp_path, tiny_hybrids):
     rt = _tool().ensure(release)
+    rt["env"] = dict(rt["env"], FLASH_TEST_TINY_HYBRIDS=tiny_hybrids)
     junit = tmp_path / "junit.xml"
     proc = subprocess.run(
         [rt["python"], "-m", "pytest", str(ROOT / "tests" / "vllm" / "release"), "-q",
