@@ -5,8 +5,9 @@
 
 SRC_DIR is any checkpoint directory with a model.safetensors.index.json (an HF cache snapshot or
 a plain copy). DST_DIR defaults to SRC_DIR + "-fp8hybrid" (next to it, as the HF cache layout
-wants). Untouched files become relative symlinks, rewritten shards real files; the result is
-verified before `.prepared` is written and the directory renamed into place.
+wants). Untouched files become relative symlinks; rewritten shards and the two quant configs
+(now MIXED_PRECISION with the side layers as FP8_PB_WO, `weight_scale` 4-D) real files; the
+result is verified before `.prepared` is written and the directory renamed into place.
 Convention: docs/decisions/hybrid-convention.md.
 """
 
