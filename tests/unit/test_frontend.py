@@ -110,8 +110,13 @@ def test_image_base_label_must_match():
 
 def test_fp8_kv_refused_where_the_release_lacks_it():
     assert preflight.recipe(resolve(overrides={"KV_DTYPE": "fp8_e4m3", "BASE": "v0.33"})) == []
-    p = preflight.recipe(resolve(overrides={"KV_DTYPE": "fp8_e4m3", "BASE": "v0.29"}))
+    p = preflight.recipe(resolve(overrides={"KV_DTYPE": "fp8_e4m3", "BASE": "v0.30"}))
     assert p and p[0].error is ConfigError and "KV_DTYPE=auto" in p[0].hint
+
+
+def test_v029_refused_until_the_ple_patch_is_ported():
+    p = preflight.recipe(resolve(overrides={"BASE": "v0.29"}))
+    assert p and "patch 1" in p[0].message and "BASE=v0.33" in p[0].hint
 
 
 def test_setup_builds_v030_to_v032_from_their_release_image():
