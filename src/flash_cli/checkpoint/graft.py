@@ -29,7 +29,7 @@ from pathlib import Path
 from .. import hfcache
 from ..errors import ConfigError, WeightsMissing
 from ..output import say
-from . import layout, marker, stwriter
+from . import hybrid, layout, marker, stwriter
 from .layout import CheckpointError
 
 
@@ -284,15 +284,7 @@ def build(snapshot: Path, donor_path: Path, donor: Donor = DONOR) -> dict:
                             removed=list(FUSED), added_keys=len(donor_keys), excludes=len(excludes),
                             rewritten=fused_files)
         layout.fsync_dir(partial)
-        if dest.exists():
-            old = dest.with_name(dest.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(dest, old)
-            os.rename(partial, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(partial, dest)
-        layout.fsync_dir(dest.parent)
+        hybrid._swap_into_place(partial, dest)  # the one rename-into-place both variants use
         return data
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
