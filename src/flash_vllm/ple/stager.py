@@ -82,9 +82,48 @@ class Stager:
         a = np.asarray(ids)
         return a.reshape(-1).astype(np.int64, copy=False), a.shape, 0.0
 
-    def _device_part(self, src, dev_u8, raw):
+    def lookup(self, ids, raw: bool = False, out=None):
+        """Embeddings ``(*ids.shape, head_dim)`` on the device: ``out_dtype`` dequantized, or the
+        table dtype when ``raw``. ``out`` (a device tensor of that shape and dtype) is filled in place.
+
+        Small batches (< ``dedup_min`` rows, <= ``graph_max_rows``) take the short path: the gather
+        is one compiled call into the pinned slot (``table.gather_into``), the device part one
+        CUDA-graph replay, then one event record; no allocation when ``out`` is given."""
+        flat, shape, wait_s = self._host_ids(ids)
+        n = flat.shape[0]
+        if 0 < n < self.dedup_min and n <= self.graph_max_rows and n <= self.capacity:
+            t0 = time.perf_counter()
+            if not flat.flags.c_contiguous:
+                flat = self.np.ascontiguousarray(flat)
+            s = self._slot
+            self._slot = (s + 1) % self.n_slots
+            ev = self._events[s]
+            if ev is not None:
+                tw = time.perf_counter()
+                ev.synchronize()  # only the H2D that last read this slot, never the whole device
+                wait_s += time.perf_counter() - tw
+            self.table.gather_into(flat, self._rows_np[s][:n])
+            ts = time.perf_counter()
+            emb = self._replay(s, n, raw, out)
+            if out is None:
+                emb = emb.clone().view(*shape, self.table.head_dim)  # the graph's output is static
+            if self.stats is not None:
+                t1 = time.perf_counter()
+                self.stats.record(ops=1, op_s=t1 - t0, gpu_wait_s=wait_s, stage_s=t1 - ts)
+                self.stats.maybe_log()
+            return emb if out is None else out
+        return self._lookup(flat, shape, wait_s, raw, out)
+
+    def _device_part(self, src, dev_u8, raw, out=None):
         dev_u8.copy_(src, non_blocking=True)
         emb = dev_u8.view(self.table_dtype)
+        if out is not None:
+            # Straight into the caller's buffer: copy_ converts exactly like to(out_dtype), and the
+            # in-place mul rounds like the eager path's (two kernels instead of three).
+            out.copy_(emb)
+            if not raw and self.scale is not None:
+                out.mul_(self.scale)
+            return out
         if not raw:
             emb = emb.to(self.out_dtype)
             if self.scale is not None:
@@ -100,18 +139,17 @@ class Stager:
                 self._graphs.pop(next(iter(self._graphs)))
             src = self._rows[s][:n]
             dev_u8 = torch.empty((n, self.table.row_bytes), dtype=torch.uint8, device=self.device)
+            outv = None if out is None else out.view(n, self.table.head_dim)
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # warm up outside the capture (allocator, kernels)
-                self._device_part(src, dev_u8, raw)
+                self._device_part(src, dev_u8, raw, outv)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                res = self._device_part(src, dev_u8, raw)
-                if out is not None:
-                    out.view(n, self.table.head_dim).copy_(res)
-            g = self._graphs[key] = (graph, res, dev_u8)
-        g[0].replay()
+                res = self._device_part(src, dev_u8, raw, outv)
+            g = self._graphs[key] = (graph.replay, res, dev_u8, graph)
+        g[0]()
         self._record(s)
         return g[1]
 
@@ -137,12 +175,8 @@ class Stager:
                 emb.mul_(self.scale)
         return emb
 
-    def lookup(self, ids, raw: bool = False, out=None):
-        """Embeddings ``(*ids.shape, head_dim)`` on the device: ``out_dtype`` dequantized, or the
-        table dtype when ``raw``. ``out`` (a device tensor of that shape and dtype) is filled in place."""
-        torch, np = self.torch, self.np
+    def _lookup(self, flat, shape, wait_s, raw, out):
         t0 = time.perf_counter()
-        flat, shape, wait_s = self._host_ids(ids)
         n = flat.shape[0]
         if n > self.capacity:
             self._alloc(max(n, int(self.capacity * 1.5)))

@@ -16,9 +16,19 @@ Strategies (``gather``; results are always bit-identical to ``table[ids]``):
   syscall (all pages were in the page cache), the next decode batches are plain ``np.take`` on
   the mapping (~µs). A take that runs slow (it faulted) switches back at once.
   ``fast_rows = N > 0`` forces take for batches of <= N rows (upstream's meaning of FAST_ROWS).
+* ``direct`` (decode-sized batches, io_uring + O_DIRECT): rows whose pages are in the page cache
+  (``mincore``) are copied from the mapping; the others are read with O_DIRECT, their 4 KiB
+  page(s) into a page-aligned scratch buffer, and extracted. O_DIRECT skips the page cache's
+  page allocation and insertion (the disk's own bound), but its pages never become cached, so a
+  doorkeeper (a hashed bitmap of pages read directly, cleared when 1/8 full) reads a page seen
+  before with a buffered read: hot (zipfian) rows still end up in the page cache.
 * ``willneed`` (no io_uring: old kernel, seccomp): one ``process_madvise(MADV_WILLNEED)`` call
   per 1024 page ranges (``madvise`` per range as fallback), then ``take``; big batches are split
   over a thread pool of ``workers`` after dedup.
+
+With ``io=auto`` the cold paths available (uring, mmap, direct for decode sizes) are timed on
+cold batches and the fastest is kept. The per-row loops (range check, address computation, copy,
+the direct path's plan) run compiled through numba when it is importable (``native.py``).
 """
 
 from __future__ import annotations
@@ -79,6 +89,12 @@ def _io_mark() -> int:
     readahead, WILLNEED or io_uring starts on our behalf is accounted to us). A change means a
     gather touched the disk: it was cold."""
     r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_majflt + r.ru_inblock
+
+
+def _thread_io_mark() -> int:
+    """The same for this thread only (cheaper; enough for a copy that runs in this thread)."""
+    r = resource.getrusage(resource.RUSAGE_THREAD)
     return r.ru_majflt + r.ru_inblock
 
 
@@ -330,6 +346,13 @@ class PLETable:
                 except OSError:
                     pass
         self._shard_fd = np.array([self._fds[s.path] for s in shards], dtype=np.int32)
+        self._region_u8 = np.ndarray((self._region.total,), dtype=np.uint8, buffer=buf)
+        self._ru = np.zeros(18, dtype=np.int64)  # struct rusage scratch for the compiled warm path
+        self._nat = None
+        if self.config.native:
+            from . import native
+
+            self._nat = native.load()
         advice = _MADV_RANDOM if self.config.madvise == "random" else _MADV_NORMAL
         self.madvise_ok = True
         for p, lo, hi in pieces:
@@ -343,25 +366,75 @@ class PLETable:
         self._ring = None
         self.io_note = ""
         self.io = self.config.io
-        if self.io in ("auto", "uring"):
+        if self.io in ("auto", "uring", "direct"):
             try:
                 from .uring import Ring
 
                 self._ring = Ring(self.config.ring_depth)
                 self.io = "uring"
             except (OSError, ImportError) as e:
-                if self.config.io == "uring":
+                if self.config.io in ("uring", "direct"):
                     self.close()
-                    raise PLETableError(f"VLLM_PLE_MMAP_IO=uring but io_uring is unavailable: {e}") from None
+                    raise PLETableError(f"VLLM_PLE_MMAP_IO={self.config.io} but io_uring is unavailable: {e}") from None
                 # Docker's default seccomp profile blocks io_uring (moby#46762); process_madvise is allowed.
                 self.io = "mmap"
                 self.io_note = f"io_uring unavailable ({e})"
+        self._dfds: dict[str, int] = {}
+        self._direct_ok = False
+        if self._ring is not None and self.config.io in ("auto", "direct"):
+            self._open_direct(spans)
+        if self.config.io == "direct" and not self._direct_ok:
+            note = self.io_note
+            self.close()
+            raise PLETableError(f"VLLM_PLE_MMAP_IO=direct but O_DIRECT reads are unavailable: {note}")
         self._warm = 0  # consecutive fully-cached batches
         self._ewma = [{"uring": None, "mmap": None}, {"uring": None, "mmap": None}]
+        if self._direct_ok:
+            self._ewma[0]["direct"] = None
         self._cold_n = [0, 0]
         self.last_strategy = ""
         if self.config.prewarm:
             self.prewarm()
+
+    def _open_direct(self, spans) -> None:
+        """O_DIRECT fds + scratch for the ``direct`` path; on failure (tmpfs on old kernels, a
+        filesystem without O_DIRECT) the path is simply not offered."""
+        import mmap as mm
+
+        np = self._np
+        try:
+            for p in spans:
+                self._dfds[p] = os.open(p, os.O_RDONLY | os.O_DIRECT)
+        except (OSError, AttributeError) as e:
+            self.io_note = (self.io_note + "; " if self.io_note else "") + f"O_DIRECT unavailable ({e})"
+            for fd in self._dfds.values():
+                os.close(fd)
+            self._dfds = {}
+            return
+        self._shard_dfd = np.array([self._dfds[s.path] for s in self.shards], dtype=np.int32)
+        self._seen = np.zeros(1 << 20, dtype=np.uint8)  # doorkeeper: pages already read with O_DIRECT
+        self._seen_n = 0
+        self._vec = np.zeros(2, dtype=np.uint8)
+        self._scratch_map = None
+        self._scratch = None
+        self._plan = None
+        self._mm = mm
+        self._direct_ok = True
+        self._direct_compiled = self._nat is None
+
+    def _direct_buffers(self, n: int) -> None:
+        np = self._np
+        from .native import SCRATCH
+
+        if self._scratch is None or self._scratch.shape[0] < n * SCRATCH:
+            rows = max(n, 64)
+            self._scratch = None
+            if self._scratch_map is not None:
+                self._scratch_map.close()
+            self._scratch_map = self._mm.mmap(-1, rows * SCRATCH)  # page-aligned: O_DIRECT needs it
+            self._scratch = np.frombuffer(self._scratch_map, np.uint8)
+            self._plan = (np.empty(rows, np.int32), np.empty(rows, np.int64), np.empty(rows, np.int64),
+                          np.empty(rows, np.int64), np.empty(rows, np.int64), np.empty(rows, np.int64))
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -377,12 +450,18 @@ class PLETable:
         return (f"PLE mmap: {self.num_shards} shards, {self.num_rows} rows x {self.row_bytes} B "
                 f"({gib:.2f} GiB on disk), dtype {self.dtype}, scale {self.scale}, io {self.io}, "
                 f"madvise {self.config.madvise}{'' if self.madvise_ok else ' (failed)'}, "
-                f"prefetch {self._prefetcher.mode}, {self.config.workers} workers"
+                f"prefetch {self._prefetcher.mode}, {self.config.workers} workers, "
+                f"direct {'on' if self._direct_ok else 'off'}, loops {'numba' if self._nat else 'numpy'}"
                 + (f"; {self.io_note}" if self.io_note else ""))
 
     # -- addressing ----------------------------------------------------------------------------
     def _check(self, flat):
         if flat.size == 0:
+            return
+        if self._nat is not None:
+            i = self._nat.check(flat, self.num_rows)
+            if i >= 0:
+                raise IndexError(f"PLE row id {int(flat[i])} out of range [0, {self.num_rows})")
             return
         # One reduction: as uint64 a negative id is huge, so max() catches both ends.
         if int(flat.view(self._np.uint64).max()) >= self.num_rows:
@@ -407,8 +486,39 @@ class PLETable:
 
     # -- strategies --------------------------------------------------------------------------
     def _take(self, flat, out):
+        if self._nat is not None:  # one compiled loop (releases the GIL: pool threads run in parallel)
+            if self._nat.gather(self._region_u8, self._shard_off, self.rows_per_shard, self.row_bytes,
+                                self.num_rows, flat, out) >= 0:
+                self._check(flat)  # raises, naming the id
+            return
         # Fancy indexing, not np.take: take() first copies a non-contiguous source whole.
         out.reshape(-1).view(self._rows_view.dtype)[...] = self._rows_view[self._offsets(flat)]
+
+    def _direct(self, flat, out) -> bool:
+        """The ``direct`` strategy (see the module doc). Returns True when nothing was read (warm)."""
+        from . import native
+
+        n = flat.shape[0]
+        self._direct_buffers(n)
+        p_fd, p_off, p_addr, p_len, p_row, p_skip = self._plan
+        nat = self._nat or native
+        plan = nat.plan_direct if self._nat else native.plan_direct_py
+        k, nd = plan(self._region.base, self._shard_off, self._shard_fileoff, self._shard_fd, self._shard_dfd,
+                     self.rows_per_shard, self.row_bytes, flat, out, self._region_u8, self._seen,
+                     out.ctypes.data, self._scratch.ctypes.data, self._vec, p_fd, p_off, p_addr, p_len, p_row, p_skip)
+        if k == 0:
+            return True
+        self._seen_n += nd
+        if self._seen_n >= self._seen.shape[0] // 8:  # keep the doorkeeper's false positives rare
+            self._seen[:] = 0
+            self._seen_n = 0
+        with self._lock:
+            res = self._ring.read_batch(p_fd[:k], p_off[:k], p_addr[:k], p_len[:k], depth=self.config.ring_depth)
+        ext = self._nat.extract_direct if self._nat else native.extract_direct_py
+        bad = ext(self._scratch, self.row_bytes, k, p_row, p_skip, p_len, res, out)
+        for i in p_row[:bad].tolist():  # a failed read: that row through the mapping
+            self._take(flat[i : i + 1], out[i : i + 1])
+        return False
 
     def _uring(self, flat, out):
         np = self._np
@@ -458,34 +568,37 @@ class PLETable:
         if fr and n <= fr:
             self._take(flat, out)
             return "take"
-        if self.io == "uring":
-            if self._warm >= 1:
-                # Pages were all cached lately: read through the mapping (big batches over the
-                # pool). A major fault means the guess was wrong (that row waited alone): go back
-                # to the ring at once.
-                f0 = _io_mark()
-                if n > 4096:
-                    self._pool_gather(flat, out)
-                else:
-                    self._take(flat, out)
-                if _io_mark() != f0:
-                    self._warm = 0
-                return "take"
-            size_class = 0 if n <= 4096 else 1
-            strat = self._pick(size_class)
-            t0 = time.perf_counter()
+        if self._warm >= 1:
+            # Pages were all cached lately: read through the mapping (big batches over the pool).
+            # A major fault means the guess was wrong (that row waited alone): back to the cold
+            # paths at once.
             f0 = _io_mark()
-            if strat == "uring":
-                inline = self._uring(flat, out)
-                cold = not inline or _io_mark() != f0
+            if n > 4096:
+                self._pool_gather(flat, out)
             else:
-                strat = self._mmap_gather(flat, out)
-                cold = _io_mark() != f0
-            self._warm = 0 if cold else self._warm + 1
-            if cold:
-                self._learn(size_class, "uring" if strat == "uring" else "mmap", (time.perf_counter() - t0) / n)
-            return strat
-        return self._mmap_gather(flat, out)
+                self._take(flat, out)
+            if _io_mark() != f0:
+                self._warm = 0
+            return "take"
+        size_class = 0 if n <= 4096 else 1
+        strat = self._pick(size_class) if self.io == "uring" else "mmap"
+        if strat == "direct" and not self._direct_compiled:
+            self._direct(flat[:0], out[:0])  # compile outside the timing
+            self._direct_compiled = True
+        t0 = time.perf_counter()
+        f0 = _io_mark()
+        if strat == "uring":
+            inline = self._uring(flat, out)
+            cold = not inline or _io_mark() != f0
+        elif strat == "direct":
+            cold = not self._direct(flat, out) or _io_mark() != f0
+        else:
+            strat = self._mmap_gather(flat, out)
+            cold = _io_mark() != f0
+        self._warm = 0 if cold else self._warm + 1
+        if cold and self.io == "uring":
+            self._learn(size_class, strat if strat in ("uring", "direct") else "mmap", (time.perf_counter() - t0) / n)
+        return strat
 
     def _mmap_gather(self, flat, out) -> str:
         self._willneed(flat)
@@ -501,14 +614,17 @@ class PLETable:
     def _pick(self, size_class: int) -> str:
         if self.config.io == "uring":
             return "uring"
+        if self.config.io == "direct":
+            return "direct" if size_class == 0 else "uring"
         e = self._ewma[size_class]
-        self._cold_n[size_class] += 1
-        for k in ("uring", "mmap"):
+        c = self._cold_n[size_class] = self._cold_n[size_class] + 1
+        for k in e:
             if e[k] is None:
                 return k
         best = min(e, key=e.get)
-        if self._cold_n[size_class] % 16 == 0:
-            return "mmap" if best == "uring" else "uring"
+        if c % 16 == 0:  # now and then, one of the others (in turn): the disk and the load change
+            others = [k for k in e if k != best]
+            return others[(c // 16) % len(others)]
         return best
 
     def _learn(self, size_class: int, strat: str, per_row: float) -> None:
@@ -525,14 +641,16 @@ class PLETable:
         np = self._np
         t0 = time.perf_counter()
         flat = self._flat(ids)
-        self._check(flat)
         n = flat.shape[0]
         if out is None:
             out = np.empty((n, self.row_bytes), dtype=np.uint8)
         elif out.shape != (n, self.row_bytes) or out.dtype != np.uint8 or not out.flags.c_contiguous:
             raise ValueError(f"out must be C-contiguous uint8 {(n, self.row_bytes)}, got {out.dtype} {out.shape}")
+        if n <= 4096:
+            return self.gather_into(flat, out, t0)  # range-checked there
+        self._check(flat)
         dedup_s = 0.0
-        if n > 4096 and not (self.config.fast_rows and n <= self.config.fast_rows):
+        if not (self.config.fast_rows and n <= self.config.fast_rows):
             td = time.perf_counter()
             uniq, inv = np.unique(flat, return_inverse=True)
             dedup_s = time.perf_counter() - td
@@ -544,6 +662,35 @@ class PLETable:
                 return out
         self.last_strategy = self._gather_into(flat, out)
         self._record(t0, dedup_s, n)
+        return out
+
+    def gather_into(self, flat, out, t0=None):
+        """Decode-sized fast entry: ``flat`` C-contiguous int64 (n,), ``out`` C-contiguous uint8
+        (n, row_bytes), e.g. a pinned slot. No conversion, no allocation on the warm path."""
+        if t0 is None:
+            t0 = time.perf_counter()
+        n = flat.shape[0]
+        if self._warm and not self.config.fast_rows:
+            # Warm: range check, copy and this thread's fault count in one call; a disk read on
+            # the way (a major fault: that row waited alone) switches back to the cold paths.
+            if self._nat is not None:
+                r = self._nat.gather_warm(self._region_u8, self._shard_off, self.rows_per_shard, self.row_bytes,
+                                          self.num_rows, flat, out, self._ru)
+            else:
+                self._check(flat)
+                f0 = _thread_io_mark()
+                self._take(flat, out)
+                r = -2 if _thread_io_mark() != f0 else -1
+            if r >= 0:
+                self._check(flat)  # raises, naming the id
+            if r == -2:
+                self._warm = 0
+            self.last_strategy = "take"
+        else:
+            self._check(flat)
+            self.last_strategy = self._gather_into(flat, out)
+        if self.stats is not None:
+            self._record(t0, 0.0, n)
         return out
 
     def gather_unique(self, ids, out=None):
@@ -595,7 +742,10 @@ class PLETable:
         self._region.madvise(0, self._region.total, 4)
         for s in self.shards:
             try:
-                os.posix_fadvise(self._fds[s.path], s.begin, s.rows * self.row_bytes, os.POSIX_FADV_DONTNEED)
+                # whole pages only are dropped: round out (the header's page goes too; harmless)
+                lo = s.begin - s.begin % PAGE
+                os.posix_fadvise(self._fds[s.path], lo, s.begin + s.rows * self.row_bytes - lo + PAGE - 1,
+                                 os.POSIX_FADV_DONTNEED)
             except OSError:
                 pass
         self._warm = 0
@@ -609,12 +759,18 @@ class PLETable:
             self._ring = None
         if getattr(self, "_prefetcher", None) is not None:
             self._prefetcher.close()
-        for fd in getattr(self, "_fds", {}).values():
+        for fd in list(getattr(self, "_fds", {}).values()) + list(getattr(self, "_dfds", {}).values()):
             try:
                 os.close(fd)
             except OSError:
                 pass
         self._fds = {}
+        self._dfds = {}
+        self.__dict__.pop("_scratch", None)
+        if getattr(self, "_scratch_map", None) is not None:
+            self._scratch_map.close()
+            self._scratch_map = None
+        self.__dict__.pop("_region_u8", None)
         self.__dict__.pop("_rows_view", None)
         self.__dict__.pop("_buf", None)
         if getattr(self, "_region", None) is not None:
