@@ -57,6 +57,9 @@ def test_serve_wait_test_status_logs_stop_start_rm(flash, docker_client):
     assert st["requests_running"] == 0 and "GPU KV cache size" in st["kv_cache_line"]
     assert st["api_key"] is None and not st["exposed_without_key"]
     assert "measured 1,234,567 tokens, predicted" in st["kv_cache_plan"]  # planner next to the boot log
+    # ... from the prediction serve stored on the container (status does not re-plan on every call)
+    stored = docker_client.containers.list(filters={"label": f"org.flash.name={flash.name}"})[0].labels
+    assert f"predicted {json.loads(stored['org.flash.kv-plan'])['tokens']:,}" in st["kv_cache_plan"]
 
     res = flash("serve", "published", "--start-check", "1")  # the same recipe is not rebooted
     assert res.returncode == 0 and "already runs this recipe" in res.stdout

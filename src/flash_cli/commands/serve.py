@@ -38,6 +38,18 @@ def plan(r: recipe.Recipe, snapshot_name: str) -> RunSpec:
                  state_dir=str(state.state_dir()))
 
 
+def kv_plan_label(settings) -> str:
+    """The planner's KV prediction for this boot, stored on the container so `flash status` can
+    compare it with the boot log without re-planning (and importing the planner) on every call."""
+    from ..kvline import prediction_label
+    from ..plan import prediction
+
+    try:
+        return prediction_label(*prediction(settings))
+    except Exception as exc:  # noqa: BLE001 - a planner problem must not stop a serve
+        return json.dumps({"error": str(exc)})
+
+
 def run(args: argparse.Namespace) -> int:
     r = recipe.load(args.recipe, use_profile=not args.no_profile)
     s = r.settings
@@ -96,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         if m.kind == "bind" and m.target.startswith("/root/"):
             os.makedirs(m.source, exist_ok=True)
 
+    spec.labels[f"{LABEL}.kv-plan"] = kv_plan_label(s)
     container = engine.create_and_start(client, spec)
     st = engine.watch_start(container, args.start_check)
     if st.status != "running":

@@ -22,8 +22,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def plan_comparison(recipe_label: str | None, kv_line: str | None) -> str | None:
-    """The planner's prediction for the recipe the container was started with, next to the log."""
+def plan_comparison(labels: dict, kv_line: str | None) -> str | None:
+    """The planner's prediction for the recipe the container was started with, next to the log:
+    from the label `flash serve` wrote; containers from older versions are re-planned."""
+    from ..kvline import compare, parse_prediction
+
+    stored = labels.get(f"{LABEL}.kv-plan")
+    if stored:
+        try:
+            return compare(*parse_prediction(stored), kv_line or "")
+        except ValueError:
+            return f"KV pool prediction unavailable: {stored}"
+    recipe_label = labels.get(f"{LABEL}.recipe")
     if not recipe_label:
         return None
     import json
@@ -62,7 +72,7 @@ def collect(name: str) -> dict:
     logs = engine.tail(container, 3000)
     kv = [ln for ln in logs if KV_LINE.search(ln)]
     out["kv_cache_line"] = kv[-1].strip() if kv else None
-    out["kv_cache_plan"] = plan_comparison(labels.get(f"{LABEL}.recipe"), out["kv_cache_line"])
+    out["kv_cache_plan"] = plan_comparison(labels, out["kv_cache_line"])
     out["patch_lines"] = list(dict.fromkeys(ln.strip() for ln in logs if PATCH_LINE.search(ln)))[-8:]
     out["api"] = "down"
     if st.status == "running":

@@ -17,7 +17,6 @@ Public API (doctor and status use these): `build(settings, hardware, snapshot=..
 from __future__ import annotations
 
 import os
-import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -251,23 +250,17 @@ def doctor_findings(settings, hw: Hardware | None = None) -> list[tuple[str, str
     return build(settings, hw, live_checks=False)["findings"]
 
 
-_KV_LINE = re.compile(r"KV cache size:\s*([\d,]+)\s*tokens")
-
-
 def status_comparison(settings, kv_log_line: str, hw: Hardware | None = None) -> str:
     """The boot log's "GPU KV cache size: N tokens" next to the prediction, with the error."""
+    from ..kvline import compare
+
+    return compare(*prediction(settings, hw)[:3], kv_log_line)
+
+
+def prediction(settings, hw: Hardware | None = None) -> tuple[int, int, int, str]:
+    """(predicted tokens, low, high, hardware name): what `flash serve` stores in a label."""
     if hw is None:
         hw, _ = hardware_mod.detect()
     plan = build(settings, hw)
-    predicted = plan["kv_cache_tokens"]
-    m = _KV_LINE.search(kv_log_line or "")
-    if not m:
-        return f"KV pool: predicted {predicted:,} tokens (no 'GPU KV cache size' line in the log yet)"
-    measured = int(m.group(1).replace(",", ""))
-    if measured == 0:
-        return f"KV pool: measured 0 tokens, predicted {predicted:,}"
-    err = (predicted - measured) / measured * 100
     lo, hi = plan["kv_cache_tokens_range"]
-    inside = "inside" if lo <= measured <= hi else "outside"
-    return (f"KV pool: measured {measured:,} tokens, predicted {predicted:,} ({err:+.1f}%; "
-            f"{inside} the expected {lo:,}–{hi:,})")
+    return plan["kv_cache_tokens"], lo, hi, hw.name
