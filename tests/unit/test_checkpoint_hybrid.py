@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 
 from fakes import ckpt
 from flash_cli import hfcache
-from flash_cli.checkpoint import fp8, hybrid, layout, verify
+from flash_cli.checkpoint import fp8, hybrid, layout, stwriter, verify
 from flash_cli.errors import ConfigError, WeightsMissing
 from flash_vllm.ple.header import read_header
 
@@ -291,6 +292,7 @@ def test_row_strips_and_worker_counts_do_not_change_a_byte(tmp_path, monkeypatch
     a = ckpt.write_snapshot(tmp_path / "a", "radixark")
     hybrid.build(hybrid.plan(a, hfcache.variant_dir(a, "hybrid")), workers=1)
     monkeypatch.setattr(fp8, "STRIP_ELEMS", 128 * 256)  # several strips per tensor, scales concatenated
+    monkeypatch.setattr(stwriter, "BEHIND_BYTES", 8192)  # write-behind waits and drops pages all the time
     b = ckpt.write_snapshot(tmp_path / "b", "radixark")
     hybrid.build(hybrid.plan(b, hfcache.variant_dir(b, "hybrid")), workers=3)
     va, vb = hfcache.variant_dir(a, "hybrid"), hfcache.variant_dir(b, "hybrid")
@@ -318,3 +320,19 @@ def test_standalone_fp8_convert_tool_same_result(tmp_path):
         assert (a / name).read_bytes() == (b / name).read_bytes()
     bad = subprocess.run(tool + [str(tmp_path / "nowhere")], capture_output=True, text=True, env=env)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("bits", [0x7FC0, 0xFF80], ids=["nan", "-inf"])
+def test_non_finite_weight_is_refused_naming_the_tensor(tmp_path, monkeypatch, bits):
+    monkeypatch.setattr(fp8, "STRIP_ELEMS", 128 * 128)  # one block row per strip: the error names it
+    snap = ckpt.write_snapshot(tmp_path / "hf", "radixark")
+    p = hybrid.plan(snap, hfcache.variant_dir(snap, "hybrid"))
+    fp, tgt = next((fp, src[1]) for fp in p.files for _, src in fp.entries
+                   if src[0] == "weight" and src[1].shape[0] >= 256)
+    k = tgt.shape[1]
+    with open(os.path.realpath(p.source / fp.name), "r+b") as f:  # the blob behind the snapshot link
+        f.seek(tgt.begin + (130 * k + 5) * 2)  # row 130: the second block row
+        f.write(int(bits).to_bytes(2, "little"))
+    with pytest.raises(hybrid.CheckpointError, match=rf"{re.escape(tgt.name)} holds inf or NaN in rows 128–255"):
+        hybrid.build(p)
+    assert [d.name for d in snap.parent.iterdir()] == [snap.name]  # nothing built, nothing marked

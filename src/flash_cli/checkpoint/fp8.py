@@ -4,11 +4,14 @@ Per block: s = max(amax|w|, 1e-12) / 448; q = e4m3fn(clip(w / s, ±448)); dequan
 math in float32, the cast round-to-nearest-even: bit-identical to torch's
 `(w.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)` (tests compare when torch exists).
 
-Speed: ml_dtypes' cast costs ~15 ns/element, most of the conversion time. `cast_e4m3` gets the
-same bytes from two 65,536-entry tables indexed by the top 16 bits of each float32 (every
-rounding boundary of e4m3 lies on a multiple of 2^16 in float32 bit space), with the exact-tie
-case (low 16 bits zero) fixed up from a second table. Work runs in strips of 128 rows with
-per-thread reusable buffers, so memory stays a few strips, not the tensor.
+Two implementations, bit-identical (tests): the compiled one in fp8_kernel.py (numba: fused
+amax + branch-free integer e4m3 rounding, ~1–2.5 ns/element on one core of this box) and a
+numpy one kept as the reference and the fallback without numba (~15 ns/element). The numpy
+`cast_e4m3` gets the bytes from two 65,536-entry tables indexed by the top 16 bits of each
+float32 (every rounding boundary of e4m3 lies on a multiple of 2^16 in float32 bit space),
+with the exact-tie case (low 16 bits zero) fixed up from a second table. Work runs in strips
+of 128 rows, so memory stays a few strips, not the tensor. inf/NaN in a block is refused
+(NonFiniteError): its scale would be inf/NaN and the codes meaningless.
 """
 
 from __future__ import annotations
@@ -66,83 +69,44 @@ def cast_e4m3(x):
     return code.reshape(x.shape)
 
 
-_NB = {}
+_KERNEL: dict[str, object] = {}
+
+
+class NonFiniteError(ValueError):
+    """A block holds inf or NaN: no scale makes sense, so nothing is written for it."""
+
+
+def kernel():
+    """The compiled module (fp8_kernel) or None when numba is not installed: numpy path then."""
+    if "m" not in _KERNEL:
+        try:
+            from . import fp8_kernel
+        except ImportError:
+            fp8_kernel = None
+        _KERNEL["m"] = fp8_kernel
+    return _KERNEL["m"]
 
 
 def _numba_kernel():
-    """The same math compiled with numba (cache=True: compiled once per machine). None if absent."""
-    if "k" in _NB:
-        return _NB["k"]
-    try:
-        import numba
-        import numpy as np
-    except ImportError:
-        _NB["k"] = None
-        return None
-
-    @numba.njit(cache=True, nogil=True)
-    def kern(u16, rows, cols, above, exact, tie, back, ws, codes, scales, with_error):  # pragma: no cover - compiled
-        nbr = rows // 128
-        kb = cols // 128
-        one = np.empty(1, dtype=np.uint32)
-        onef = one.view(np.float32)
-        for bi in range(nbr):
-            for bj in range(kb):
-                m = 0
-                for r in range(bi * 128, bi * 128 + 128):
-                    base = r * cols + bj * 128
-                    for c in range(128):
-                        v = u16[base + c] & 0x7FFF
-                        if v > m:
-                            m = v
-                one[0] = np.uint32(m) << np.uint32(16)
-                a = onef[0]
-                if a < np.float32(1e-12):
-                    a = np.float32(1e-12)
-                scales[bi, bj] = np.float32(a / np.float32(448.0))
-        n = rows * cols
-        for i in range(n):
-            ws[i] = np.uint32(u16[i]) << np.uint32(16)
-        wf = ws.view(np.float32)
-        for r in range(rows):
-            bi = r // 128
-            for c in range(cols):
-                i = r * cols + c
-                wf[i] = np.float32(wf[i] / scales[bi, c // 128])
-        worst = np.float32(0.0)
-        for i in range(n):
-            u = ws[i]
-            hi = u >> np.uint32(16)
-            code = above[hi]
-            if tie[hi] and (u & np.uint32(0xFFFF)) == 0:
-                code = exact[hi]
-            codes[i] = code
-            if with_error:
-                e = back[code] - wf[i]
-                if e < 0:
-                    e = -e
-                if e > worst:
-                    worst = e
-        return worst
-
-    _NB["k"] = kern
-    return kern
+    """Kept for callers that ask whether the compiled path is there."""
+    k = kernel()
+    return None if k is None else k.quantize_strip
 
 
 def quantize_strip_compiled(u16, rows: int, cols: int, with_error: bool = True):
-    """numba path of quantize_strip (same bytes; tests compare the two). None without numba."""
+    """numba path of quantize_strip (same bytes; tests compare the two). None without numba.
+    The worst error is always computed (it is ~free inside the fused loop)."""
     import numpy as np
 
-    kern = _numba_kernel()
-    if kern is None:
+    k = kernel()
+    if k is None:
         return None
-    t = _get_tables()
-    ws = _workspace(rows * cols)
     codes = np.empty(rows * cols, dtype=np.uint8)
     scales = np.empty((rows // BLOCK, cols // BLOCK), dtype=np.float32)
-    worst = kern(np.ascontiguousarray(u16), rows, cols, t["above"], t["exact"], t["tie"], t["back"], ws, codes,
-                 scales, with_error)
-    return codes.reshape(rows, cols), scales, float(worst) / FP8_MAX
+    worst = k.quantize_strip(np.ascontiguousarray(u16).reshape(-1), rows, cols, codes, scales)
+    if worst < 0:
+        raise NonFiniteError("inf or NaN in the weights")
+    return codes.reshape(rows, cols), scales, worst / FP8_MAX
 
 
 @dataclass
@@ -165,8 +129,8 @@ def _workspace(n_elems: int):
 def quantize_strip(u16, rows: int, cols: int, with_error: bool = True, compiled: bool | None = None):
     """BF16 bits (uint16 [rows·cols], rows % 128 == 0) → (codes, scales, worst rel err).
 
-    Uses the numba kernel when numba is installed (several times faster), numpy otherwise;
-    `compiled=False` forces numpy (tests compare both)."""
+    Uses the numba kernel when numba is installed (~1.5 ns/element vs ~15), numpy otherwise;
+    `compiled=False` forces numpy (tests compare both). Raises NonFiniteError on inf/NaN."""
     import numpy as np
 
     if compiled is not False:
@@ -178,6 +142,8 @@ def quantize_strip(u16, rows: int, cols: int, with_error: bool = True, compiled:
     nb, kb = rows // BLOCK, cols // BLOCK
     # amax on the bf16 bits: clearing the sign gives a uint16 whose order is the float order
     a16 = (u16 & np.uint16(0x7FFF)).reshape(nb, BLOCK, kb, BLOCK).max(axis=(1, 3))
+    if a16.size and int(a16.max()) >= 0x7F80:  # inf/NaN bits: no meaningful scale
+        raise NonFiniteError("inf or NaN in the weights")
     amax = (a16.astype(np.uint32) << 16).view(np.float32)
     scale = (np.maximum(amax, np.float32(AMAX_FLOOR)) / np.float32(FP8_MAX)).astype(np.float32)
     ws = _workspace(rows * cols)

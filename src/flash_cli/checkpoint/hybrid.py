@@ -187,7 +187,14 @@ def _convert_strip(src_fd: int, tgt: Target, r0: int, r1: int, writer) -> float:
     raw = os.pread(src_fd, want, tgt.begin + r0 * k * 2)
     if len(raw) != want:
         raise CheckpointError(f"short read of {tgt.name}: {len(raw)} of {want} bytes at row {r0}")
-    q, s, err = fp8.quantize_strip(np.frombuffer(raw, dtype=np.uint16), r1 - r0, k)
+    stwriter.drop_cache(src_fd, tgt.begin + r0 * k * 2, want)  # read once; don't crowd the cache
+    try:
+        q, s, err = fp8.quantize_strip(np.frombuffer(raw, dtype=np.uint16), r1 - r0, k)
+    except fp8.NonFiniteError:
+        raise CheckpointError(f"{tgt.name} holds inf or NaN in rows {r0}–{r1 - 1}: no fp8 block scale "
+                              "can represent it, so no hybrid is built",
+                              hint="the source shard is corrupt or not the published export; "
+                                   "flash verify --hash checks it against the Hub") from None
     writer.write_at(tgt.name, r0 * k, q)
     writer.write_at(tgt.name + layout.SCALE_SUFFIX, (r0 // fp8.BLOCK) * (k // fp8.BLOCK) * 4, s)
     return err
