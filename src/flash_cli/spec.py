@@ -12,6 +12,10 @@ import json
 import re
 from dataclasses import dataclass, field
 
+# Claude Code sends high/max/minimal; the template knows xhigh/medium/low only. One map, shared
+# with patch 12 (which applies it on v0.29-v0.32), so the two cannot drift.
+from flash_vllm.effort import EFFORT_MAP
+
 from . import __version__
 from .hfcache import VARIANT_SUFFIX
 from .errors import ConfigError
@@ -36,8 +40,6 @@ YARN_ROPE = {
     "original_max_position_embeddings": 262144,
 }
 NATIVE_CTX = 262144
-# Claude Code sends high/max/minimal; the template knows xhigh/medium/low only.
-EFFORT_MAP = {"high": "xhigh", "max": "xhigh", "minimal": "low"}
 COMPILE_CACHE_TARGETS = {"vllm": "/root/.cache/vllm", "flashinfer": "/root/.cache/flashinfer",
                          "triton": "/root/.triton"}
 

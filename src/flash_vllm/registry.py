@@ -274,7 +274,7 @@ def patchset_hash() -> str:
 
     h = hashlib.sha256()
     here = Path(__file__).resolve().parent
-    files = sorted([here / "registry.py", here / "compat.py", here / "plugin.py"]
+    files = sorted([here / "registry.py", here / "compat.py", here / "plugin.py", here / "effort.py"]
                    + list((here / "patches").glob("*.py")))
     for f in files:
         h.update(f.relative_to(here).as_posix().encode() + b"\0")

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 
+from ..effort import EFFORT_MAP
 from ..registry import Context, Gate, Patch, expect_installed, expect_source, install
 
 NUMBER = 12
 TARGET = ("vllm.renderers.hf", "resolve_chat_template_kwargs")
-EFFORT_MAP = {"high": "xhigh", "max": "xhigh", "minimal": "low"}
 # What the run spec passes on v0.33 (kept next to the map so the two cannot drift).
 REASONING_EFFORT_MAP_ARG = json.dumps(EFFORT_MAP, separators=(",", ":"))
 
