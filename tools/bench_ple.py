@@ -9,14 +9,19 @@ rows, cold (table evicted from the page cache before every measurement) and warm
   anchor    upstream's pooled path (FAST_ROWS=0): np.unique, per-shard chunks of 2048 over a
             32-thread pool, expand with the inverse
   willneed  our no-io_uring fallback: batched MADV_WILLNEED (process_madvise) then one gather
-  ours      PLETable.gather with the strategy it picks (io_uring reads when available)
+  uring     our buffered io_uring path alone (VLLM_PLE_MMAP_IO=uring)
+  direct    our O_DIRECT path alone for decode sizes (VLLM_PLE_MMAP_IO=direct: mincore, O_DIRECT
+            page reads, doorkeeper; prefill sizes fall back to uring)
+  ours      PLETable.gather with the strategy it picks (VLLM_PLE_MMAP_IO=auto: the fastest timed cold path)
   bound     the same distinct 4 KiB pages read with O_DIRECT, all submitted together through
             io_uring (decode: QD = pages; prefill: best of QD 64/128/256), plus the same pages
             read buffered through io_uring (the "both ways" of the issue), plus fio (Debian's
             package, installed when missing and root) random 4 KiB O_DIRECT reads at QD 64 and 128.
 
 Reports medians (and p10/p90) of wall time and CPU time (process user+sys, all threads) per
-gather, and where a CUDA GPU exists the end-to-end time to a GPU tensor (Stager). `--json` prints
+gather, and where a CUDA GPU exists the end-to-end time to a GPU tensor (Stager), with the
+compiled (numba) loops and with the numpy fallback. A zipfian decode stream (hot n-grams) shows
+what O_DIRECT does to the page cache: buffered uring vs direct with and without its doorkeeper. `--json` prints
 one object on the last line:
   {"decode48": {"ours_ms", "serial_ms", "anchor_ms", "disk_bound_ms", ...}, "decode192": {...},
    "prefill131k": {"ours_ms", "anchor_ms", "disk_bound_ms", ...}, "warm48_us", "machine": {...}}
@@ -244,6 +249,38 @@ def fio_bound(files, n_ios, qd):
     return None
 
 
+def zipf_stream(a, num_rows, forced, wn, ours, evict_all):
+    """A decode stream whose rows follow a zipf law (hot n-grams), from a cold page cache: total and
+    steady-state (last third) time per 48-row batch for the buffered ring, the O_DIRECT path with its
+    doorkeeper, and the O_DIRECT path without it (every miss read directly: hot rows never cache)."""
+    zr = np.random.default_rng(99)
+    ranks = np.minimum(zr.zipf(a.zipf_s, (a.zipf_batches, 48)), num_rows) - 1
+    batches = (ranks * 2654435761 + 12345) % num_rows  # scatter the ranks over the table
+    out = {"batches": a.zipf_batches, "s": a.zipf_s,
+           "distinct_rows": int(np.unique(batches).shape[0])}
+    runs = [("uring", forced.get("uring"), False), ("direct", forced["direct"], False),
+            ("direct_no_doorkeeper", forced["direct"], True), ("willneed", wn, False), ("ours", ours, False)]
+    for name, t, no_door in runs:
+        if t is None:
+            continue
+        evict_all()
+        if hasattr(t, "_seen"):
+            t._seen[:] = 0
+            t._seen_n = 0
+        ts = []
+        for b in batches:
+            if no_door:
+                t._seen[:] = 0  # (untimed) nothing is ever "seen": every miss goes O_DIRECT
+            t0 = time.perf_counter()
+            t.gather(b)
+            ts.append(time.perf_counter() - t0)
+        k = len(ts) // 3
+        out[name] = {"total_ms": sum(ts) * 1e3, "mean_ms": statistics.mean(ts) * 1e3,
+                     "steady_mean_ms": statistics.mean(ts[-k:]) * 1e3 if k else None}
+        say(f"  zipf {name}: total {sum(ts) * 1e3:.1f} ms, last third {out[name]['steady_mean_ms']:.3f} ms/batch")
+    return out
+
+
 def q(xs):
     xs = sorted(xs)
     if not xs:
@@ -260,7 +297,9 @@ def main(argv=None):
     ap.add_argument("--prefill-reps", type=int, default=2)
     ap.add_argument("--prefill-rows", type=int, default=131072)
     ap.add_argument("--workers", type=int, default=32)
-    ap.add_argument("--selector-warmup", type=int, default=2,
+    ap.add_argument("--zipf-batches", type=int, default=300, help="48-row batches of the zipfian stream (0: skip)")
+    ap.add_argument("--zipf-s", type=float, default=1.1, help="zipf exponent of the hot-row stream")
+    ap.add_argument("--selector-warmup", type=int, default=4,
                     help="untimed cold gathers per size before timing ours (its strategy choice settles)")
     ap.add_argument("--no-serial-prefill", action="store_true", help="skip the (slow) serial 131k run")
     ap.add_argument("--no-fio", action="store_true")
@@ -274,6 +313,12 @@ def main(argv=None):
     cfg = PLEConfig(workers=a.workers)
     table = PLETable.from_checkpoint(a.dir, config=cfg)
     wn = PLETable.from_checkpoint(a.dir, config=PLEConfig(workers=a.workers, io="mmap"))
+    forced = {}
+    for io in ("uring", "direct"):
+        try:
+            forced[io] = PLETable.from_checkpoint(a.dir, config=PLEConfig(workers=a.workers, io=io))
+        except Exception as e:  # no io_uring / no O_DIRECT here
+            say(f"  io={io} unavailable: {e}")
     say(table.describe())
     anchor = UpstreamTable(table.shards, table.rows_per_shard, table.row_bytes, workers=a.workers, fast_rows=0)
     serial = UpstreamTable(table.shards, table.rows_per_shard, table.row_bytes, workers=1, fast_rows=1 << 40)
@@ -281,6 +326,8 @@ def main(argv=None):
 
     def evict_all():
         wn.drop_cache()
+        for t in forced.values():
+            t.drop_cache()
         serial.unmap_pages()
         evict(table, anchor, files)
 
@@ -288,6 +335,7 @@ def main(argv=None):
         "serial": serial.gather,
         "anchor": anchor.gather,
         "willneed": wn.gather,
+        **{io: t.gather for io, t in forced.items()},
         "ours": table.gather,
     }
     result = {}
@@ -306,9 +354,13 @@ def main(argv=None):
         for _ in range(a.selector_warmup):
             evict_all()
             table.gather(rng.integers(0, table.num_rows, n))
+            if "direct" in forced:
+                forced["direct"].gather(rng.integers(0, table.num_rows, n))  # compiles its loops
         for r in range(reps):
             for k, fn in strategies.items():
                 if k == "serial" and n > 4096 and (a.no_serial_prefill or r > 0):
+                    continue
+                if k == "direct" and n > 4096:  # decode sizes only (prefill falls back to uring)
                     continue
                 ids = rng.integers(0, table.num_rows, n)
                 evict_all()
@@ -365,13 +417,36 @@ def main(argv=None):
             res["ours_over_bound"] = res["ours_ms"] / res["disk_bound_ms"]
         if "anchor_ms" in res:
             res["anchor_over_ours"] = res["anchor_ms"] / res["ours_ms"]
+            for io in forced:
+                if f"{io}_ms" in res and res.get("disk_bound_ms"):
+                    res[f"{io}_over_bound"] = res[f"{io}_ms"] / res["disk_bound_ms"]
+                    res[f"anchor_over_{io}"] = res["anchor_ms"] / res[f"{io}_ms"]
+        if res.get("disk_bound_ms") and "anchor_ms" in res:
+            res["anchor_over_bound"] = res["anchor_ms"] / res["disk_bound_ms"]
         if n > 4096 and not a.no_fio:
             res["fio"] = [f for f in (fio_bound(files, npages or n, qd) for qd in (64, 128)) if f]
         result[name] = res
         say("  " + ", ".join(f"{k}={v:.3f}" for k, v in res.items() if isinstance(v, float)))
 
-    # Warm 48 rows end to end (to a GPU tensor where one exists).
+    if a.zipf_batches and "direct" in forced:
+        result["zipf48"] = zipf_stream(a, table.num_rows, forced, wn, table, evict_all)
+
+    # Warm 48 rows: the table's warm path alone (compiled loops and the numpy fallback).
     ids48 = rng.integers(0, table.num_rows, 48)
+    tnp = PLETable.from_checkpoint(a.dir, config=PLEConfig(workers=a.workers, native=False))
+    result["native"] = table.describe().rsplit("loops ", 1)[1].split(";")[0]
+    o48 = np.empty((48, table.row_bytes), np.uint8)
+    for key, t in (("warm48_gather_us", table), ("warm48_gather_numpy_us", tnp)):
+        for _ in range(50):
+            t.gather_into(ids48, o48)
+        gs = []
+        for _ in range(2000):
+            t0 = time.perf_counter()
+            t.gather_into(ids48, o48)
+            gs.append(time.perf_counter() - t0)
+        result[key] = statistics.median(gs) * 1e6
+
+    # Warm 48 rows end to end (to a GPU tensor where one exists).
     device = "cpu"
     try:
         import torch
@@ -382,7 +457,7 @@ def main(argv=None):
         st = Stager(table, device)
         buf = torch.empty((48, table.head_dim), dtype=torch.bfloat16, device=device)  # persistent, as in vLLM
 
-        def run(out):
+        def run(out, st=st):
             ts = []
             for _ in range(50):
                 st.lookup(ids48, out=out)
@@ -404,6 +479,8 @@ def main(argv=None):
             st.lookup(ids48, out=buf)
             hs.append(time.perf_counter() - t0)
         result["warm48_host_us"] = statistics.median(hs) * 1e6
+        st_np = Stager(tnp, device)  # the same with the numpy gather (numba missing)
+        result["warm48_numpy_us"] = statistics.median(run(buf, st_np)) * 1e6
         if device == "cuda":
             torch.cuda.synchronize()
             cold = []
@@ -438,6 +515,9 @@ def main(argv=None):
     result["command"] = " ".join([os.path.basename(sys.executable), "tools/bench_ple.py", *(argv or sys.argv[1:])])
     table.close()
     wn.close()
+    tnp.close()
+    for t in forced.values():
+        t.close()
     text = json.dumps(result, sort_keys=True)
     if a.out:
         with open(a.out + ".tmp", "w") as f:

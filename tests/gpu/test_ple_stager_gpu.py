@@ -10,9 +10,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from flash_vllm.ple import native  # noqa: E402
+from flash_vllm.ple.config import PLEConfig  # noqa: E402
 from flash_vllm.ple.stager import Stager  # noqa: E402
 from flash_vllm.ple.synth import reference_rows, write_checkpoint  # noqa: E402
-from flash_vllm.ple.table import PLETable  # noqa: E402
+from flash_vllm.ple.table import PLETable, PLETableError  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -105,3 +107,38 @@ def test_out_of_range_on_gpu_path(ckpt):
         st = Stager(t, "cuda")
         with pytest.raises(IndexError):
             st.lookup(torch.tensor([0, t.num_rows], device="cuda"))
+
+
+@pytest.mark.parametrize("nat", [True, False])
+@pytest.mark.parametrize("io", ["auto", "direct"])
+def test_short_path_bit_exact_without_allocations(ckpt, nat, io):
+    """The small-batch path (compiled or numpy gather into the pinned slot, one graph replay into
+    the caller's buffer), cold (O_DIRECT or buffered) and warm: the same bits as table[ids], and
+    once captured no device allocation and no new graph per lookup."""
+    if nat and native.load() is None:
+        pytest.skip(f"numba: {native.status()}")
+    try:
+        t = PLETable.from_checkpoint(ckpt, config=PLEConfig(native=nat, io=io))
+    except PLETableError as e:
+        pytest.skip(str(e))
+    with t:
+        st = Stager(t, "cuda", max_rows=256)
+        rng = np.random.default_rng(11)
+        out = torch.empty((48, t.head_dim), dtype=torch.bfloat16, device="cuda")
+        for i in range(6):
+            ids = rng.integers(0, t.num_rows, 48)
+            ids[0], ids[1] = t.num_rows - 1, ids[2]
+            want = _expected(ckpt, ids, t, torch.bfloat16)[1]
+            if i % 3 == 0:
+                t.drop_cache()
+            assert st.lookup(ids, out=out) is out
+            _same(out, want)
+            _same(st.lookup(ids), want)  # a fresh tensor each call
+        torch.cuda.synchronize()
+        before, graphs = torch.cuda.memory_allocated(), len(st._graphs)
+        for _ in range(20):
+            st.lookup(ids, out=out)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == before and len(st._graphs) == graphs
+        _same(out, want)
+        assert t.last_strategy == "take"  # warm by now
