@@ -54,7 +54,14 @@ def weights(s: Settings, hf_cache: Path, snapshot: Path | None) -> list[Problem]
     return out
 
 
-PLE_MMAP_NOT_PORTED = ("v0.29",)  # docs/PATCHES.md: patch 1 status `not-ported`
+def ple_mmap_gap(base: str) -> str | None:
+    """Why patch 1 (which the run spec always turns on) ships no code for `base`, per the plugin's
+    registry (docs/PATCHES.md); None where it does. Without it vLLM puts the table in memory."""
+    from flash_vllm.patches.ple_mmap import PATCH  # metadata only: imports no vLLM, no torch
+
+    return None if PATCH.meant_for(base) else PATCH.not_ported.get(base, "no code for this release")
+
+
 FP8_KV_BASES = ("v0.31", "v0.32", "v0.33")  # native fp8 KV on QSA from 0.31; not ported to 0.29/0.30
 
 
@@ -65,10 +72,11 @@ def recipe(s: Settings) -> list[Problem]:
         out.append(Problem(ConfigError, f"KV_DTYPE={s['KV_DTYPE']} is not available on BASE={s['BASE']}: "
                            "fp8 KV on QSA is native from vLLM 0.31 and not ported to 0.29/0.30",
                            f"use KV_DTYPE=auto, or BASE={FP8_KV_BASES[-1]}"))
-    if s["BASE"] in PLE_MMAP_NOT_PORTED:
-        out.append(Problem(ConfigError, f"BASE={s['BASE']}: patch 1 (PLE table from mmap) is not ported to this release yet, "
-                           "so vLLM would put the 48 GiB n-gram table in GPU memory and fail to fit",
-                           "use a v0.30+ base (BASE=v0.33, the default profiles); see docs/PATCHES.md"))
+    gap = ple_mmap_gap(s["BASE"])
+    if gap:
+        out.append(Problem(ConfigError, f"BASE={s['BASE']}: patch 1 (PLE table from mmap) is not ported to this release "
+                           f"({gap}), so vLLM would put the 48 GiB n-gram table in GPU memory and fail to fit",
+                           "use a base patch 1 ships code for (BASE=v0.33, the default profiles); see docs/PATCHES.md"))
     return out
 
 

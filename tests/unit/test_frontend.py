@@ -114,9 +114,27 @@ def test_fp8_kv_refused_where_the_release_lacks_it():
     assert p and p[0].error is ConfigError and "KV_DTYPE=auto" in p[0].hint
 
 
-def test_v029_refused_until_the_ple_patch_is_ported():
+def test_every_base_served_now_patch1_is_ported():
+    from flash_cli.settings import BASES
+
+    for base in BASES:
+        assert preflight.ple_mmap_gap(base) is None, base
+        assert preflight.recipe(resolve(overrides={"BASE": base})) == [], base
+
+
+def test_base_refused_where_the_registry_says_patch1_is_not_ported(monkeypatch):
+    import dataclasses
+
+    from flash_vllm.patches import ple_mmap
+
+    unported = dataclasses.replace(ple_mmap.PATCH, applies_to=ple_mmap.PATCH.applies_to - {"v0.29"},
+                                   not_ported={"v0.29": "the splitting-op port is missing"})
+    monkeypatch.setattr(ple_mmap, "PATCH", unported)
     p = preflight.recipe(resolve(overrides={"BASE": "v0.29"}))
-    assert p and "patch 1" in p[0].message and "BASE=v0.33" in p[0].hint
+    assert len(p) == 1 and p[0].error is ConfigError
+    assert "patch 1" in p[0].message and "the splitting-op port is missing" in p[0].message
+    assert "BASE=v0.33" in p[0].hint
+    assert preflight.recipe(resolve(overrides={"BASE": "v0.30"})) == []
 
 
 def test_setup_builds_v030_to_v032_from_their_release_image():

@@ -37,17 +37,50 @@ def test_registry_entry():
     assert p.name == "ple-mmap" and p.gate.env == "VLLM_PLE_MMAP"
     assert p.enabled({"VLLM_PLE_MMAP": "1"}) and not p.enabled({})
     assert not p.enabled({"VLLM_PLE_MMAP": "1", "FLASH_DISABLE_PATCHES": "1"})
-    assert p.expected_status("v0.33") == "applies" and p.expected_status("v0.29") == "not-ported"
+    from flash_vllm import compat
+
+    assert all(p.expected_status(b) == "applies" for b in compat.ORDER) and not p.not_ported
+    # one flavour per base, declared in one place
+    assert set(ple_mmap.FLAVOURS) == set(compat.ORDER) == set(p.applies_to)
+    assert ple_mmap.FLAVOURS["v0.29"] == "splitting-op"
+    assert {ple_mmap.FLAVOURS[b] for b in compat.ORDER if b != "v0.29"} == {"storage"}
     assert "PIECEWISE" in p.why  # the graph regime shipped is stated where PATCHES.md shows it
+    assert "vllm.models.qwen4_exp.nvidia.ple_layer:PLEVocabParallelEmbedding" in p.targets
 
 
-def test_run_spec_turns_the_gate_on_with_piecewise_graphs():
-    """The patch is only legal under PIECEWISE graphs: the run spec must ship both together."""
+def test_gather_guard_refuses_a_stream_capture_and_calls_the_stager(monkeypatch):
+    """The guard both flavours gather through (no vLLM here: no breakable capture either)."""
+    import torch  # the test extra pins it
+
+    from flash_vllm.patches import ple_mmap_v029
+
+    calls = []
+
+    class FakeStager:
+        def lookup(self, ids, out=None, raw=False):
+            calls.append((ids, raw))
+            out.fill_(3)
+
+    out = torch.zeros(2, 4)
+    ple_mmap.gather_into(lambda device: FakeStager(), "ids", out, raw=True)
+    assert calls == [("ids", True)] and bool((out == 3).all())
+    monkeypatch.setattr(ple_mmap, "_is_capturing", lambda torch: True)
+    with pytest.raises(RuntimeError, match="PIECEWISE") as e:
+        ple_mmap.gather_into(lambda device: FakeStager(), "ids", out)
+    assert ple_mmap_v029.SPLIT_OP in str(e.value) and len(calls) == 1
+    assert ple_mmap_v029.SPLIT_OP == f"vllm::{ple_mmap_v029.OP_NAME}" != ple_mmap_v029.STOCK_SPLIT_OP
+
+
+@pytest.mark.parametrize("base", ["v0.29", "v0.30", "v0.33"])
+def test_run_spec_turns_the_gate_on_with_piecewise_graphs(base):
+    """The patch is only legal under PIECEWISE graphs: the run spec must ship both together, and
+    leave splitting_ops unset (0.29 then copies its list, which our lookup op was appended to)."""
     import json
 
     from flash_cli import settings, spec
 
-    s = settings.resolve({}, {}, {})
+    s = settings.resolve({}, {}, {"BASE": base})
     assert spec.container_env(s, needs_key=False)["VLLM_PLE_MMAP"] == "1"
     args = spec.compilation_args(s)
-    assert json.loads(args[args.index("--compilation-config") + 1])["cudagraph_mode"] == "PIECEWISE"
+    cc = json.loads(args[args.index("--compilation-config") + 1])
+    assert cc["cudagraph_mode"] == "PIECEWISE" and "splitting_ops" not in cc

@@ -25,11 +25,15 @@ and a host gather would be baked into the graph. The run spec therefore forces
 `--compilation-config {"cudagraph_mode":"PIECEWISE"}`. Gathering before the forward from the
 token ids (so FULL decode graphs stay legal) is future work.
 
-Bases: 0.30-0.33 (the abstract base is in `nvidia/` on 0.30 and `common/` on 0.31+, found through
-the replaced class's MRO; `reduce_results` exists from 0.32 and is passed through). Not ported
-yet: 0.29 (the table is a `VocabParallelEmbedding` inside `ple_layer.py`'s
-`Qwen4ExpNGramEmbedding`, looked up after the `qwen4_exp_compute_ple_ngram_ids` splitting op);
-with the gate on there, vLLM's native (GPU-resident) table runs.
+Bases, and the one place that tells them apart (`FLAVOURS`):
+- 0.30-0.33, "storage": the storage classes above are replaced (the abstract base is in
+  `nvidia/` on 0.30 and `common/` on 0.31+, found through the replaced class's MRO;
+  `reduce_results` exists from 0.32 and is passed through).
+- 0.29, "splitting-op" (`ple_mmap_v029.py`): the table is a `VocabParallelEmbedding` inside
+  `ple_layer.py`'s `Qwen4ExpNGramEmbedding`, looked up after the `qwen4_exp_compute_ple_ngram_ids`
+  splitting op. Its class is replaced the same way (meta weight, shard rows skipped) and the lookup
+  moves into a splitting op of ours (`vllm::flash_ple_mmap_lookup`, appended to 0.29's
+  `CompilationConfig._attention_ops`) that gathers through the same guarded `gather_into`.
 """
 
 from __future__ import annotations
@@ -42,9 +46,13 @@ import threading
 
 from ..registry import (Context, Gate, Patch, TargetMissing, expect_installed, expect_source, install,
                         original, resolve)
+from .ple_mmap_v029 import TARGETS as V029_TARGETS
 
 NUMBER = 1
 ENV = "VLLM_PLE_MMAP"
+STORAGE_BASES = frozenset({"v0.30", "v0.31", "v0.32", "v0.33"})
+SPLITTING_OP_BASES = frozenset({"v0.29"})
+FLAVOURS = {**{b: "storage" for b in STORAGE_BASES}, **{b: "splitting-op" for b in SPLITTING_OP_BASES}}
 NGRAM = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
 PINNED = (NGRAM, "Qwen4ExpPLEPinnedHostEmbedding")
 DEVICE = (NGRAM, "Qwen4ExpPLEDeviceEmbedding")
@@ -117,6 +125,35 @@ def _in_breakable_capture() -> bool:
     return cap is not None and bool(getattr(cap, "_capturing", False))
 
 
+def eager_break(fn):
+    """`fn` as an eager break of a breakable CUDA-graph capture when the release has them and
+    they are on. Call at layer init: the decorator reads VLLM_USE_BREAKABLE_CUDAGRAPH when applied,
+    which VllmConfig sets before the model is built."""
+    try:
+        from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+    except ImportError:  # pragma: no cover - check() pins it on every base we ship code for
+        return fn
+    return eager_break_during_capture(fn)
+
+
+def gather_into(stager, ngram_ids, out, raw: bool = False) -> None:
+    """The guarded host gather every base uses: `stager(device).lookup(ids, out=out)`.
+
+    Refuses inside a plain stream capture (a FULL graph would replay a constant) and zero-fills
+    during a breakable capture (the ids queued before it were recorded, not computed)."""
+    import torch
+
+    if _is_capturing(torch):
+        raise RuntimeError("VLLM_PLE_MMAP: the PLE gather is being captured into a FULL CUDA "
+                           "graph; serve with --compilation-config "
+                           "'{\"cudagraph_mode\":\"PIECEWISE\"}' (on vLLM 0.29 also leave "
+                           "splitting_ops unset so vllm::flash_ple_mmap_lookup stays a splitting op)")
+    if _in_breakable_capture():
+        out.zero_()  # capture-time run of the eager segment; replay does the real gather
+        return
+    stager(out.device).lookup(ngram_ids, out=out, raw=raw)
+
+
 def make_storage(upstream_cls):
     """A subclass of the release's `Qwen4ExpPLEEmbedding` serving rows from the mmapped table.
 
@@ -149,14 +186,7 @@ def make_storage(upstream_cls):
             self._flash_out_dtype = params_dtype
             self._flash_out = None
             self._flash_stager = None
-            try:
-                from vllm.compilation.breakable_cudagraph import eager_break_during_capture
-            except ImportError:  # pragma: no cover - the release check pins this
-                eager_break_during_capture = None
-            # Wrapped here, not at import: the decorator reads VLLM_USE_BREAKABLE_CUDAGRAPH when
-            # applied, which VllmConfig sets before the model is built.
-            self._flash_gather = (eager_break_during_capture(self._gather_into)
-                                  if eager_break_during_capture else self._gather_into)
+            self._flash_gather = eager_break(self._gather_into)
 
         def allocate_embedding_weight(self, num_embeddings, embedding_dim, dtype):
             # Shape and dtype for the loaders' checks; no storage anywhere.
@@ -183,15 +213,7 @@ def make_storage(upstream_cls):
             return self._flash_stager
 
         def _gather_into(self, ngram_ids, out):
-            if _is_capturing(torch):
-                # A host gather inside a stream capture (a FULL graph) would replay as a constant.
-                raise RuntimeError("VLLM_PLE_MMAP: the PLE gather is being captured into a FULL CUDA "
-                                   "graph; serve with --compilation-config "
-                                   "'{\"cudagraph_mode\":\"PIECEWISE\"}'")
-            if _in_breakable_capture():
-                out.zero_()  # capture-time run of the eager segment; replay does the real gather
-                return
-            self.stager(out.device).lookup(ngram_ids, out=out)
+            gather_into(self.stager, ngram_ids, out)
 
         def start_prefetch(self, *args):  # (ngram_ids) on 0.32+, (hidden_states, ngram_ids) before
             return None
@@ -225,9 +247,18 @@ def storage_base(upstream_cls):
     raise TargetMissing(f"{upstream_cls.__name__} no longer derives from Qwen4ExpPLEEmbedding")
 
 
+def _v029():
+    from . import ple_mmap_v029
+
+    return ple_mmap_v029
+
+
 def check(ctx: Context) -> None:
-    if not PATCH.meant_for(ctx.base.name):
+    flavour = FLAVOURS.get(ctx.base.name)
+    if flavour is None:
         raise TargetMissing(f"patch 1 ships no code for {ctx.base.name}: {PATCH.not_ported.get(ctx.base.name)}")
+    if flavour == "splitting-op":
+        return _v029().check()
     expect_source(*INIT, "Qwen4ExpPLEPinnedHostEmbedding", "Qwen4ExpPLEDeviceEmbedding",
                   "engram_config.cpu_offload", "embedding_cls(", "max_total_tokens=max_total_tokens")
     expect_source(*FORWARD, "embedding.supports_prefetch", "embedding(ngram_ids).flatten(-2)")
@@ -247,11 +278,15 @@ def check(ctx: Context) -> None:
 
 
 def apply(ctx: Context) -> None:
+    if FLAVOURS[ctx.base.name] == "splitting-op":
+        return _v029().apply()
     install(NUMBER, *PINNED, make_storage)
     install(NUMBER, *DEVICE, make_storage)
 
 
 def verify(ctx: Context) -> None:
+    if FLAVOURS[ctx.base.name] == "splitting-op":
+        return _v029().verify()
     expect_installed(NUMBER, *PINNED)
     expect_installed(NUMBER, *DEVICE)
 
@@ -262,17 +297,18 @@ PATCH = Patch(
     title="PLE n-gram table served from the mmapped checkpoint (never on the GPU, never pinned)",
     why=("The 47.68 GiB PLE table is allocated on the GPU or (0.33 default, cpu_offload) pinned in "
          "host RAM; on GB10 unified memory both cost the whole table. The storage class is "
-         "replaced by one reading rows from the checkpoint shards through the PLE engine into a "
-         "persistent buffer, as an eager break. Ships with cudagraph_mode=PIECEWISE (FULL decode "
-         "graphs would capture the gather; gathering before the forward is future work)."),
+         "replaced by one with a meta weight that skips the shard rows at load and reads rows from "
+         "the checkpoint shards through the PLE engine into a persistent buffer: as an eager break "
+         "on 0.30+, inside a splitting op of ours (vllm::flash_ple_mmap_lookup, appended to "
+         "CompilationConfig._attention_ops) on 0.29, where the release's own layer still applies "
+         "the fp8 scale. Ships with cudagraph_mode=PIECEWISE (FULL decode graphs would capture the "
+         "gather; gathering before the forward is future work)."),
     upstream="vllm#54129 (VLLM_PLE_MMAP, open) / vllm#54070 (disk-backed tables, open)",
     gate=Gate.flag(ENV),
-    targets=tuple(f"{m}:{q}" for m, q in (PINNED, DEVICE, INIT, FORWARD, LOAD)),
-    applies_to=frozenset({"v0.30", "v0.31", "v0.32", "v0.33"}),
-    not_ported={
-        "v0.29": "table is a VocabParallelEmbedding in ple_layer.py; the splitting-op port is not written yet",
-    },
+    targets=tuple(f"{m}:{q}" for m, q in (PINNED, DEVICE, INIT, FORWARD, LOAD) + V029_TARGETS),
+    applies_to=STORAGE_BASES | SPLITTING_OP_BASES,
     check=check, apply=apply, verify=verify,
-    notes="Graph regime: the run spec forces cudagraph_mode=PIECEWISE; FULL decode graphs need the "
-          "gather moved before the forward (future work).",
+    notes="Graph regime: the run spec forces cudagraph_mode=PIECEWISE (and leaves splitting_ops unset, "
+          "so 0.29 copies its list with our op); FULL decode graphs need the gather moved before the "
+          "forward (future work).",
 )
