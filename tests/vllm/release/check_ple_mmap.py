@@ -417,6 +417,40 @@ def test_v029_rows_are_the_tables_and_dequantise_as_029(v029):
         emb(torch.zeros(2, 2, dtype=torch.long))  # nothing reads the meta table the stock way
 
 
+def test_v029_forward_compiles_to_one_graph_around_our_op(v029):
+    """What vLLM's piecewise backend needs: dynamo traces the patched forward without a break and
+    our op is a node of the FX graph (where the splitting-op list cuts it out); same rows."""
+    if v029 is None:
+        return
+    from flash_vllm.patches import ple_mmap_v029 as m
+    from vllm.forward_context import set_forward_context
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    layer = v029.ours
+    inputs = _v029_inputs((4, 2))
+    compiled = torch.compile(layer.forward, backend=backend, fullgraph=True, dynamic=False)
+    sfc = v029.cfg.compilation_config.static_forward_context
+    sfc[V029_LAYER] = SimpleNamespace(ple_embedding=layer)
+    try:
+        with set_forward_context(None, v029.cfg):
+            got = compiled(*inputs)
+    finally:
+        sfc.pop(V029_LAYER, None)
+        torch._dynamo.reset()
+    assert len(graphs) == 1
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert any(m.OP_NAME in t for t in targets), targets
+    assert not any("embedding" in t and m.OP_NAME not in t for t in targets), targets  # no F.embedding
+    want = _v029_forward(v029, layer, inputs)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
 def test_v029_capture_zero_fills_replays_and_refuses_full(v029, monkeypatch):
     if v029 is None:
         return
