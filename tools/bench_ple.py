@@ -252,17 +252,21 @@ def fio_bound(files, n_ios, qd):
 def zipf_stream(a, num_rows, forced, wn, ours, evict_all):
     """A decode stream whose rows follow a zipf law (hot n-grams), from a cold page cache: total and
     steady-state (last third) time per 48-row batch for the buffered ring, the O_DIRECT path with its
-    doorkeeper, and the O_DIRECT path without it (every miss read directly: hot rows never cache)."""
+    doorkeeper (with and without a mincore per row), and the O_DIRECT path without the doorkeeper
+    (every row read directly: hot rows never become cached)."""
     zr = np.random.default_rng(99)
     ranks = np.minimum(zr.zipf(a.zipf_s, (a.zipf_batches, 48)), num_rows) - 1
     batches = (ranks * 2654435761 + 12345) % num_rows  # scatter the ranks over the table
     out = {"batches": a.zipf_batches, "s": a.zipf_s,
            "distinct_rows": int(np.unique(batches).shape[0])}
-    runs = [("uring", forced.get("uring"), False), ("direct", forced["direct"], False),
-            ("direct_no_doorkeeper", forced["direct"], True), ("willneed", wn, False), ("ours", ours, False)]
-    for name, t, no_door in runs:
+    runs = [("uring", forced.get("uring"), False, False), ("direct", forced["direct"], False, False),
+            ("direct_mincore", forced["direct"], False, True), ("direct_no_doorkeeper", forced["direct"], True, False),
+            ("willneed", wn, False, False), ("ours", ours, False, False)]
+    for name, t, no_door, mincore in runs:
         if t is None:
             continue
+        if hasattr(t, "direct_resident_check"):
+            t.direct_resident_check = mincore
         evict_all()
         if hasattr(t, "_seen"):
             t._seen[:] = 0
@@ -274,11 +278,105 @@ def zipf_stream(a, num_rows, forced, wn, ours, evict_all):
             t0 = time.perf_counter()
             t.gather(b)
             ts.append(time.perf_counter() - t0)
+        if hasattr(t, "direct_resident_check"):
+            t.direct_resident_check = False
         k = len(ts) // 3
         out[name] = {"total_ms": sum(ts) * 1e3, "mean_ms": statistics.mean(ts) * 1e3,
                      "steady_mean_ms": statistics.mean(ts[-k:]) * 1e3 if k else None}
         say(f"  zipf {name}: total {sum(ts) * 1e3:.1f} ms, last third {out[name]['steady_mean_ms']:.3f} ms/batch")
     return out
+
+
+def gpu_breakdown(table, st, ids48):
+    """Where a warm 48-row lookup's time goes on a GPU (median µs of each piece alone), plus
+    variants of the device part measured side by side: H2D only, dequant only, and a zero-copy
+    graph whose kernel reads the pinned slot over the bus (UVA) instead of a separate H2D."""
+    import torch
+
+    cur = torch.cuda.current_stream()
+    res = {}
+
+    def med(fn, n=400, warm=50, pre=None):
+        for _ in range(warm):
+            fn()
+        ts = []
+        for _ in range(n):
+            if pre:
+                pre()
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return round(statistics.median(ts) * 1e6, 2)
+
+    def capture(body):
+        side = torch.cuda.Stream()
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            body()
+        cur.wait_stream(side)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            body()
+        return g
+
+    ev = torch.cuda.Event()
+    ev.record()
+    ev.synchronize()
+    res["stream_sync_idle"] = med(cur.synchronize)
+    res["event_synchronize_done"] = med(ev.synchronize)
+    res["event_record"] = med(ev.record)
+    res["event_query_done"] = med(ev.query)
+    o48 = st._rows_np[0][:48]
+    res["gather_into"] = med(lambda: table.gather_into(ids48, o48))
+    buf = torch.empty((48, table.head_dim), dtype=torch.bfloat16, device="cuda")
+    for _ in range(4):
+        st.lookup(ids48, out=buf)
+    torch.cuda.synchronize()
+    ref = buf.clone()
+    g = next(v for k, v in st._graphs.items() if k[1] == 48 and k[3] is not None and k[3][0] == buf.data_ptr())
+    replay = g[0]
+    res["graph_replay_host"] = med(replay, pre=cur.synchronize)
+    res["graph_replay_synced"] = med(lambda: (replay(), cur.synchronize()))
+
+    def spin(fn):
+        def f():
+            fn()
+            ev.record()
+            while not ev.query():
+                pass
+        return f
+
+    res["graph_replay_spin"] = med(spin(replay))
+    fp8 = st.table_dtype
+    dev = torch.zeros((48, table.row_bytes), dtype=torch.uint8, device="cuda")
+    b2 = torch.empty_like(buf)
+    scale = table.scale or 1.0
+    g_deq = capture(lambda: (b2.copy_(dev.view(fp8)), b2.mul_(scale)))
+    res["graph_dequant_only_synced"] = med(lambda: (g_deq.replay(), cur.synchronize()))
+    pinned = st._rows[0][:48]
+    g_h2d = capture(lambda: dev.copy_(pinned, non_blocking=True))
+    res["graph_h2d_only_synced"] = med(lambda: (g_h2d.replay(), cur.synchronize()))
+    try:
+        class _CAI:  # a CUDA tensor aliasing the pinned slot: with UVA the host address is valid on the device
+            __cuda_array_interface__ = {"shape": (48, table.row_bytes), "typestr": "|u1",
+                                        "data": (pinned.data_ptr(), False), "version": 2, "strides": None}
+
+        uva = torch.as_tensor(_CAI(), device="cuda")
+        b3 = torch.empty_like(buf)
+        g_zc = capture(lambda: (b3.copy_(uva.view(fp8)), b3.mul_(scale)))
+        table.gather_into(ids48, st._rows_np[0][:48])
+        g_zc.replay()
+        torch.cuda.synchronize()
+        res["zero_copy_bit_exact"] = bool(torch.equal(b3.view(torch.int16), ref.view(torch.int16)))
+        res["graph_zero_copy_synced"] = med(lambda: (g_zc.replay(), cur.synchronize()))
+        res["graph_zero_copy_spin"] = med(spin(g_zc.replay))
+    except Exception as e:  # noqa: BLE001 -- a measurement, not a code path
+        res["zero_copy_error"] = repr(e)[:300]
+    res["lookup_host"] = med(lambda: st.lookup(ids48, out=buf), pre=cur.synchronize)
+    res["lookup_synced"] = med(lambda: (st.lookup(ids48, out=buf), cur.synchronize()))
+    res["lookup_spin"] = med(spin(lambda: st.lookup(ids48, out=buf)))
+    return res
 
 
 def q(xs):
@@ -303,6 +401,7 @@ def main(argv=None):
                     help="untimed cold gathers per size before timing ours (its strategy choice settles)")
     ap.add_argument("--no-serial-prefill", action="store_true", help="skip the (slow) serial 131k run")
     ap.add_argument("--no-fio", action="store_true")
+    ap.add_argument("--warm-only", action="store_true", help="skip the cold measurements (warm path and GPU breakdown only)")
     ap.add_argument("--json", action="store_true", help="print the result object as the last stdout line")
     ap.add_argument("--out", help="also write the result JSON to this file")
     a = ap.parse_args(argv)
@@ -340,8 +439,8 @@ def main(argv=None):
     }
     result = {}
     max_resident = 0.0
-    for name, n, reps in (("decode48", 48, a.reps), ("decode192", 192, a.reps),
-                          ("prefill131k", a.prefill_rows, a.prefill_reps)):
+    for name, n, reps in (() if a.warm_only else (("decode48", 48, a.reps), ("decode192", 192, a.reps),
+                                                  ("prefill131k", a.prefill_rows, a.prefill_reps))):
         say(f"== {name}: {n} rows, {reps} cold reps")
         cold = {k: [] for k in strategies}
         cold_cpu = {k: [] for k in strategies}
@@ -428,7 +527,7 @@ def main(argv=None):
         result[name] = res
         say("  " + ", ".join(f"{k}={v:.3f}" for k, v in res.items() if isinstance(v, float)))
 
-    if a.zipf_batches and "direct" in forced:
+    if a.zipf_batches and "direct" in forced and not a.warm_only:
         result["zipf48"] = zipf_stream(a, table.num_rows, forced, wn, table, evict_all)
 
     # Warm 48 rows: the table's warm path alone (compiled loops and the numpy fallback).
@@ -482,6 +581,16 @@ def main(argv=None):
         st_np = Stager(tnp, device)  # the same with the numpy gather (numba missing)
         result["warm48_numpy_us"] = statistics.median(run(buf, st_np)) * 1e6
         if device == "cuda":
+            result["warm48_zero_copy"] = st.zero_copy or st.zero_copy_note
+            st_h2d = Stager(table, device, zero_copy=False)  # a separate H2D node in the graph
+            ts = run(buf, st_h2d)
+            result["warm48_h2d_us"] = statistics.median(ts) * 1e6
+            result["warm48_h2d_us_p90"] = q(ts)["p90"] * 1e6
+            try:
+                result["warm48_breakdown_us"] = gpu_breakdown(table, st, ids48)
+            except Exception as e:  # noqa: BLE001 -- a measurement; keep the rest of the run
+                result["warm48_breakdown_us"] = {"error": repr(e)[:300]}
+            say("  warm48 breakdown (us): " + json.dumps(result["warm48_breakdown_us"]))
             torch.cuda.synchronize()
             cold = []
             for _ in range(min(a.reps, 10)):

@@ -82,11 +82,12 @@ def test_stage_bit_exact(ckpt, shape, out_dtype, graphs):
             _same(got, want)  # still intact after later lookups (no aliasing of static buffers)
 
 
-def test_pinned_reuse_is_safe_under_a_busy_stream(ckpt):
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_pinned_reuse_is_safe_under_a_busy_stream(ckpt, zero_copy):
     """Many lookups queued behind slow GPU work: each result must still be its own rows, which
-    fails if a pinned slot were overwritten before its H2D copy ran."""
+    fails if a pinned slot were overwritten before its H2D copy (or zero-copy read) ran."""
     with PLETable.from_checkpoint(ckpt) as t:
-        st = Stager(t, "cuda", max_rows=4096)
+        st = Stager(t, "cuda", max_rows=4096, zero_copy=zero_copy)
         assert all(b.is_pinned() for b in st._rows)
         rng = np.random.default_rng(7)
         big = torch.randn(8192, 8192, device="cuda")
@@ -109,9 +110,10 @@ def test_out_of_range_on_gpu_path(ckpt):
             st.lookup(torch.tensor([0, t.num_rows], device="cuda"))
 
 
+@pytest.mark.parametrize("zero_copy", [False, True])
 @pytest.mark.parametrize("nat", [True, False])
 @pytest.mark.parametrize("io", ["auto", "direct"])
-def test_short_path_bit_exact_without_allocations(ckpt, nat, io):
+def test_short_path_bit_exact_without_allocations(ckpt, nat, io, zero_copy):
     """The small-batch path (compiled or numpy gather into the pinned slot, one graph replay into
     the caller's buffer), cold (O_DIRECT or buffered) and warm: the same bits as table[ids], and
     once captured no device allocation and no new graph per lookup."""
@@ -122,7 +124,7 @@ def test_short_path_bit_exact_without_allocations(ckpt, nat, io):
     except PLETableError as e:
         pytest.skip(str(e))
     with t:
-        st = Stager(t, "cuda", max_rows=256)
+        st = Stager(t, "cuda", max_rows=256, zero_copy=zero_copy)
         rng = np.random.default_rng(11)
         out = torch.empty((48, t.head_dim), dtype=torch.bfloat16, device="cuda")
         for i in range(6):

@@ -52,11 +52,12 @@ def gather_py(region, shard_off, rps, rb, num_rows, ids, out):
 
 
 def plan_direct_py(base, shard_off, shard_fileoff, shard_fd, shard_dfd, rps, rb, ids, out, region, seen,
-                   out_addr, scratch_addr, vec, p_fd, p_off, p_addr, p_len, p_row, p_skip):
-    """For each row: resident in the page cache (``mincore`` on its pages) -> copy it from the
-    mapping now; seen before (``seen`` doorkeeper) -> a buffered read of the row into ``out`` (it
-    becomes cached: hot rows stay in the page cache); else an O_DIRECT read of its 4 KiB page(s)
-    into the row's ``SCRATCH`` bytes. Fills the plan arrays; returns (reads planned, of which direct)."""
+                   out_addr, scratch_addr, vec, p_fd, p_off, p_addr, p_len, p_row, p_skip, resident_check):
+    """For each row: (with ``resident_check``) in the page cache (``mincore`` on its pages) -> copy
+    it from the mapping now; seen before (``seen`` doorkeeper) -> a buffered read of the row into
+    ``out`` (served from the page cache if there, else it becomes cached: hot rows stay cached);
+    else an O_DIRECT read of its 4 KiB page(s) into the row's ``SCRATCH`` bytes. Fills the plan
+    arrays; returns (reads planned, of which direct)."""
     k = 0
     nd = 0
     mask = seen.shape[0] - 1
@@ -70,7 +71,7 @@ def plan_direct_py(base, shard_off, shard_fileoff, shard_fd, shard_dfd, rps, rb,
         p0 = (base + moff) & ~(PAGE - 1)
         p1 = (base + moff + rb - 1) & ~(PAGE - 1)
         npg = (p1 - p0) // PAGE + 1
-        if _mincore(p0, npg * PAGE, vaddr) == 0 and (vec[0] & 1) and (vec[npg - 1] & 1):
+        if resident_check and _mincore(p0, npg * PAGE, vaddr) == 0 and (vec[0] & 1) and (vec[npg - 1] & 1):
             out[i, :] = region[moff:moff + rb]
             continue
         key = (((moff >> 12) * 2654435761) >> 7) & mask
@@ -205,7 +206,7 @@ def _compile():
         return -2 if ru[9] + ru[11] != before else -1
 
     def plan_direct(base, shard_off, shard_fileoff, shard_fd, shard_dfd, rps, rb, ids, out, region, seen,
-                    out_addr, scratch_addr, vec, p_fd, p_off, p_addr, p_len, p_row, p_skip):
+                    out_addr, scratch_addr, vec, p_fd, p_off, p_addr, p_len, p_row, p_skip, resident_check):
         k = 0
         nd = 0
         mask = seen.shape[0] - 1
@@ -219,7 +220,7 @@ def _compile():
             p0 = (base + moff) & ~(PAGE - 1)
             p1 = (base + moff + rb - 1) & ~(PAGE - 1)
             npg = (p1 - p0) // PAGE + 1
-            if c_mincore(p0, npg * PAGE, vaddr) == 0 and (vec[0] & 1) and (vec[npg - 1] & 1):
+            if resident_check and c_mincore(p0, npg * PAGE, vaddr) == 0 and (vec[0] & 1) and (vec[npg - 1] & 1):
                 memcpy(out_addr + i * rb, base + moff, rb)
                 continue
             key = (((moff >> 12) * 2654435761) >> 7) & mask

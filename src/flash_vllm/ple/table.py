@@ -16,12 +16,14 @@ Strategies (``gather``; results are always bit-identical to ``table[ids]``):
   syscall (all pages were in the page cache), the next decode batches are plain ``np.take`` on
   the mapping (~µs). A take that runs slow (it faulted) switches back at once.
   ``fast_rows = N > 0`` forces take for batches of <= N rows (upstream's meaning of FAST_ROWS).
-* ``direct`` (decode-sized batches, io_uring + O_DIRECT): rows whose pages are in the page cache
-  (``mincore``) are copied from the mapping; the others are read with O_DIRECT, their 4 KiB
-  page(s) into a page-aligned scratch buffer, and extracted. O_DIRECT skips the page cache's
-  page allocation and insertion (the disk's own bound), but its pages never become cached, so a
-  doorkeeper (a hashed bitmap of pages read directly, cleared when 1/8 full) reads a page seen
-  before with a buffered read: hot (zipfian) rows still end up in the page cache.
+* ``direct`` (decode-sized batches, io_uring + O_DIRECT): a row's page read for the first time is
+  read with O_DIRECT (its 4 KiB page(s) into a page-aligned scratch buffer, then extracted);
+  O_DIRECT skips the page cache's page allocation and insertion (the disk's own bound), but its
+  pages never become cached. So a doorkeeper (a hashed bitmap of pages read directly, cleared
+  when 1/8 full) sends a page seen before to a buffered read into the output: served from the
+  page cache when cached (inside the submitting syscall), else read and cached, so hot (zipfian)
+  rows end up warm. ``direct_resident_check`` adds a ``mincore`` per row first (rows in the page
+  cache copied from the mapping): exact, but ~1-2 µs of syscall per row, so off by default.
 * ``willneed`` (no io_uring: old kernel, seccomp): one ``process_madvise(MADV_WILLNEED)`` call
   per 1024 page ranges (``madvise`` per range as fallback), then ``take``; big batches are split
   over a thread pool of ``workers`` after dedup.
@@ -421,6 +423,7 @@ class PLETable:
         self._mm = mm
         self._direct_ok = True
         self._direct_compiled = self._nat is None
+        self.direct_resident_check = False
 
     def _direct_buffers(self, n: int) -> None:
         np = self._np
@@ -505,7 +508,8 @@ class PLETable:
         plan = nat.plan_direct if self._nat else native.plan_direct_py
         k, nd = plan(self._region.base, self._shard_off, self._shard_fileoff, self._shard_fd, self._shard_dfd,
                      self.rows_per_shard, self.row_bytes, flat, out, self._region_u8, self._seen,
-                     out.ctypes.data, self._scratch.ctypes.data, self._vec, p_fd, p_off, p_addr, p_len, p_row, p_skip)
+                     out.ctypes.data, self._scratch.ctypes.data, self._vec, p_fd, p_off, p_addr, p_len, p_row, p_skip,
+                     self.direct_resident_check)
         if k == 0:
             return True
         self._seen_n += nd
@@ -514,11 +518,12 @@ class PLETable:
             self._seen_n = 0
         with self._lock:
             res = self._ring.read_batch(p_fd[:k], p_off[:k], p_addr[:k], p_len[:k], depth=self.config.ring_depth)
+            inline = nd == 0 and self._ring.last_inline == k  # only cached buffered reads: warm
         ext = self._nat.extract_direct if self._nat else native.extract_direct_py
         bad = ext(self._scratch, self.row_bytes, k, p_row, p_skip, p_len, res, out)
         for i in p_row[:bad].tolist():  # a failed read: that row through the mapping
             self._take(flat[i : i + 1], out[i : i + 1])
-        return False
+        return inline
 
     def _uring(self, flat, out):
         np = self._np
