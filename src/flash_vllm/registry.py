@@ -233,7 +233,7 @@ def wraps(orig: Callable) -> Callable[[Callable], Callable]:
 # --- the catalogue -----------------------------------------------------------------------
 
 PATCH_MODULES = (
-    "ple_mmap", "fla_sm121", "block_size", "qsa_topk", "fp8_hybrid", "qsa_fp8_kv", "qsa_det_topk", "m4_pad",
+    "ple_mmap", "fla_sm121", "mamba_guard", "block_size", "qsa_topk", "fp8_hybrid", "qsa_fp8_kv", "qsa_det_topk", "m4_pad",
     "draft_vocab", "block_fp8_mtp", "effort_alias", "tool_marker_guard",
 )
 
