@@ -52,6 +52,7 @@ class Stager:
         # Small batches on CUDA: the device part (H2D + view + dequant) replays as one CUDA graph
         # per (slot, rows, raw, out buffer): one launch instead of 3-4 ops and their allocations.
         self.graph_max_rows = graph_max_rows if self.cuda else 0
+        self._graph_events = None  # captured graphs record the slot's event themselves (torch >= 2.8)
         # zero_copy: the captured kernel reads the pinned slot over the bus (a pinned buffer's host
         # address is valid on the device under UVA) instead of a separate H2D copy node: one node
         # less per lookup. None = where the device alias can be made.
@@ -115,10 +116,13 @@ class Stager:
         Small batches (< ``dedup_min`` rows, <= ``graph_max_rows``) take the short path: the gather
         is one compiled call into the pinned slot (``table.gather_into``), the device part one
         CUDA-graph replay, then one event record; no allocation when ``out`` is given."""
-        flat, shape, wait_s = self._host_ids(ids)
+        t0 = time.perf_counter()
+        if type(ids) is self.np.ndarray and ids.dtype == self.np.int64 and ids.flags.c_contiguous:
+            flat, shape, wait_s = ids.reshape(-1), ids.shape, 0.0
+        else:
+            flat, shape, wait_s = self._host_ids(ids)
         n = flat.shape[0]
         if 0 < n < self.dedup_min and n <= self.graph_max_rows and n <= self.capacity:
-            t0 = time.perf_counter()
             if not flat.flags.c_contiguous:
                 flat = self.np.ascontiguousarray(flat)
             s = self._slot
@@ -126,7 +130,7 @@ class Stager:
             ev = self._events[s]
             if ev is not None:
                 tw = time.perf_counter()
-                ev.synchronize()  # only the H2D that last read this slot, never the whole device
+                ev.synchronize()  # only the copy that last read this slot, never the whole device
                 wait_s += time.perf_counter() - tw
             self.table.gather_into(flat, self._rows_np[s][:n])
             ts = time.perf_counter()
@@ -177,21 +181,46 @@ class Stager:
             with torch.cuda.stream(side):  # warm up outside the capture (allocator, kernels)
                 self._device_part(src, dev_u8, raw, outv)
             torch.cuda.current_stream(self.device).wait_stream(side)
+            ev = self._event(s)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                res = self._device_part(src, dev_u8, raw, outv)
-            g = self._graphs[key] = (graph.replay, res, dev_u8, graph)
+            try:
+                with torch.cuda.graph(graph):
+                    res = self._device_part(src, dev_u8, raw, outv)
+                    if self._graph_events:
+                        # An event-record node: the replay itself marks the slot read, no host call
+                        # (a plain Event.record() costs ~9 µs of Python + driver per lookup).
+                        ev.record()
+            except RuntimeError:
+                if not self._graph_events:
+                    raise
+                self._graph_events = False  # this torch/driver cannot record inside a capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    res = self._device_part(src, dev_u8, raw, outv)
+            g = self._graphs[key] = (graph.replay, res, dev_u8, graph, self._graph_events)
         g[0]()
-        self._record(s)
+        if not g[4]:
+            self._record(s)
         return g[1]
+
+    def _event(self, s):
+        e = self._events[s]
+        if e is None:
+            torch = self.torch
+            if self._graph_events is not False:
+                try:
+                    e = torch.cuda.Event(external=True)  # recordable as a node of a captured graph
+                    self._graph_events = True
+                except TypeError:  # torch without external events
+                    self._graph_events = False
+            if e is None:
+                e = torch.cuda.Event()
+            self._events[s] = e
+        return e
 
     def _record(self, s):
         if self.cuda:
-            torch = self.torch
-            e = self._events[s]
-            if e is None:
-                e = self._events[s] = torch.cuda.Event()
-            e.record()  # on the current stream, after the H2D that read slot s
+            self._event(s).record()  # on the current stream, after the H2D that read slot s
 
     def _eager(self, s, n, k, dedup, raw):
         dev = self.device
