@@ -336,3 +336,19 @@ def test_non_finite_weight_is_refused_naming_the_tensor(tmp_path, monkeypatch, b
     with pytest.raises(hybrid.CheckpointError, match=rf"{re.escape(tgt.name)} holds inf or NaN in rows 128–255"):
         hybrid.build(p)
     assert [d.name for d in snap.parent.iterdir()] == [snap.name]  # nothing built, nothing marked
+
+
+def test_linked_headers_read_during_the_write_give_the_same_verdict(tmp_path):
+    snap = ckpt.write_snapshot(tmp_path / "hf", "nvidia")
+    p = hybrid.plan(snap, hfcache.variant_dir(snap, "hybrid"))
+    hybrid.build(p)
+    var = hfcache.variant_dir(snap, "hybrid")
+    known = hybrid.linked_headers(p)
+    linked_shards = set(p.weight_map.values()) & set(p.linked)
+    assert linked_shards and set(known) == linked_shards
+    a, b = verify.structure(var), verify.structure(var, known_headers=known)
+    assert a.ok and b.ok and (a.files, a.keys, a.tensors) == (b.files, b.keys, b.tensors)
+    # the rewritten shards are always read from the variant: a broken one still fails the gate
+    victim = var / p.files[0].name
+    victim.write_bytes(victim.read_bytes()[:1000])
+    assert any(p.files[0].name in x for x in hybrid.check_built(p, var, known))

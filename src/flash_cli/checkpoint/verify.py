@@ -37,7 +37,9 @@ class Result:
         return not self.problems
 
 
-def structure(directory: Path, index_required: bool = True) -> Result:
+def structure(directory: Path, index_required: bool = True, known_headers: dict | None = None) -> Result:
+    """`known_headers`: file name → Header already read and validated from the very same file
+    (the hybrid reads its linked shards' headers while it writes, not after)."""
     from flash_vllm.ple.header import HeaderError, read_header, read_index
 
     directory = Path(directory)
@@ -62,11 +64,13 @@ def structure(directory: Path, index_required: bool = True) -> Result:
         if fname in missing:
             continue
         path = directory / fname
-        try:
-            header = read_header(path)
-        except HeaderError as exc:
-            res.problems.append(f"{fname}: {exc.problem}")
-            continue
+        header = (known_headers or {}).get(fname)
+        if header is None:
+            try:
+                header = read_header(path)
+            except HeaderError as exc:
+                res.problems.append(f"{fname}: {exc.problem}")
+                continue
         res.files += 1
         res.tensors += len(header.tensors)
         res.headers[fname] = header
