@@ -157,6 +157,7 @@ def test_graph_records_the_slot_event(ckpt, monkeypatch):
         ids = np.arange(48) * 7
         out = torch.empty((48, t.head_dim), dtype=torch.bfloat16, device="cuda")
         st.lookup(ids, out=out)
+        st.lookup(ids, out=out)  # both slots captured (a capture itself records: wait_stream, the node)
         if not st._graph_events:
             pytest.skip("this torch cannot record external events in a capture")
         calls = []
