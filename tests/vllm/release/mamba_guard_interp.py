@@ -243,12 +243,85 @@ def cpu(states):
     return [[t.cpu() for t in g] for g in states]
 
 
+def bench(mu, device, layers, conv_shape, temp_shape, dtype, reqs, rounds=7, iters=20):
+    """Per-launch time of the stock vs the guarded precopy kernel, same context and batch, in
+    alternating rounds (GPU only). Every request copies one block per state tensor."""
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_copy_spec, get_temporal_copy_spec
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+    from vllm.v1.utils import CpuGpuBuffer
+
+    nb = 2 * reqs + 2
+    spec = MambaSpec(block_size=BS, shapes=(conv_shape, temp_shape), dtypes=(dtype, dtype),
+                     mamba_cache_mode="align", num_speculative_blocks=1)
+    names = [f"l{i}" for i in range(layers)]
+    cfg = KVCacheConfig(num_blocks=nb, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    funcs = {spec.mamba_type: (get_conv_copy_spec, get_temporal_copy_spec)}
+    fwd = {n: type("Layer", (), {"kv_cache": [torch.randn(nb, *conv_shape, device=device).to(dtype),
+                                              torch.randn(nb, *temp_shape, device=device).to(dtype)]})()
+           for n in names}
+    table = torch.zeros(MAX_REQS if reqs <= MAX_REQS else reqs, COLS, dtype=torch.int32)
+    for r in range(reqs):
+        table[r, 0], table[r, 1] = 2 + 2 * r, 3 + 2 * r
+    table = table.to(device)
+    ctx = mu.MambaSpecDecodeGPUContext.create(
+        max_num_reqs=table.shape[0], kv_cache_config=cfg, copy_funcs=funcs, device=device,
+        make_buffer=lambda *size, dtype: CpuGpuBuffer(*size, dtype=dtype, device=device, pin_memory=False))
+    ctx.initialize_from_forward_context(cfg, fwd, funcs, [table])
+    dst = i32([1] * reqs, device)
+    src = i32([0] * reqs, device)
+    bias = i32([0] * reqs, device)
+    guarded_kernel = mu.precopy_mamba_align_fused_kernel
+    guarded_launch = mu.MambaSpecDecodeGPUContext.run_fused_precopy
+    stock_kernel, stock_launch = guarded_kernel.__flash_original__, guarded_launch.__flash_original__
+
+    guarded_copy = mu._copy_mamba_state_block
+
+    def timed(kernel, launch):
+        # the stock launcher and kernel resolve their callees by name in the module
+        mu.precopy_mamba_align_fused_kernel = kernel
+        mu._copy_mamba_state_block = guarded_copy if kernel is guarded_kernel else guarded_copy.__flash_original__
+        try:
+            for _ in range(3):
+                launch(ctx, reqs, dst, src, bias, None)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                launch(ctx, reqs, dst, src, bias, None)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) * 1000 / iters
+        finally:
+            mu.precopy_mamba_align_fused_kernel = guarded_kernel
+            mu._copy_mamba_state_block = guarded_copy
+
+    stock, guarded = [], []
+    for _ in range(rounds):
+        stock.append(timed(stock_kernel, stock_launch))
+        guarded.append(timed(guarded_kernel, guarded_launch))
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    per_launch = layers * 2 * reqs
+    bytes_ = reqs * layers * (torch.Size(conv_shape).numel() + torch.Size(temp_shape).numel()) * dtype.itemsize
+    return {"layers": layers, "conv": list(conv_shape), "temporal": list(temp_shape), "dtype": str(dtype),
+            "reqs": reqs, "state_copies_per_launch": per_launch, "bytes_per_launch": bytes_,
+            "stock_us": [round(x, 2) for x in stock], "guarded_us": [round(x, 2) for x in guarded],
+            "median_stock_us": round(med(stock), 2), "median_guarded_us": round(med(guarded), 2),
+            "ratio": round(med(guarded) / med(stock), 4),
+            "counter": int(mamba_guard_counter(ctx))}
+
+
+def mamba_guard_counter(ctx):
+    from flash_vllm.patches import mamba_guard
+
+    return mamba_guard.guard_of(ctx).counter.item()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--stub-vllm", metavar="MAMBA_UTILS_PY",
                     help="no vLLM here: load this release's mamba_utils.py over stub imports")
     ap.add_argument("--release", default="0.33.0", help="with --stub-vllm: its version")
+    ap.add_argument("--bench", action="store_true", help="GPU: also time stock vs guarded precopy")
     args = ap.parse_args()
     device = torch.device(args.device)
     if args.stub_vllm:
@@ -324,6 +397,13 @@ def main() -> int:
     guard.poll(now=later + 2 * guard.interval)  # no increase since: no second line
     facts["report_early"] = early
     facts["report_lines"] = lines
+    if args.bench and device.type == "cuda":
+        facts["bench"] = [
+            # 48 GDN-like layers: conv [4, 8192] + temporal [16, 128, 128] bf16 (~0.5 MiB a block)
+            bench(mu, device, 48, (CONV_W, 8192), (16, 128, 128), torch.bfloat16, 32),
+            # tiny states: the guard's extra loads weigh the most
+            bench(mu, device, 48, (CONV_W, 64), (2, 64), torch.bfloat16, 32),
+        ]
     print(json.dumps(facts))
     return 0
 
