@@ -13,7 +13,8 @@ import sys
 
 SIZES = [("decode48", "48 rows"), ("decode192", "192 rows"), ("prefill131k", "131,072 rows")]
 SERIES = [("serial_ms", "serial (table[ids])", "#999999"), ("anchor_ms", "upstream pool (32 thr)", "#d95f02"),
-          ("willneed_ms", "WILLNEED + gather", "#7570b3"), ("ours_ms", "ours", "#1b9e77"),
+          ("willneed_ms", "WILLNEED + gather", "#7570b3"), ("uring_ms", "buffered io_uring", "#66a61e"),
+          ("direct_ms", "O_DIRECT + doorkeeper", "#e6ab02"), ("ours_ms", "ours (timed choice)", "#1b9e77"),
           ("disk_bound_ms", "disk bound (O_DIRECT, together)", "#000000")]
 
 
@@ -34,13 +35,13 @@ def main(argv):
     fig, axes = plt.subplots(1, len(runs), figsize=(6.5 * len(runs), 4.6), squeeze=False)
     for ax, run, path in zip(axes[0], runs, paths):
         m = run.get("machine", {})
-        width = 0.16
+        width = 0.12
         for i, (key, label, color) in enumerate(SERIES):
             xs, ys = [], []
             for j, (size, _) in enumerate(SIZES):
                 v = run.get(size, {}).get(key)
                 if v:
-                    xs.append(j + (i - 2) * width)
+                    xs.append(j + (i - (len(SERIES) - 1) / 2) * width)
                     ys.append(v)
             bars = ax.bar(xs, ys, width, label=label, color=color)
             for b, y in zip(bars, ys):
@@ -50,8 +51,7 @@ def main(argv):
         ax.set_xticks(range(len(SIZES)), [s[1] for s in SIZES])
         ax.set_ylabel("cold gather, median ms (log)")
         ax.set_title(f"{m.get('cpus', '?')} cores, {m.get('gpu') or 'no GPU'}, {m.get('table_gib', '?')} GiB table\n"
-                     f"{os.path.basename(path)}; warm 48 rows -> {run.get('warm48_device')}: "
-                     f"{run.get('warm48_us', 0):.0f} us", fontsize=9)
+                     f"{os.path.basename(path)}", fontsize=9)
         ax.grid(axis="y", which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7, loc="upper left")
     fig.tight_layout()

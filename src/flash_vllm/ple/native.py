@@ -119,166 +119,56 @@ _native_err = ""
 
 
 def _compile():
-    """numba versions of the helpers above (lazily compiled; cached on disk where writable)."""
-    import numba
-    from llvmlite import ir
-    from numba import types
-    from numba.core import cgutils
-    from numba.extending import intrinsic
+    """The numba versions (``native_nb.py``), compiled on first call, cached on disk where writable."""
+    from . import native_nb
 
-    @intrinsic
-    def memcpy(typingctx, dst, src, n):
-        """LLVM memcpy between two addresses: a byte loop over arrays that may alias is not
-        vectorized (8 µs for 48 rows), a memcpy call is (~1 µs)."""
-        sig = types.void(types.intp, types.intp, types.intp)
+    return native_nb
 
-        def codegen(context, builder, signature, args):
-            d, s, k = args
-            i8p = ir.IntType(8).as_pointer()
-            cgutils.raw_memcpy(builder, builder.inttoptr(d, i8p), builder.inttoptr(s, i8p), k, 1)
-            return context.get_dummy_value()
 
-        return sig, codegen
+def _smoke(ns) -> None:
+    """Compile every helper for the argument types the table passes (numba compiles per call
+    signature) and check it against its numpy twin, so a numba release that cannot build or
+    miscompiles them turns into the numpy path at load time, never into a failed lookup."""
+    import numpy as np
 
-    # libc calls by symbol (libc is in the process): unlike a ctypes pointer, an intrinsic lets
-    # numba cache the compiled function on disk.
-    i8p = ir.IntType(8).as_pointer()
-    i32 = ir.IntType(32)
-
-    @intrinsic
-    def c_getrusage(typingctx, who, buf):
-        def codegen(context, builder, signature, a):
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [i32, i8p]), "getrusage")
-            return builder.call(fn, [builder.trunc(a[0], i32), builder.inttoptr(a[1], i8p)])
-
-        return types.int32(types.intp, types.intp), codegen
-
-    @intrinsic
-    def c_mincore(typingctx, addr, length, vec):
-        def codegen(context, builder, signature, a):
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [i8p, ir.IntType(64), i8p]),
-                                                "mincore")
-            return builder.call(fn, [builder.inttoptr(a[0], i8p), a[1], builder.inttoptr(a[2], i8p)])
-
-        return types.int32(types.intp, types.intp, types.intp), codegen
-
-    def jit(fn, cache=True):
-        try:
-            return numba.njit(nogil=True, cache=cache)(fn)
-        except Exception:  # no writable cache location (read-only site-packages and $HOME)
-            return numba.njit(nogil=True, cache=False)(fn)
-
-    def check(ids, num_rows):
-        for i in range(ids.shape[0]):
-            if ids[i] < 0 or ids[i] >= num_rows:
-                return i
-        return -1
-
-    def gather(region, shard_off, rps, rb, num_rows, ids, out):
-        n = ids.shape[0]
-        for i in range(n):
-            if ids[i] < 0 or ids[i] >= num_rows:
-                return i
-        src = region.ctypes.data
-        dst = out.ctypes.data
-        for i in range(n):
-            r = ids[i]
-            s = r // rps
-            memcpy(dst + i * rb, src + shard_off[s] + (r - s * rps) * rb, rb)
-        return -1
-
-    def gather_warm(region, shard_off, rps, rb, num_rows, ids, out, ru):
-        """``gather`` plus this thread's major faults + blocks read around the copy (``ru``: int64[18]
-        scratch for ``struct rusage``): -2 means the copy went to the disk (the rows were not warm)."""
-        n = ids.shape[0]
-        for i in range(n):
-            if ids[i] < 0 or ids[i] >= num_rows:
-                return i
-        c_getrusage(1, ru.ctypes.data)  # RUSAGE_THREAD
-        before = ru[9] + ru[11]  # after two timevals: ru_majflt = long 5, ru_inblock = long 7
-        src = region.ctypes.data
-        dst = out.ctypes.data
-        for i in range(n):
-            r = ids[i]
-            s = r // rps
-            memcpy(dst + i * rb, src + shard_off[s] + (r - s * rps) * rb, rb)
-        c_getrusage(1, ru.ctypes.data)
-        return -2 if ru[9] + ru[11] != before else -1
-
-    def plan_direct(base, shard_off, shard_fileoff, shard_fd, shard_dfd, rps, rb, ids, out, region, seen,
-                    out_addr, scratch_addr, vec, p_fd, p_off, p_addr, p_len, p_row, p_skip, resident_check):
-        k = 0
-        nd = 0
-        mask = seen.shape[0] - 1
-        vaddr = vec.ctypes.data
-        for i in range(ids.shape[0]):
-            r = ids[i]
-            s = r // rps
-            loc = r - s * rps
-            moff = shard_off[s] + loc * rb
-            foff = shard_fileoff[s] + loc * rb
-            p0 = (base + moff) & ~(PAGE - 1)
-            p1 = (base + moff + rb - 1) & ~(PAGE - 1)
-            npg = (p1 - p0) // PAGE + 1
-            if resident_check and c_mincore(p0, npg * PAGE, vaddr) == 0 and (vec[0] & 1) and (vec[npg - 1] & 1):
-                memcpy(out_addr + i * rb, base + moff, rb)
-                continue
-            key = (((moff >> 12) * 2654435761) >> 7) & mask
-            p_row[k] = i
-            if seen[key]:
-                p_fd[k] = shard_fd[s]
-                p_off[k] = foff
-                p_addr[k] = out_addr + i * rb
-                p_len[k] = rb
-                p_skip[k] = -1
-            else:
-                seen[key] = 1
-                lo = foff & ~(PAGE - 1)
-                p_fd[k] = shard_dfd[s]
-                p_off[k] = lo
-                p_addr[k] = scratch_addr + i * SCRATCH
-                p_len[k] = ((foff + rb + PAGE - 1) & ~(PAGE - 1)) - lo
-                p_skip[k] = foff - lo
-                nd += 1
-            k += 1
-        return k, nd
-
-    def extract_direct(scratch, rb, k, p_row, p_skip, p_len, res, out):
-        bad = 0
-        for j in range(k):
-            i = p_row[j]
-            sk = p_skip[j]
-            if sk >= 0:
-                ok = res[j] >= sk + rb
-            else:
-                ok = res[j] == rb
-            if not ok:
-                p_row[bad] = i
-                bad += 1
-            elif sk >= 0:
-                memcpy(out.ctypes.data + i * rb, scratch.ctypes.data + i * SCRATCH + sk, rb)
-        return bad
-
-    class NS:
-        pass
-
-    ns = NS()
-    ns.check = jit(check)
-    ns.gather = jit(gather)
-    ns.gather_warm = jit(gather_warm)
-    ns.plan_direct = jit(plan_direct)
-    ns.extract_direct = jit(extract_direct)
-    return ns
+    region = (np.arange(3 * PAGE, dtype=np.int64) * 7 % 251).astype(np.uint8)
+    shard_off = np.array([3, 5000], np.int64)
+    ids = np.array([0, 9, 10, 19], np.int64)
+    a, b = np.zeros((4, 160), np.uint8), np.ones((4, 160), np.uint8)
+    if ns.check(ids, 20) != -1 or ns.check(ids, 19) != 3:
+        raise RuntimeError("check")
+    if ns.gather(region, shard_off, 10, 160, 20, ids, a) != -1 or gather_py(region, shard_off, 10, 160, 20, ids, b) != -1 \
+            or not np.array_equal(a, b):
+        raise RuntimeError("gather")
+    a[:] = 0
+    if ns.gather_warm(region, shard_off, 10, 160, 20, ids, a, np.zeros(18, np.int64)) != -1 or not np.array_equal(a, b):
+        raise RuntimeError("gather_warm")
+    plan = (np.zeros(4, np.int32), np.zeros(4, np.int64), np.zeros(4, np.int64), np.zeros(4, np.int64),
+            np.zeros(4, np.int64), np.zeros(4, np.int64))
+    seen = np.zeros(1 << 4, np.uint8)
+    k, nd = ns.plan_direct(region.ctypes.data, shard_off, shard_off, np.array([-1, -1], np.int32),
+                           np.array([-1, -1], np.int32), 10, 160, ids, a, region, seen, a.ctypes.data,
+                           region.ctypes.data, np.zeros(2, np.uint8), *plan, True)
+    if not 0 <= nd <= k <= 4:
+        raise RuntimeError("plan_direct")
+    res = np.zeros(4, np.int64)
+    if ns.extract_direct(region, 160, 0, plan[4], plan[5], plan[3], res, a) != 0:
+        raise RuntimeError("extract_direct")
 
 
 def load():
-    """The compiled helpers (compiled on first call of each), or None when numba is missing."""
+    """The compiled helpers (compiled and checked on first use), or None when numba is missing or
+    cannot build them (``status()`` says why)."""
     global _native, _native_err
     if _native is None and not _native_err:
         try:
-            _native = _compile()
+            ns = _compile()
+            _smoke(ns)
+            _native = ns
         except ImportError as e:
             _native_err = f"numba unavailable ({e})"
+        except Exception as e:  # noqa: BLE001 -- any numba failure means: use the numpy twins
+            _native_err = f"numba helpers failed to build ({type(e).__name__}: {str(e)[:200]})"
     return _native
 
 
