@@ -352,3 +352,11 @@ def test_linked_headers_read_during_the_write_give_the_same_verdict(tmp_path):
     victim = var / p.files[0].name
     victim.write_bytes(victim.read_bytes()[:1000])
     assert any(p.files[0].name in x for x in hybrid.check_built(p, var, known))
+    # a linked shard whose header is broken or points past its end is left to the full read
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes((50).to_bytes(8, "little") + b'{"a":{"dtype":"U8","shape":[99],"data_offsets":[0,99]}}'[:50])
+    assert hybrid._linked_header(bad) is None
+    bad.write_bytes((56).to_bytes(8, "little") + b'{"a":{"dtype":"U8","shape":[99],"data_offsets":[0,99]}}'.ljust(56))
+    assert hybrid._linked_header(bad) is None
+    bad.write_bytes(bad.read_bytes() + b"\0" * 99)
+    assert set(hybrid._linked_header(bad).tensors) == {"a"}
