@@ -62,16 +62,24 @@ def ple_mmap_gap(base: str) -> str | None:
     return None if PATCH.meant_for(base) else PATCH.not_ported.get(base, "no code for this release")
 
 
-FP8_KV_BASES = ("v0.31", "v0.32", "v0.33")  # native fp8 KV on QSA from 0.31; not ported to 0.29/0.30
+def fp8_kv_gap(base: str) -> str | None:
+    """Why fp8 KV on QSA is unavailable on `base` (patch 7 neither ports it nor finds it upstream,
+    per the plugin's registry); None where it is served (ported on 0.29/0.30, native from 0.31)."""
+    from flash_vllm.patches.qsa_fp8_kv import PATCH  # metadata only: imports no vLLM, no torch
+
+    if PATCH.meant_for(base) or base in PATCH.upstream_in:
+        return None
+    return PATCH.not_ported.get(base, "no code for this release")
 
 
 def recipe(s: Settings) -> list[Problem]:
     """Combinations the image cannot serve, caught before a ten-minute boot."""
     out = []
-    if s["KV_DTYPE"] in ("fp8", "fp8_e4m3") and s["BASE"] not in FP8_KV_BASES:
+    fp8_gap = fp8_kv_gap(s["BASE"]) if s["KV_DTYPE"] in ("fp8", "fp8_e4m3") else None
+    if fp8_gap:
         out.append(Problem(ConfigError, f"KV_DTYPE={s['KV_DTYPE']} is not available on BASE={s['BASE']}: "
-                           "fp8 KV on QSA is native from vLLM 0.31 and not ported to 0.29/0.30",
-                           f"use KV_DTYPE=auto, or BASE={FP8_KV_BASES[-1]}"))
+                           f"patch 7 (fp8 KV on QSA) is not ported to this release ({fp8_gap})",
+                           "use KV_DTYPE=auto, or a base patch 7 serves (see docs/PATCHES.md)"))
     gap = ple_mmap_gap(s["BASE"])
     if gap:
         out.append(Problem(ConfigError, f"BASE={s['BASE']}: patch 1 (PLE table from mmap) is not ported to this release "

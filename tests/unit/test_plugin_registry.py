@@ -42,7 +42,7 @@ def test_every_patch_is_a_documented_unit():
 @pytest.mark.parametrize("number, base, status", [
     (11, "v0.29", "applies"), (11, "v0.30", "upstream"), (11, "v0.33", "upstream"),
     (12, "v0.32", "applies"), (12, "v0.33", "upstream"),
-    (7, "v0.29", "not-ported"), (7, "v0.31", "upstream"),
+    (7, "v0.29", "applies"), (7, "v0.30", "applies"), (7, "v0.31", "upstream"),
     (9, "v0.29", "upstream"), (6, "v0.33", "upstream"),
     (4, "v0.33", "applies"), (5, "v0.29", "applies"), (8, "v0.33", "applies"),
 ])
@@ -220,7 +220,7 @@ def test_flash_patches_expected_matrix_json():
     out = json.loads(proc.stdout)
     assert out["base"] == "v0.29" and out["patchset"] == patchset_hash()
     by = {p["number"]: p["status"] for p in out["patches"]}
-    assert by[11] == "applies" and by[7] == "not-ported" and by[9] == "upstream"
+    assert by[11] == "applies" and by[7] == "applies" and by[9] == "upstream"
     bad = subprocess.run([sys.executable, "-m", "flash_cli", "patches", "--expected", "--base", "v0.28"],
                          capture_output=True, text=True, cwd=root)
     assert bad.returncode == 2 and "v0.28" in bad.stderr
