@@ -53,6 +53,11 @@ def drop_source_cache(plan: hybrid.Plan) -> None:
             os.close(fd)
 
 
+def cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
 def floor(plan: hybrid.Plan, out_dir: Path, write_behind: bool = False) -> float:
     """Read the side-layer bytes, write the new shards' byte count; fsync. The I/O lower bound."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -212,18 +217,25 @@ def main() -> int:
     print(f"replica in {gen:.1f} s; {len(plan.targets)} tensors in {len(plan.files)} files; "
           f"reads {plan.read_bytes / 1e9:.2f} GB of side layers, writes {need / 1e9:.2f} GB", flush=True)
     floors, floors_wb, copies, preps, loads = [], [], [], [], []
+    cpus: dict[str, list] = {"floor": [], "floor_write_behind": [], "copy_floor": []}
     for i in range(a.reps):
         loads.append(os.getloadavg()[0])
         drop_source_cache(plan)
+        c0 = cpu_s()
         f = floor(plan, a.dir / "floor-out")
+        cpus["floor"].append(round(cpu_s() - c0, 1))
         floors.append(f)
         print(f"  rep {i + 1}: floor {f:.1f} s (load {os.getloadavg()[0]:.1f})", flush=True)
         drop_source_cache(plan)
+        c0 = cpu_s()
         f = floor(plan, a.dir / "floor-out", write_behind=True)
+        cpus["floor_write_behind"].append(round(cpu_s() - c0, 1))
         floors_wb.append(f)
         print(f"  rep {i + 1}: floor, write-behind {f:.1f} s (load {os.getloadavg()[0]:.1f})", flush=True)
         drop_source_cache(plan)
+        c0 = cpu_s()
         c = copy_floor(plan, a.dir / "copy-out")
+        cpus["copy_floor"].append(round(cpu_s() - c0, 1))
         copies.append(c)
         print(f"  rep {i + 1}: copy floor {c:.1f} s (load {os.getloadavg()[0]:.1f})", flush=True)
         drop_source_cache(plan)
@@ -246,7 +258,7 @@ def main() -> int:
         "read_bytes": plan.read_bytes, "write_bytes": need,
         "floor_s": floors, "floor_write_behind_s": floors_wb, "copy_floor_s": copies,
         "prep_s": [p["seconds"] for p in preps],
-        "prep_cpu_s": [round(p["cpu_s"], 1) for p in preps], "prep_user_s": [round(p["user_s"], 1) for p in preps],
+        "floors_cpu_s": cpus, "prep_cpu_s": [round(p["cpu_s"], 1) for p in preps], "prep_user_s": [round(p["user_s"], 1) for p in preps],
         "prep_sys_s": [round(p["sys_s"], 1) for p in preps],
         "prep_kernel_load_s": [round(p["kernel_load_s"], 2) for p in preps], "load_avg_1min_at_rep_start": loads,
         "load_avg_1min_at_end": os.getloadavg()[0],
