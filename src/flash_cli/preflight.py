@@ -7,13 +7,14 @@ Each returns a list of Problems instead of raising, so `doctor` can report all o
 from __future__ import annotations
 
 import errno
+import json
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import hfcache
 from .errors import ConfigError, FlashError, ImageMissing, PortInUse, WeightsMissing
-from .settings import Settings
+from .settings import Settings, split_args
 
 BASE_LABELS = ("org.flash.base", "qwen38.base")
 
@@ -72,9 +73,88 @@ def fp8_kv_gap(base: str) -> str | None:
     return PATCH.not_ported.get(base, "no code for this release")
 
 
+CC_FLAGS = ("--compilation-config", "-cc")
+PLE_OP_V029 = "vllm::flash_ple_mmap_lookup"  # patch 1's splitting op on 0.29 (ple_mmap_v029.OP_NAME)
+
+
+def compilation_config(argv: list[str]) -> dict:
+    """The compilation config vLLM's argument parser ends up with for an argv (its semantics,
+    FlexibleArgumentParser 0.29-0.33): whole JSON values (`-cc JSON`, `--compilation-config=JSON`)
+    and dotted keys (`-cc.KEY=V`, `-cc.KEY V`, `-cc.KEY+=a,b`). Dotted keys of one spelling merge
+    into one dict that vLLM appends after every other flag, and the last value of the flag wins
+    whole: so one dotted key drops an earlier JSON config entirely (a silent loss we must see)."""
+    whole: dict | None = None
+    dotted: dict[str, dict] = {}
+    i = 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        flag = next((f for f in CC_FLAGS if name == f or name.startswith(f + ".")), None)
+        if flag is not None:
+            if not eq:
+                i += 1
+                value = argv[i] if i < len(argv) else ""
+            if name == flag:
+                try:
+                    parsed = json.loads(value)
+                except json.JSONDecodeError:
+                    parsed = None
+                if not isinstance(parsed, dict):
+                    raise ValueError(f"{flag} {value!r} is not a JSON object")
+                whole = parsed
+            else:
+                key = name[len(flag) + 1:]
+                if key.endswith("+"):
+                    key, parsed = key[:-1], value.split(",")
+                else:
+                    try:
+                        parsed = json.loads(value)
+                    except json.JSONDecodeError:
+                        parsed = value
+                d = dotted.setdefault(flag, {})
+                *parents, leaf = key.split(".")
+                for k in parents:
+                    d = d.setdefault(k, {})
+                d[leaf] = parsed
+        i += 1
+    if dotted:
+        return list(dotted.values())[-1]
+    return whole or {}
+
+
+def graph_regime(s: Settings) -> list[Problem]:
+    """Patch 1 gathers PLE rows on the host between graph segments: a FULL CUDA graph would replay
+    them as a constant (the plugin refuses at capture time, i.e. after the ten-minute load).
+    COMPILE_FLAGS replaces flash's PIECEWISE default and EXTRA can override it: check both now."""
+    from .spec import compilation_args
+
+    argv = compilation_args(s) + split_args(s["EXTRA"] or "", "EXTRA")
+    if "--enforce-eager" in argv:
+        return []
+    try:
+        cc = compilation_config(argv)
+    except ValueError as exc:
+        return [Problem(ConfigError, f"COMPILE_FLAGS/EXTRA: {exc}", "the value is split with shlex: quote the JSON "
+                        "inside it, e.g. COMPILE_FLAGS=\"-cc '{\\\"cudagraph_mode\\\":\\\"PIECEWISE\\\"}'\"")]
+    # vLLM's default when nothing sets it (a COMPILE_FLAGS or dotted -cc.* without a mode) is
+    # FULL_AND_PIECEWISE, NONE at -O0.
+    level = next((a[2:].lstrip("=") for a in argv if a.startswith("-O") and len(a) > 2), None)
+    mode = str(cc.get("cudagraph_mode", "NONE" if level == "0" else "FULL_AND_PIECEWISE")).upper()
+    out = []
+    if "FULL" in mode:
+        out.append(Problem(ConfigError, f"cudagraph_mode {mode} (from COMPILE_FLAGS/EXTRA) would capture the PLE "
+                           "gather in a FULL CUDA graph and replay stale rows; patch 1 needs PIECEWISE (or NONE)",
+                           "add \"cudagraph_mode\":\"PIECEWISE\" to the compilation config, or drop COMPILE_FLAGS"))
+    ops = cc.get("splitting_ops")
+    if s["BASE"] == "v0.29" and isinstance(ops, list) and PLE_OP_V029 not in ops and mode != "NONE":
+        out.append(Problem(ConfigError, f"splitting_ops {ops} (from COMPILE_FLAGS/EXTRA) leaves out patch 1's op "
+                           f"{PLE_OP_V029}: on v0.29 the PLE gather would be captured inside a graph",
+                           f"add \"{PLE_OP_V029}\" to splitting_ops, or leave splitting_ops unset"))
+    return out
+
+
 def recipe(s: Settings) -> list[Problem]:
     """Combinations the image cannot serve, caught before a ten-minute boot."""
-    out = []
+    out = graph_regime(s)
     fp8_gap = fp8_kv_gap(s["BASE"]) if s["KV_DTYPE"] in ("fp8", "fp8_e4m3") else None
     if fp8_gap:
         out.append(Problem(ConfigError, f"KV_DTYPE={s['KV_DTYPE']} is not available on BASE={s['BASE']}: "

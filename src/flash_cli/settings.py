@@ -210,7 +210,8 @@ SETTINGS: tuple[Setting, ...] = (
     S("BATCHED_TOKENS", "int", 8192, "Prefill chunk: maximum tokens per scheduler step.",
       "vllm --max-num-batched-tokens", minimum=256, maximum=131072),
     S("COMPILE_FLAGS", "str", None, "Replaces the compilation flags flash picks per base (upstream's CC, "
-      "renamed: CC is the C compiler's variable). Split with shlex.", "vllm -cc.* arguments", optional=True),
+      "renamed: CC is the C compiler's variable). Split with shlex. Must keep cudagraph_mode PIECEWISE or "
+      "NONE (checked before a boot: FULL graphs would replay the PLE gather).", "vllm -cc.* arguments", optional=True),
     S("EXTRA", "str", None, "Extra `vllm serve` arguments, split once with shlex (quotes work).",
       "vllm argv (appended)", optional=True),
     S("CONTAINER_ENV", "str", None, "Extra container environment, `KEY=VALUE` words split with shlex "

@@ -1,0 +1,68 @@
+"""Preflight keeps FULL CUDA graphs (which would replay the PLE gather as a constant) out of the
+recipe: COMPILE_FLAGS replaces flash's PIECEWISE default and EXTRA can override it. The parser
+model is checked against each release's real parser in tests/vllm/release/check_compile_flags.py."""
+
+import json
+
+import pytest
+
+from flash_cli import preflight
+from flash_cli.errors import ConfigError
+from flash_cli.settings import resolve
+
+PW = "'" + json.dumps({"cudagraph_mode": "PIECEWISE"}) + "'"
+
+
+def problems(**over):
+    return [p for p in preflight.recipe(resolve(overrides=over)) if "cudagraph" in p.message
+            or "splitting_ops" in p.message or "COMPILE_FLAGS/EXTRA" in p.message]
+
+
+@pytest.mark.parametrize("over", [
+    {}, {"COMPILE_FLAGS": f"-cc {PW}"}, {"COMPILE_FLAGS": "-O0"}, {"COMPILE_FLAGS": "-O3", "EXTRA": "--enforce-eager"},
+    {"EXTRA": "-cc.cudagraph_mode=PIECEWISE -cc.max_cudagraph_capture_size=64"},
+    {"EXTRA": "-cc.cudagraph_mode=NONE"},
+    {"BASE": "v0.29", "EXTRA": "-cc.cudagraph_mode=PIECEWISE -cc.splitting_ops+=vllm::flash_ple_mmap_lookup,vllm::x"},
+])
+def test_piecewise_recipes_pass(over):
+    assert problems(**over) == []
+
+
+@pytest.mark.parametrize("over, mode", [
+    ({"COMPILE_FLAGS": "-O3"}, "FULL_AND_PIECEWISE"),                      # COMPILE_FLAGS without a mode
+    ({"EXTRA": "-cc.max_cudagraph_capture_size=64"}, "FULL_AND_PIECEWISE"),  # a dotted key drops our JSON
+    ({"EXTRA": "-cc.cudagraph_mode=FULL_DECODE_ONLY"}, "FULL_DECODE_ONLY"),
+    ({"COMPILE_FLAGS": "-cc '" + json.dumps({"cudagraph_mode": "full"}) + "'"}, "FULL"),
+])
+def test_full_graphs_are_refused_naming_the_mode(over, mode):
+    (p,) = problems(**over)
+    assert p.error is ConfigError and f"cudagraph_mode {mode} " in p.message and "PIECEWISE" in p.hint
+
+
+def test_v029_splitting_ops_without_our_op_are_refused():
+    ops = "'" + json.dumps(["vllm::unified_attention"]) + "'"
+    (p,) = problems(BASE="v0.29", EXTRA=f"-cc.cudagraph_mode=PIECEWISE -cc.splitting_ops {ops}")
+    assert "vllm::flash_ple_mmap_lookup" in p.message and "vllm::flash_ple_mmap_lookup" in p.hint
+    assert problems(BASE="v0.33", EXTRA=f"-cc.cudagraph_mode=PIECEWISE -cc.splitting_ops {ops}") == []
+
+
+def test_unquoted_json_is_named_with_a_quoting_hint():
+    (p,) = problems(COMPILE_FLAGS='-cc {"cudagraph_mode":"PIECEWISE"}')  # shlex eats the quotes
+    assert "'{cudagraph_mode:PIECEWISE}' is not a JSON object" in p.message and "shlex" in p.hint
+
+
+def test_op_name_is_the_plugins():
+    from flash_vllm.patches import ple_mmap_v029
+
+    assert preflight.PLE_OP_V029 == f"vllm::{ple_mmap_v029.OP_NAME}"
+
+
+def test_parser_model_edge_cases():
+    cc = preflight.compilation_config
+    assert cc(["-cc.a.b=1", "-cc.a.c=x"]) == {"a": {"b": 1, "c": "x"}}
+    assert cc(["-cc.ops+=a,b"]) == {"ops": ["a", "b"]}
+    assert cc(["-cc", '{"x": 1}', "-cc", '{"y": 2}']) == {"y": 2}  # the last JSON wins whole
+    assert cc(["-cc.x=1", "--compilation-config.y=2"]) == {"y": 2}  # spellings do not merge in vLLM
+    assert cc(["--other", "v"]) == {}
+    with pytest.raises(ValueError, match="not a JSON object"):
+        cc(["-cc", "[1]"])
