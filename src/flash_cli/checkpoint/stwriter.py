@@ -259,7 +259,10 @@ class PositionalWriter:
                 chunk = os.pread(src_fd, n, src_offset)
                 if len(chunk) != n:
                     raise OSError(f"short read at {src_offset} in the source of {name}")
-                os.pwrite(self.fd, chunk, dst)
+                view, at = memoryview(chunk), dst
+                while view:  # pwrite may write less than asked (signals, quotas): finish the chunk
+                    w = os.pwrite(self.fd, view, at)
+                    view, at = view[w:], at + w
                 done = n
             drop_cache(src_fd, src_offset, done)
             self.behind.wrote(dst, done)
