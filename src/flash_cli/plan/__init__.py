@@ -230,9 +230,6 @@ def findings(plan: dict, s, hw: Hardware, live_checks: bool = True) -> list[tupl
     if live_checks and hw.host_available is not None and hw.unified and not s["KV_CACHE_MEM"] and b["requested_gib"] * GIB > hw.host_available:
         out.append(("fail", f"GPU_MEM={s['GPU_MEM']} asks for {b['requested_gib']} GiB but only "
                             f"{_gib(hw.host_available)} GiB is available now: vLLM refuses at start; free memory or lower GPU_MEM"))
-    if s["KV_DTYPE"].startswith("fp8") and kvcache.base_minor(s["BASE"]) < 33:
-        out.append(("warn", f"KV_DTYPE={s['KV_DTYPE']} on BASE={s['BASE']}: vLLM rejects fp8 KV on the QSA path before 0.33 "
-                            "unless the image carries the fp8-KV patch"))
     if conc >= 1 and s["SEQS"] > conc:
         out.append(("info", f"the pool holds {conc:.2f} requests of CTX={s['CTX']:,} tokens; SEQS={s['SEQS']} only runs "
                             "concurrently for shorter requests"))
