@@ -55,7 +55,7 @@ def test_real_run_against_two_standins_writes_raw_summary_and_plots(tmp_path, ca
     out = tmp_path / "res"
     # prefill slow enough (512 tokens ≈ 0.26 s cold) that a loaded CI box cannot blur cold vs hit
     slow_prefill = {"STANDIN_PREFILL_TPS": "2000"}
-    with StandIn(env=slow_prefill) as a, StandIn(env={**slow_prefill, "STANDIN_DECODE_TPS": "150"}) as b:
+    with StandIn(env=slow_prefill) as a, StandIn(env={**slow_prefill, "STANDIN_DECODE_TPS": "100"}) as b:
         rc = main(["bench", "BENCH_REPEATS=2", "BENCH_CONCURRENCY=1,2", "BENCH_PREFILL=512", "BENCH_DECODE_TOKENS=24",
                    "--url", a.url, "--url", b.url, "--label", "fast", "--label", "slow", "--out", str(out), "--json"])
     assert rc == 0
@@ -65,7 +65,8 @@ def test_real_run_against_two_standins_writes_raw_summary_and_plots(tmp_path, ca
     assert [r["target"] for r in raw if r["kind"] == "prefill"] == ["fast", "slow", "slow", "fast"]
     pre = [r for r in raw if r["kind"] == "prefill"]
     assert all(r["ttft_hit_s"] < r["ttft_cold_s"] and r["cached_tokens"] > 0 for r in pre)
-    # a server decoding at 150 tok/s against one at 400: the ratio must show it
+    # a server decoding at 100 tok/s against one at 400: the ratio must show it (0.25 unloaded; the
+    # fixed per-request overhead of a loaded 2-core box pulls it up, 0.7 leaves ~0.35 s of slack)
     assert summary["ratio_b_over_a"]["decode"]["1"]["per_stream_tok_s"] < 0.7
     for name in ("meta.json", "summary.json", "decode_aggregate.png", "decode_per_stream.png", "prefill.png", "ttft.png"):
         assert (out / name).stat().st_size > 0
