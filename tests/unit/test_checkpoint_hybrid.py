@@ -257,27 +257,63 @@ def test_disk_preflight_refuses_before_writing(tmp_path, monkeypatch):
     assert [d.name for d in snap.parent.iterdir()] == [snap.name]
 
 
-@pytest.mark.parametrize("delay", [0.35, 0.8, 1.3])
-def test_killed_at_random_points_then_rerun_verifies(tmp_path, delay):
-    # a bigger tiny model so the build takes long enough to be killed in the middle
+# The child SIGKILLs itself at an exact point of the real build (all threads die at once, as
+# with an OOM kill or a power cut): deterministic, so the test cannot drift into killing a
+# process that is still starting up or already done.
+KILL_CHILD = """
+import os, signal, sys
+from pathlib import Path
+from flash_cli.checkpoint import hybrid, stwriter
+what, n = sys.argv[2], int(sys.argv[3])
+calls = {"n": 0}
+def hook(orig, match=lambda *a: True):
+    def wrapper(*a, **k):
+        if match(*a):
+            calls["n"] += 1
+            if calls["n"] == n:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return orig(*a, **k)
+    return wrapper
+W = stwriter.PositionalWriter
+if what == "write":   # a converted strip being written by a worker thread
+    W.write_at = hook(W.write_at)
+elif what == "copy":  # an untouched tensor being copied into a rewritten shard
+    W.copy_into = hook(W.copy_into)
+elif what == "close": # a rewritten shard being closed (ftruncate + fsync)
+    W.close = hook(W.close)
+elif what == "rename":  # inside the swap: .prepared is in the partial dir, renames pending
+    os.rename = hook(os.rename, lambda src, dst: True)
+hybrid.prepare(Path(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("what, n, stale", [
+    ("write", 1, False), ("write", 150, False), ("copy", 2, False), ("close", 3, False),
+    ("rename", 1, False),  # fresh build: the only rename is partial -> variant
+    ("rename", 2, True),   # rebuild of a stale variant: killed between variant -> .old and partial -> variant
+])
+def test_killed_at_any_point_then_rerun_verifies(tmp_path, what, n, stale):
     snap = ckpt.write_snapshot(tmp_path / "hf", "radixark", ckpt.with_layers(ckpt.TINY, 24))
-    code = ("import sys; from flash_cli.checkpoint import hybrid; from pathlib import Path; "
-            "hybrid.prepare(Path(sys.argv[1]))")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(snap)], stderr=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-    time.sleep(delay)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
     var = hfcache.variant_dir(snap, "hybrid")
     partial = var.with_name(var.name + hybrid.PARTIAL)
-    assert not (partial / ".prepared").exists()
-    state = hfcache.variant_state(snap, "hybrid")
-    assert state in ("absent", "ready")  # finished before the kill, or nothing claimed
-    if state == "ready":
-        assert verify.structure(var).ok
+    if stale:
+        hybrid.prepare(snap)
+        m = json.loads((var / ".prepared").read_text())
+        (var / ".prepared").write_text(json.dumps({**m, "format": m["format"] - 1}))
+        assert hfcache.variant_state(snap, "hybrid") == "stale"
+    proc = subprocess.run([sys.executable, "-c", KILL_CHILD, str(snap), what, str(n)], capture_output=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]  # it died at the point, not before/after
+    assert partial.is_dir()  # killed mid-build: the work in progress is there ...
+    assert hfcache.variant_state(snap, "hybrid") != "ready"  # ... and nothing claims to be prepared
+    if what == "rename" and stale:
+        assert not var.exists() and var.with_name(var.name + ".old").is_dir()
+    elif stale:
+        assert hfcache.variant_state(snap, "hybrid") == "stale"
     out = hybrid.prepare(snap)
-    assert out["action"] in ("built", "none")
-    assert not partial.exists() and verify.structure(var).ok and hfcache.variant_state(snap, "hybrid") == "ready"
+    assert out["action"] == "built"
+    assert not partial.exists() and not var.with_name(var.name + ".old").exists()
+    assert verify.structure(var).ok and hfcache.variant_state(snap, "hybrid") == "ready"
 
 
 def test_unaligned_target_is_refused_before_writing(tmp_path):

@@ -410,16 +410,16 @@ def build(p: Plan, on_write=None, workers: int | None = None) -> dict:
 
 
 def _swap_into_place(partial: Path, dest: Path) -> None:
+    old = dest.with_name(dest.name + ".old")
     if dest.exists() or dest.is_symlink():
-        old = dest.with_name(dest.name + ".old")
         if old.exists():
             shutil.rmtree(old)
         os.rename(dest, old)
-        os.rename(partial, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(partial, dest)
+    os.rename(partial, dest)
     layout.fsync_dir(dest.parent)
+    # Also the .old a process killed between the two renames left behind (a whole variant's
+    # rewritten shards: gigabytes nobody would otherwise reclaim).
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def repair_links(source: Path, dest: Path) -> list[str]:
