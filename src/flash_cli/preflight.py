@@ -143,7 +143,8 @@ def graph_regime(s: Settings) -> list[Problem]:
     if "FULL" in mode:
         out.append(Problem(ConfigError, f"cudagraph_mode {mode} (from COMPILE_FLAGS/EXTRA) would capture the PLE "
                            "gather in a FULL CUDA graph and replay stale rows; patch 1 needs PIECEWISE (or NONE)",
-                           "add \"cudagraph_mode\":\"PIECEWISE\" to the compilation config, or drop COMPILE_FLAGS"))
+                           "set cudagraph_mode PIECEWISE in the JSON config, or add -cc.cudagraph_mode=PIECEWISE: dotted "
+                           "-cc.* keys replace flash's whole compilation config in vLLM's parser"))
     ops = cc.get("splitting_ops")
     if s["BASE"] == "v0.29" and isinstance(ops, list) and PLE_OP_V029 not in ops and mode != "NONE":
         out.append(Problem(ConfigError, f"splitting_ops {ops} (from COMPILE_FLAGS/EXTRA) leaves out patch 1's op "
