@@ -50,9 +50,7 @@ from .ple_mmap_v029 import TARGETS as V029_TARGETS
 
 NUMBER = 1
 ENV = "VLLM_PLE_MMAP"
-STORAGE_BASES = frozenset({"v0.30", "v0.31", "v0.32", "v0.33"})
-SPLITTING_OP_BASES = frozenset({"v0.29"})
-FLAVOURS = {**{b: "storage" for b in STORAGE_BASES}, **{b: "splitting-op" for b in SPLITTING_OP_BASES}}
+FLAVOURS = {"v0.29": "splitting-op", "v0.30": "storage", "v0.31": "storage", "v0.32": "storage", "v0.33": "storage"}
 NGRAM = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
 PINNED = (NGRAM, "Qwen4ExpPLEPinnedHostEmbedding")
 DEVICE = (NGRAM, "Qwen4ExpPLEDeviceEmbedding")
@@ -306,7 +304,7 @@ PATCH = Patch(
     upstream="vllm#54129 (VLLM_PLE_MMAP, open) / vllm#54070 (disk-backed tables, open)",
     gate=Gate.flag(ENV),
     targets=tuple(f"{m}:{q}" for m, q in (PINNED, DEVICE, INIT, FORWARD, LOAD) + V029_TARGETS),
-    applies_to=STORAGE_BASES | SPLITTING_OP_BASES,
+    applies_to=frozenset(FLAVOURS),
     check=check, apply=apply, verify=verify,
     notes="Graph regime: the run spec forces cudagraph_mode=PIECEWISE (and leaves splitting_ops unset, "
           "so 0.29 copies its list with our op); FULL decode graphs need the gather moved before the "

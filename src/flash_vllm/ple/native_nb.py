@@ -93,18 +93,11 @@ def gather(region, shard_off, rps, rb, num_rows, ids, out):
 def gather_warm(region, shard_off, rps, rb, num_rows, ids, out, ru):
     """``gather`` plus this thread's major faults + blocks read around the copy (``ru``: int64[18]
     scratch for ``struct rusage``): -2 means the copy went to the disk (the rows were not warm)."""
-    n = ids.shape[0]
-    for i in range(n):
-        if ids[i] < 0 or ids[i] >= num_rows:
-            return i
     c_getrusage(1, ru.ctypes.data)  # RUSAGE_THREAD
     before = ru[9] + ru[11]  # after two timevals: ru_majflt = long 5, ru_inblock = long 7
-    src = region.ctypes.data
-    dst = out.ctypes.data
-    for i in range(n):
-        r = ids[i]
-        s = r // rps
-        memcpy(dst + i * rb, src + shard_off[s] + (r - s * rps) * rb, rb)
+    bad = gather(region, shard_off, rps, rb, num_rows, ids, out)  # range check first, then the copy
+    if bad >= 0:
+        return bad
     c_getrusage(1, ru.ctypes.data)
     return -2 if ru[9] + ru[11] != before else -1
 
