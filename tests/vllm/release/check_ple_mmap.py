@@ -56,6 +56,19 @@ def test_not_ported_bases_refuse(patch1, base):
         patch1.check(_ctx())
 
 
+class FakeCapture:
+    """BreakableCUDAGraphCapture.add_eager's contract: run the eager segment now, record it for replay."""
+    _capturing = True
+
+    def __init__(self):
+        self.segments = []
+
+    def add_eager(self, fn):
+        result = fn()
+        self.segments.append(fn)
+        return result
+
+
 def _flavour(base):
     from flash_vllm.patches import ple_mmap
 
@@ -181,22 +194,11 @@ def test_capture_time_run_zero_fills(layer, checkpoint, base, patch1, monkeypatc
         return
     from vllm.compilation import breakable_cudagraph as bc
 
-    class Capture:  # BreakableCUDAGraphCapture.add_eager's contract: run now, record for replay
-        _capturing = True
-
-        def __init__(self):
-            self.segments = []
-
-        def add_eager(self, fn):
-            result = fn()
-            self.segments.append(fn)
-            return result
-
     emb = layer.emb
     ids = torch.full((4, 2), 1 << 40, dtype=torch.long)  # the static ids buffer, garbage at capture
     with pytest.raises(IndexError):
         emb(ids)  # outside a capture the engine range-checks the ids
-    cap = Capture()
+    cap = FakeCapture()
     monkeypatch.setattr(bc.BreakableCUDAGraphCapture, "current", classmethod(lambda cls: cap))
     monkeypatch.setattr(bc, "_weak_ref_capture_arg", lambda a: a)  # weak refs need vllm._C (CUDA)
     emb._flash_out.fill_(7)
@@ -465,22 +467,11 @@ def test_v029_capture_zero_fills_replays_and_refuses_full(v029, monkeypatch):
     emb = layer.ngram_embedding
     assert getattr(emb._flash_gather, "__wrapped__", None) is not None
 
-    class Capture:  # BreakableCUDAGraphCapture.add_eager's contract: run now, record for replay
-        _capturing = True
-
-        def __init__(self):
-            self.segments = []
-
-        def add_eager(self, fn):
-            result = fn()
-            self.segments.append(fn)
-            return result
-
     ids = torch.full((4, 2), 1 << 40, dtype=torch.long)  # static ids buffer, garbage at capture
     out = torch.full((4, 2, V029_WIDTH), 7, dtype=torch.uint8).view(torch.float8_e4m3fn)
     with pytest.raises(IndexError):
         emb.flash_lookup(ids, out)  # outside a capture the engine range-checks the ids
-    cap = Capture()
+    cap = FakeCapture()
     monkeypatch.setattr(bc.BreakableCUDAGraphCapture, "current", classmethod(lambda cls: cap))
     monkeypatch.setattr(bc, "weak_ref_tensor", lambda a: a, raising=False)  # needs vllm._C (CUDA)
     monkeypatch.setattr(bc, "_weak_ref_capture_arg", lambda a: a, raising=False)
