@@ -5,33 +5,25 @@ vLLM's own plugin loader runs flash_vllm.register(), PrometheusStatLogger starts
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from flash_vllm import compat
 from flash_vllm.ple.stats import COUNTERS, START_GAUGE
+
+from release_envs import RELEASES, ensure
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]
-RELEASES = [compat.BASES[b] for b in compat.ORDER]
-
-
-def _ensure(release: str) -> dict:
-    spec = importlib.util.spec_from_file_location("check_vllm_release", ROOT / "tools" / "check_vllm_release.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.ensure(release)
 
 
 # oldest and newest: what differs between releases here (plugin loader, unregister_vllm_metrics,
 # get_prometheus_registry) is shared by the releases between them
 @pytest.mark.parametrize("release", [RELEASES[0], RELEASES[-1]])
 def test_bridge_adds_the_ple_families_and_loses_nothing(release, tmp_path):
-    rt = _ensure(release)
+    rt = ensure(release)
     out = tmp_path / "diff.json"
     proc = subprocess.run([rt["python"], str(ROOT / "tools" / "metrics_bridge_diff.py"), "--json", str(out)],
                           env=rt["env"], cwd=ROOT, capture_output=True, text=True, timeout=1800)

@@ -4,31 +4,23 @@ The gates, rules and dashboard depend on the outcome (docs/OBSERVABILITY.md)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from flash_vllm import compat
 from flash_vllm.ple.stats import COUNTERS
+
+from release_envs import RELEASES, ensure
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]
-RELEASES = [compat.BASES[b] for b in compat.ORDER]
-
-
-def _ensure(release: str) -> dict:
-    spec = importlib.util.spec_from_file_location("check_vllm_release", ROOT / "tools" / "check_vllm_release.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.ensure(release)
 
 
 @pytest.mark.parametrize("release", RELEASES)
 def test_multiprocess_mode_keeps_every_vllm_family_and_shows_the_ple_counters(release, tmp_path):
-    rt = _ensure(release)
+    rt = ensure(release)
     out = tmp_path / "diff.json"
     proc = subprocess.run([rt["python"], str(ROOT / "tools" / "metrics_multiproc_diff.py"), "--json", str(out)],
                           env=rt["env"], cwd=ROOT, capture_output=True, text=True, timeout=900)

@@ -11,7 +11,6 @@ Per release (environments from tools/check_vllm_release.py, built by tests/suppo
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -22,18 +21,11 @@ import pytest
 
 from flash_vllm import compat
 from flash_vllm.registry import catalogue
+from release_envs import RELEASES, TOOL
+from release_envs import tool as _tool
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]
-TOOL = ROOT / "tools" / "check_vllm_release.py"
-RELEASES = [compat.BASES[b] for b in compat.ORDER]
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("check_vllm_release", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 # The tool end to end on the oldest and the newest release (the interface others rely on); the
