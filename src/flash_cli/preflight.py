@@ -55,22 +55,26 @@ def weights(s: Settings, hf_cache: Path, snapshot: Path | None) -> list[Problem]
     return out
 
 
-def ple_mmap_gap(base: str) -> str | None:
-    """Why patch 1 (which the run spec always turns on) ships no code for `base`, per the plugin's
-    registry (docs/PATCHES.md); None where it does. Without it vLLM puts the table in memory."""
-    from flash_vllm.patches.ple_mmap import PATCH  # metadata only: imports no vLLM, no torch
+def served_gap(patch_module: str, base: str) -> str | None:
+    """Why the patch in `flash_vllm.patches.<patch_module>` leaves its feature unserved on `base`
+    (per the plugin's registry, docs/PATCHES.md); None where it ships code or the release has it.
+    The registry is metadata only: it imports no vLLM, no torch."""
+    import importlib
 
-    return None if PATCH.meant_for(base) else PATCH.not_ported.get(base, "no code for this release")
+    patch = importlib.import_module(f"flash_vllm.patches.{patch_module}").PATCH
+    if patch.expected_status(base) in ("applies", "upstream"):
+        return None
+    return patch.not_ported.get(base, "no code for this release")
+
+
+def ple_mmap_gap(base: str) -> str | None:
+    """Patch 1, which the run spec always turns on: without it vLLM puts the table in memory."""
+    return served_gap("ple_mmap", base)
 
 
 def fp8_kv_gap(base: str) -> str | None:
-    """Why fp8 KV on QSA is unavailable on `base` (patch 7 neither ports it nor finds it upstream,
-    per the plugin's registry); None where it is served (ported on 0.29/0.30, native from 0.31)."""
-    from flash_vllm.patches.qsa_fp8_kv import PATCH  # metadata only: imports no vLLM, no torch
-
-    if PATCH.meant_for(base) or base in PATCH.upstream_in:
-        return None
-    return PATCH.not_ported.get(base, "no code for this release")
+    """Patch 7: fp8 KV on QSA, ported on 0.29/0.30, native from 0.31."""
+    return served_gap("qsa_fp8_kv", base)
 
 
 CC_FLAGS = ("--compilation-config", "-cc")
