@@ -280,6 +280,10 @@ def apply(ctx: Context) -> None:
         return _v029().apply()
     install(NUMBER, *PINNED, make_storage)
     install(NUMBER, *DEVICE, make_storage)
+    if ctx.flag("VLLM_PLE_MMAP_DEBUG"):
+        from .ple_mmap_debug import make_forward
+
+        install(NUMBER, *FORWARD, make_forward)
 
 
 def verify(ctx: Context) -> None:
