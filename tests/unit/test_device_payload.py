@@ -296,3 +296,24 @@ def test_cli_receive_reports_missing_and_install_exit_code(dp, packed, tmp_path,
     assert "incomplete" in capsys.readouterr().err
     assert dp.main(["status", "--store", str(store), "--prefix", str(tmp_path / "p")]) == 0
     assert f"2/{len(m['parts'])} parts" in capsys.readouterr().out
+
+
+def test_release_without_a_list_is_resolved_by_pip_minus_the_image(dp, tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_run(argv, **kw):
+        seen["argv"] = argv
+        dest = Path(argv[argv.index("-d") + 1])
+        for fn in ("vllm-0.29.0-cp38-abi3-manylinux_2_28_x86_64.whl", "torch-2.9.0-cp312-cp312-manylinux_2_28_x86_64.whl",
+                   "Jinja2-3.1.6-py3-none-any.whl"):
+            make_wheel(dest / fn, seed=1, size=10)
+        return type("R", (), {"returncode": 0, "stdout": "", "stderr": ""})()
+
+    monkeypatch.setattr(dp.subprocess, "run", fake_run)
+    freeze = tmp_path / "freeze.txt"
+    freeze.write_text("jinja2==3.1.6\ntorch==2.11.0\n")  # the image: same jinja2, another torch
+    names = dp.resolve_release("0.29.0", tmp_path / "cache", dp.read_freeze(freeze))
+    assert "--no-deps" not in seen["argv"] and seen["argv"][-1] == "vllm==0.29.0"
+    assert names == ["torch-2.9.0-cp312-cp312-manylinux_2_28_x86_64.whl",
+                     "vllm-0.29.0-cp38-abi3-manylinux_2_28_x86_64.whl"]
+    assert all((tmp_path / "cache" / n).is_file() for n in names)
