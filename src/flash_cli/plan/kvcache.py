@@ -245,7 +245,7 @@ def base_minor(base: str) -> int:
 
 
 def layout(geom: Geometry, *, base: str, kv_dtype: str, mtp: int, prefix_cache: bool, max_model_len: int,
-           flashinfer_gdn: bool = True) -> KVLayout:
+           flashinfer_gdn: bool = True, user_block_size: int | None = None) -> KVLayout:
     """Specs → block size → groups → per-block bytes and per-request blocks, for one release line."""
     notes: list[str] = []
     minor = base_minor(base)
@@ -261,7 +261,9 @@ def layout(geom: Geometry, *, base: str, kv_dtype: str, mtp: int, prefix_cache: 
 
     # 2. Platform._align_hybrid_block_size
     attn_page_1 = geom.num_key_value_heads * 2 * geom.head_dim * kv_bytes
-    align = KERNEL_BLOCK
+    # kernel_block_alignment_size = max(kernel minimum, cache_config.block_size): a user's
+    # --block-size is both the floor and the alignment
+    align = max(KERNEL_BLOCK, user_block_size or 0)
     checkpoints = minor >= 33 and prefix_cache and flashinfer_gdn
     if checkpoints:
         # get_mamba_prefill_checkpoint_alignment: lcm(GDN 64 (FlashInfer prefill), PLE 1)
