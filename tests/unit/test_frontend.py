@@ -123,18 +123,16 @@ def test_every_base_served_now_patch1_is_ported():
         assert preflight.recipe(resolve(overrides={"BASE": base})) == [], base
 
 
-def test_base_refused_where_the_registry_says_patch1_is_not_ported(monkeypatch):
-    import dataclasses
+def test_base_refused_where_the_catalogue_says_patch1_is_not_ported(monkeypatch):
+    from flash_common import releases
 
-    from flash_vllm.patches import ple_mmap
+    from fakes.releases import with_cap
 
-    unported = dataclasses.replace(ple_mmap.PATCH, applies_to=ple_mmap.PATCH.applies_to - {"v0.29"},
-                                   not_ported={"v0.29": "the splitting-op port is missing"})
-    monkeypatch.setattr(ple_mmap, "PATCH", unported)
+    with_cap(monkeypatch, "v0.29", ple_storage=None)
     p = preflight.recipe(resolve(overrides={"BASE": "v0.29"}))
     assert len(p) == 1 and p[0].error is ConfigError
-    assert "patch 1" in p[0].message and "the splitting-op port is missing" in p[0].message
-    assert "BASE=v0.33" in p[0].hint
+    assert "patch 1" in p[0].message and "ple_storage=None" in p[0].message
+    assert f"BASE={releases.CURRENT}" in p[0].hint
     assert preflight.recipe(resolve(overrides={"BASE": "v0.30"})) == []
 
 

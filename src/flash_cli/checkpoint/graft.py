@@ -101,7 +101,7 @@ def fetch_donor(hf_cache, donor: Donor = DONOR, env=None) -> Path:
 
 def check_donor(path: Path, expected: int = DONOR_EXPERTS) -> tuple[list[str], list[str]]:
     """→ (6,144 expert keys, 29 shared module names) or a CheckpointError naming the mismatch."""
-    from flash_vllm.ple.header import HeaderError, read_header
+    from flash_common.stheader import HeaderError, read_header
 
     try:
         h = read_header(path)
@@ -209,7 +209,7 @@ def gate(directory: Path, donor_keys: list[str], donor_file: str, excludes_expec
 
 
 def build(snapshot: Path, donor_path: Path, donor: Donor = DONOR) -> dict:
-    from flash_vllm.ple.header import read_header
+    from flash_common.stheader import read_header
 
     snapshot = Path(snapshot)
     hyb = hfcache.variant_dir(snapshot, "hybrid")

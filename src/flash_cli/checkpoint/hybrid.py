@@ -80,7 +80,7 @@ class Plan:
 
 def plan(source: Path, dest: Path) -> Plan:
     """Decide everything from the index and the headers; read no tensor data."""
-    from flash_vllm.ple.header import HeaderError, read_header
+    from flash_common.stheader import HeaderError, read_header
 
     source = Path(source)
     missing = hfcache.missing_files(source)

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Callable
 
+from flash_common import releases
+
 from .. import recipe
 from ..errors import FlashError, NotAvailable
 from ..output import say
@@ -42,15 +44,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def dockerfile_for(base: str) -> str:
-    return "Dockerfile.v0.29" if base == "v0.29" else "Dockerfile"
+    return str(releases.cap(base, "dockerfile"))
 
 
 def build_args(s) -> dict[str, str]:
     args = {"SELFCHECK": "1" if s["SELFCHECK"] else "0", "FLASH_VLLM_BASE": s["BASE"]}
     if s["BASE_IMAGE"]:
         args["BASE_IMAGE"] = s["BASE_IMAGE"]
-    elif s["BASE"] not in ("v0.33", "v0.29"):  # Dockerfile serves v0.30-v0.32 too, FROM their release image
-        args["BASE_IMAGE"] = f"vllm/vllm-openai:{s['BASE']}.0"
+    else:  # one Dockerfile serves several releases: FROM the catalogued image where its default differs
+        image = releases.get(s["BASE"]).image
+        if image != dockerfile_base(dockerfile_for(s["BASE"])):
+            args["BASE_IMAGE"] = image
     return args
 
 

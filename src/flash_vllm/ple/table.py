@@ -44,7 +44,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .header import HeaderError, read_header, read_index
+from flash_common.stheader import HeaderError, read_header, read_index
 
 PAGE = _mmap.PAGESIZE
 _MADV_NORMAL, _MADV_RANDOM, _MADV_WILLNEED = 0, 1, 3
