@@ -13,7 +13,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+# After PYTHONPATH's entries (sys.path[0] is tools/): a caller may put a copy of a package first
+# (the release-catalogue dry run in tests/unit/test_release_catalogue.py does).
+sys.path.insert(1 + len([p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]), str(ROOT / "src"))
 
 from flash_common import releases  # noqa: E402
 from flash_vllm.registry import DISABLE_ENV, catalogue, patchset_hash  # noqa: E402
