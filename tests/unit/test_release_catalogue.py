@@ -151,3 +151,31 @@ def test_dry_run_patches_doc_follows(dry_run):
     row = next(ln for ln in doc.splitlines() if ln.startswith("| 12 |"))
     assert row.endswith("| upstream | upstream |")
     assert "Files a real addition touches: **5**" in doc
+
+
+def _tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_vllm_release", ROOT / "tools" / "check_vllm_release.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_propose_reads_capabilities_from_source_markers():
+    """--propose on a synthetic wheel's files (the vllm tier runs it on the real wheels)."""
+    files = {
+        "vllm/compilation/breakable_cudagraph.py": "",
+        "vllm/models/qwen4_exp/nvidia/ngram_embedding.py": "from ..common import Qwen4ExpPLEPinnedHostEmbedding",
+        "vllm/models/qwen4_exp/nvidia/qsa.py": 'supported_kv_cache_dtypes = [\n "auto",\n "fp8_e4m3",\n]\n',
+        "vllm/renderers/params.py": "return effort_map.get(effort, effort)",
+        "vllm/model_executor/layers/mamba/abstract.py": "def get_mamba_prefill_checkpoint_alignment(",
+    }
+    caps, entry = _tool().propose_from("0.34.0", "2.15.0", files.get, set(files))
+    assert caps == {**releases.get("v0.33").caps, "overhead_fitted": False}
+    assert entry.startswith('    _release("0.34.0", "2.15.0", dockerfile=\'Dockerfile\', ple_storage=\'storage\'')
+    assert "ring_state_bucket: no source marker" in entry
+    bare = {k: v for k, v in files.items() if "qsa" not in k and "ngram" not in k}
+    caps, entry = _tool().propose_from("0.34.0", "2.15.0", bare.get, set(bare))
+    assert caps["qsa_fp8_kv"] is None and caps["ple_storage"] is None
+    assert "port patch 1 before serving" in entry and "patch 7 ships code" in entry
