@@ -20,11 +20,12 @@ from ..output import say
 from ..profiles import REPO
 from ..spec import default_image
 
-# The checkpoint tools (the pipeline issue) expose is_done(settings) and run_step(settings, dry_run).
+# Each checkpoint step exposes is_done(settings) and run_step(settings, dry_run): the download
+# module, and the variant steps of `flash prepare` (commands/prepare.py STEPS, which print).
 CHECKPOINT_STEPS = {
     "weights": "flash_cli.checkpoint.download",
-    "hybrid": "flash_cli.checkpoint.hybrid",
-    "graft": "flash_cli.checkpoint.graft",
+    "hybrid": "flash_cli.commands.prepare:hybrid",
+    "graft": "flash_cli.commands.prepare:graft",
 }
 
 
@@ -131,7 +132,10 @@ def image_step(r: recipe.Recipe) -> Step:
 
 def checkpoint_step(name: str, r: recipe.Recipe) -> Step:
     try:
-        mod = importlib.import_module(CHECKPOINT_STEPS[name])
+        module, _, step = CHECKPOINT_STEPS[name].partition(":")
+        mod = importlib.import_module(module)
+        if step:
+            mod = mod.STEPS[step]
         is_done, run_step = mod.is_done, mod.run_step
     except (ImportError, AttributeError):
         def unavailable() -> None:
