@@ -43,9 +43,12 @@ One catalogue entry, then the patches that really change:
 
 Files a real addition touches: **5** — 1 edited by hand (`src/flash_common/releases.py`) and 4
 regenerated (`docs/PATCHES.md`, `docs/SETTINGS.md`, `Dockerfile`, `Dockerfile.v0.29`: the patch-set
-stamp covers the catalogue), plus the patches that really change. Making it the current base also
-regenerates the golden run specs whose image tag names it (`FLASH_UPDATE_GOLDEN=1`); profiles say
-`# base: current` and follow. Before the catalogue it was about 30 files found by grep.
+stamp covers the catalogue), plus the patches that really change (counted by adding a 0.34.0 entry
+to a copy of the tree and running the generators). Making it the current base too (`CURRENT`, still
+in that one file) also regenerates what names the current base: the 7 golden run specs
+(`FLASH_UPDATE_GOLDEN=1`, image tag and base label) and `docs/PLAN.md`'s profile table
+(`tools/gen_plan_doc.py`): 13 files, 1 by hand. Profiles say `# base: current` and follow. Before
+the catalogue it was about 30 files, found by grep.
 """
 
 

@@ -12,6 +12,7 @@ import pytest
 from flash_cli import preflight, recipe, state
 from flash_cli.errors import ConfigError, PortInUse, UsageError, WeightsMissing
 from flash_cli.settings import resolve
+from flash_common import releases
 
 
 def test_api_key_generated_once_0600(tmp_path, monkeypatch):
@@ -124,8 +125,6 @@ def test_every_base_served_now_patch1_is_ported():
 
 
 def test_base_refused_where_the_catalogue_says_patch1_is_not_ported(monkeypatch):
-    from flash_common import releases
-
     from fakes.releases import with_cap
 
     with_cap(monkeypatch, "v0.29", ple_storage=None)
@@ -140,6 +139,6 @@ def test_setup_builds_v030_to_v032_from_their_release_image():
     from flash_cli.commands.setup import build_args, dockerfile_for
 
     assert build_args(resolve(overrides={"BASE": "v0.31"}))["BASE_IMAGE"] == "vllm/vllm-openai:v0.31.0"
-    assert "BASE_IMAGE" not in build_args(resolve(overrides={"BASE": "v0.33"}))
+    assert "BASE_IMAGE" not in build_args(resolve(overrides={"BASE": releases.CURRENT}))  # the Dockerfile's default
     assert build_args(resolve(overrides={"BASE": "v0.31", "BASE_IMAGE": "mine:1"}))["BASE_IMAGE"] == "mine:1"
     assert dockerfile_for("v0.29") == "Dockerfile.v0.29" and dockerfile_for("v0.31") == "Dockerfile"
