@@ -17,6 +17,8 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from flash_common import releases
+
 from .errors import ConfigError
 
 TRUE = ("1", "true", "yes", "on")
@@ -134,8 +136,8 @@ class Setting:
         return str(value)
 
 
-BASES = ("v0.33", "v0.32", "v0.31", "v0.30", "v0.29")
-CURRENT_BASE = "v0.33"
+BASES = releases.newest_first()   # the catalogue's bases (flash_common.releases), newest first
+CURRENT_BASE = releases.CURRENT
 
 S = Setting
 SETTINGS: tuple[Setting, ...] = (
@@ -143,7 +145,7 @@ SETTINGS: tuple[Setting, ...] = (
     S("NAME", "str", "qwen38-flash", "Container name (also the label value flash finds it by).",
       "docker --name, label org.flash.name", pattern=r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,62}"),
     S("BASE", "choice", CURRENT_BASE, "vLLM release line the image is built on; picks the Dockerfile, "
-      "graph regime and which patches apply. Profiles set it with `# base:`.",
+      "graph regime and which patches apply. Profiles set it with `# base:` (`current`: the catalogue's current base).",
       "image tag, Dockerfile choice, compilation flags, label org.flash.base", choices=BASES),
     S("IMAGE", "str", None, "Image to run. Empty: flash-vllm:<BASE>, built by `flash setup`.",
       "docker image", optional=True, pattern=r"[a-zA-Z0-9][\w./:@-]*"),

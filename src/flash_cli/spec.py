@@ -13,8 +13,9 @@ import re
 from dataclasses import dataclass, field
 
 # Claude Code sends high/max/minimal; the template knows xhigh/medium/low only. One map, shared
-# with patch 12 (which applies it on v0.29-v0.32), so the two cannot drift.
-from flash_vllm.effort import EFFORT_MAP
+# with patch 12 (which applies it where vLLM has no --reasoning-effort-map), so the two cannot drift.
+from flash_common import releases
+from flash_common.effort import EFFORT_MAP
 
 from . import __version__
 from .hfcache import VARIANT_SUFFIX
@@ -125,7 +126,7 @@ def vllm_args(s: Settings, snapshot: str, host: str, port: int) -> list[str]:
         argv += ["--enable-log-requests", "--enable-log-outputs"]
     argv += ["--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3",
              "--enable-prompt-tokens-details"]
-    if s["EFFORT_ALIAS"] and base == "v0.33":
+    if s["EFFORT_ALIAS"] and releases.has(base, "reasoning_effort_map"):
         argv += ["--reasoning-effort-map", json.dumps(EFFORT_MAP, separators=(",", ":"))]
     if mtp:
         spec: dict = {"method": "mtp", "num_speculative_tokens": mtp}
@@ -155,7 +156,7 @@ def container_env(s: Settings, needs_key: bool) -> dict[str, str]:
     if s["MODE"] in ("hybrid", "hybrid-mtp"):
         env["VLLM_FP8_HYBRID"] = "1"
         env["VLLM_USE_DEEP_GEMM"] = "0"
-    if s["EFFORT_ALIAS"] and s["BASE"] != "v0.33":
+    if s["EFFORT_ALIAS"] and not releases.has(s["BASE"], "reasoning_effort_map"):
         env["FLASH_EFFORT_ALIAS"] = "1"
     if s["PROM_MULTIPROC"]:
         env["PROMETHEUS_MULTIPROC_DIR"] = PROM_DIR

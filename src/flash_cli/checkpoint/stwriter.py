@@ -2,7 +2,7 @@
 
 safetensors' own `save_file` needs every tensor in memory at once; a 10.7 GB shard must be
 written tensor by tensor. The header is the same format the Rust writer emits (JSON, padded
-with spaces to a multiple of 8, contiguous data offsets), and `flash_vllm.ple.header` plus
+with spaces to a multiple of 8, contiguous data offsets), and `flash_common.stheader` plus
 `safetensors.safe_open` read it back in the tests.
 """
 

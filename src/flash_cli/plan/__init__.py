@@ -22,6 +22,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from flash_common import releases
+
 from . import geometry as geometry_mod
 from . import hardware as hardware_mod
 from . import kvcache, weights as weights_mod
@@ -225,7 +227,7 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
                            f"first memory snapshot {_gib(hw.vllm_baseline)} GiB are outside GPU_MEM (assumed)")
     assumptions.append(f"runtime overhead {_gib(overhead)} GiB (CUDA context, graphs, non-torch buffers): fitted on the "
                        f"published default-recipe pool; boot-to-boot spread ±{_gib(OVERHEAD_BAND)} GiB")
-    if base in ("v0.30", "v0.31", "v0.32", "v0.33"):
+    if not releases.has(base, "overhead_fitted"):
         assumptions.append(f"accounting of {base}: same allocator path as 0.29 except where noted; the overhead "
                            "was fitted on pools measured with the 0.29-era image")
 
