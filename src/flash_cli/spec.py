@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 # with patch 12 (which applies it on v0.29-v0.32), so the two cannot drift.
 from flash_vllm.effort import EFFORT_MAP
 
-from . import __version__
+from . import __version__, release_facts
 from .hfcache import VARIANT_SUFFIX
 from .errors import ConfigError
 from .settings import Settings, split_args
@@ -127,13 +127,68 @@ def vllm_args(s: Settings, snapshot: str, host: str, port: int) -> list[str]:
              "--enable-prompt-tokens-details"]
     if s["EFFORT_ALIAS"] and base == "v0.33":
         argv += ["--reasoning-effort-map", json.dumps(EFFORT_MAP, separators=(",", ":"))]
-    if mtp:
-        spec: dict = {"method": "mtp", "num_speculative_tokens": mtp}
-        if yarn:  # dict hf_overrides do not reach the draft model: give it the length itself
-            spec["max_model_len"] = ctx
+    if s["EFFORT_DEFAULT"]:
+        argv += [release_facts.cap(base, "default_effort_flag"),
+                 json.dumps({"reasoning_effort": s["EFFORT_DEFAULT"]}, separators=(",", ":"))]
+    spec = speculative_config(s)
+    if spec:
         argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
     # EXTRA last: argparse keeps the last occurrence, so a user flag wins over ours.
     return argv + split_args(s["EXTRA"], "EXTRA")
+
+
+def mtp_schedule(s: Settings) -> list[list[int]] | None:
+    """MTP_BY_BATCH `1:3,3:2,6:1` → vLLM's inclusive ranges [[1,2,3],[3,5,2],[6,SEQS,1]], checked the
+    way vllm/v1/spec_decode/dynamic/utils.py checks them, plus what vLLM would do silently (a K
+    above MTP is capped there; here it is an error)."""
+    text = s["MTP_BY_BATCH"]
+    if not text:
+        return None
+    where = f"MTP_BY_BATCH={text!r}"
+    if not s["MTP"]:
+        raise ConfigError(f"{where} needs MTP > 0 (MTP=0 turns speculative decoding off)",
+                          hint="set MTP to the largest K in the schedule, or leave MTP_BY_BATCH empty")
+    base = s["BASE"]
+    if not release_facts.has(base, "spec_per_batch_size"):
+        raise ConfigError(f"{where}: BASE={base}'s vLLM has no num_speculative_tokens_per_batch_size",
+                          hint=f"bases that accept it: {', '.join(release_facts.bases_with('spec_per_batch_size'))}")
+    pairs = [tuple(int(x) for x in part.split(":")) for part in text.split(",")]
+    starts = [b for b, _ in pairs]
+    if starts[0] != 1 or any(b2 <= b1 for b1, b2 in zip(starts, starts[1:])):
+        raise ConfigError(f"{where}: batch sizes must start at 1 and rise strictly (got {', '.join(map(str, starts))})",
+                          hint="MTP_BY_BATCH accepts BATCH:K pairs like 1:3,3:2,6:1")
+    big = [k for _, k in pairs if k > s["MTP"]]
+    if big:
+        raise ConfigError(f"{where}: K={max(big)} is above MTP={s['MTP']} (vLLM would silently cap it)",
+                          hint=f"raise MTP to {max(big)} or lower the schedule")
+    top = max(s["SEQS"], starts[-1])
+    ends = [b - 1 for b in starts[1:]] + [top]
+    return [[b, e, k] for (b, k), e in zip(pairs, ends)]
+
+
+def speculative_config(s: Settings) -> dict | None:
+    """The `--speculative-config` JSON (None when MTP=0): depth, adaptive depth, block drop."""
+    mtp, base = s["MTP"], s["BASE"]
+    if not mtp:
+        if not s["MTP_BLOCK_DROP"]:
+            raise ConfigError("MTP_BLOCK_DROP=0 needs MTP > 0 (there is no drafter whose block to keep)",
+                              hint="set MTP, or leave MTP_BLOCK_DROP=1")
+        mtp_schedule(s)  # refuses a schedule without MTP
+        return None
+    spec: dict = {"method": "mtp", "num_speculative_tokens": mtp}
+    if s["YARN"]:  # dict hf_overrides do not reach the draft model: give it the length itself
+        spec["max_model_len"] = s["CTX"]
+    schedule = mtp_schedule(s)
+    if schedule:
+        spec["num_speculative_tokens_per_batch_size"] = schedule
+    if not s["MTP_BLOCK_DROP"]:
+        if not release_facts.has(base, "spec_disable_eagle_block_drop"):
+            raise ConfigError(f"MTP_BLOCK_DROP=0: BASE={base}'s vLLM has no disable_eagle_block_drop "
+                              "(its SpeculativeConfig refuses unknown keys, so the boot would fail)",
+                              hint=f"bases that accept it: {', '.join(release_facts.bases_with('spec_disable_eagle_block_drop'))}; "
+                              "or leave MTP_BLOCK_DROP=1")
+        spec["disable_eagle_block_drop"] = True
+    return spec
 
 
 def container_env(s: Settings, needs_key: bool) -> dict[str, str]:
