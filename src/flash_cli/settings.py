@@ -289,7 +289,7 @@ SETTINGS: tuple[Setting, ...] = (
       choices=("low", "medium", "xhigh"), optional=True),
     S("MTP_BY_BATCH", "str", None, "Adaptive MTP depth: `BATCH:K` pairs, ascending from batch size 1, each K "
       "used from that many running requests up (e.g. 1:3,3:2,6:1 = 3 draft tokens for 1-2 requests, 2 for 3-5, "
-      "1 from 6). K may not exceed MTP. Empty: MTP tokens at every batch size.",
+      "1 from 6). A K above MTP is capped to MTP (with a warning). Empty: MTP tokens at every batch size.",
       "vllm --speculative-config num_speculative_tokens_per_batch_size (bases that accept it)",
       optional=True, pattern=r"\d+:\d+(,\d+:\d+)*"),
     S("MTP_BLOCK_DROP", "bool", True, "Drop the trailing prefix-cache block for the MTP drafter (vLLM's default). "

@@ -139,8 +139,7 @@ def vllm_args(s: Settings, snapshot: str, host: str, port: int) -> list[str]:
 
 def mtp_schedule(s: Settings) -> list[list[int]] | None:
     """MTP_BY_BATCH `1:3,3:2,6:1` → vLLM's inclusive ranges [[1,2,3],[3,5,2],[6,SEQS,1]], checked the
-    way vllm/v1/spec_decode/dynamic/utils.py checks them, plus what vLLM would do silently (a K
-    above MTP is capped there; here it is an error)."""
+    way vllm/v1/spec_decode/dynamic/utils.py checks them (first range at 1, no overlap)."""
     text = s["MTP_BY_BATCH"]
     if not text:
         return None
@@ -157,13 +156,18 @@ def mtp_schedule(s: Settings) -> list[list[int]] | None:
     if starts[0] != 1 or any(b2 <= b1 for b1, b2 in zip(starts, starts[1:])):
         raise ConfigError(f"{where}: batch sizes must start at 1 and rise strictly (got {', '.join(map(str, starts))})",
                           hint="MTP_BY_BATCH accepts BATCH:K pairs like 1:3,3:2,6:1")
-    big = [k for _, k in pairs if k > s["MTP"]]
-    if big:
-        raise ConfigError(f"{where}: K={max(big)} is above MTP={s['MTP']} (vLLM would silently cap it)",
-                          hint=f"raise MTP to {max(big)} or lower the schedule")
     top = max(s["SEQS"], starts[-1])
     ends = [b - 1 for b in starts[1:]] + [top]
-    return [[b, e, k] for (b, k), e in zip(pairs, ends)]
+    # a K above MTP is capped to MTP, as vLLM does; build() says so in its warnings
+    return [[b, e, min(k, s["MTP"])] for (b, k), e in zip(pairs, ends)]
+
+
+def schedule_capped(s: Settings) -> int | None:
+    """The largest K of MTP_BY_BATCH when it is above MTP (e.g. `flash serve speed MTP=1`)."""
+    if not s["MTP_BY_BATCH"] or not s["MTP"]:
+        return None
+    top = max(int(p.split(":")[1]) for p in s["MTP_BY_BATCH"].split(","))
+    return top if top > s["MTP"] else None
 
 
 def speculative_config(s: Settings) -> dict | None:
@@ -273,6 +277,10 @@ def build(
                         "reach this port can use the model")
     if s["PAD_M4"]:
         warnings.append("PAD_M4 has no effect: M%4 padding is upstream in every supported vLLM release")
+    capped = schedule_capped(s)
+    if capped:
+        warnings.append(f"MTP_BY_BATCH={s['MTP_BY_BATCH']} asks for up to {capped} draft tokens; MTP={s['MTP']} caps "
+                        f"every step at {s['MTP']} (raise MTP to use the schedule)")
     if s["CTX"] > NATIVE_CTX and not s["YARN"]:
         warnings.append(f"CTX={s['CTX']} is above the native {NATIVE_CTX} without YARN=1: vLLM will refuse it")
 

@@ -62,7 +62,6 @@ def test_schedule_renders_inclusive_ranges_to_seqs():
     ("2:1", "start at 1"),
     ("1:2,1:1", "rise strictly"),
     ("1:3,4:2,3:1", "rise strictly"),
-    ("1:5", "above MTP=3"),
     ("1-3", "matching"),
 ])
 def test_bad_schedules_are_refused_naming_the_value(value, needle):
@@ -99,3 +98,11 @@ def test_v029_adaptive_depth_is_accepted():
     # 0.29.0's SpeculativeConfig already has the field (read in its wheel): no refusal there
     assert spec_json(argv("v0.29", MTP="3", MTP_BY_BATCH="1:3,4:1"))["num_speculative_tokens_per_batch_size"] == [
         [1, 3, 3], [4, 8, 1]]
+
+
+def test_schedule_above_mtp_is_capped_visibly():
+    s = settings("speed", MTP="1")
+    rs = spec.build(s, profile="speed", snapshot=SNAP, hf_cache="/hf", state_dir="/state")
+    assert spec_json(rs.command)["num_speculative_tokens_per_batch_size"] == [[1, 2, 1], [3, 5, 1], [6, 8, 1]]
+    assert any("caps every step at 1" in w for w in rs.warnings)
+    assert not spec.build(settings("speed"), profile="speed", snapshot=SNAP, hf_cache="/hf", state_dir="/state").warnings
