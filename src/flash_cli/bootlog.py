@@ -39,20 +39,23 @@ def context_mismatch_hint(expected: int, got: int) -> str:
 
 def context_verdict(expected: int, lines: list[str]) -> tuple[str, str] | None:
     """(level, text) from the boot log, level ok | fail | warn; None before vLLM logged its length.
-    The first "Using max model len" line is the served model's; later ones (the draft's model
-    config) must agree when they differ from the first, since that is how a fallback shows."""
+    Every "Using max model len" line counts (vLLM logs one per model config: the served model's
+    first, the draft's after it): the served one differing fails, and so does any line at the
+    native 262,144 when the recipe asks for more, the fallback's signature; other differences
+    (a draft's own length) only warn."""
     seen = logged_contexts(lines)
     if not seen:
         return None
-    first = seen[0]
-    if first != expected:
-        return "fail", (f"context: the boot log says max model len {first:,}, the recipe asks for {expected:,} "
-                        f"({context_mismatch_hint(expected, first)})")
-    others = sorted({v for v in seen[1:] if v != first})
-    if others:
-        return "warn", (f"context: max model len {first:,} as the recipe asks, but another 'Using max model len' "
-                        f"line says {', '.join(f'{v:,}' for v in others)} (the draft model's config?)")
-    return "ok", f"context: max model len {first:,} as the recipe asks"
+    bad = sorted({v for v in seen if v != expected})
+    if not bad:
+        return "ok", f"context: max model len {expected:,} as the recipe asks"
+    said = ", ".join(f"{v:,}" for v in seen)
+    if seen[0] != expected or (expected > NATIVE_CTX and NATIVE_CTX in bad):
+        got = NATIVE_CTX if NATIVE_CTX in bad else seen[0]
+        return "fail", (f"context: the boot log says max model len {said}, the recipe asks for {expected:,} "
+                        f"({context_mismatch_hint(expected, got)})")
+    return "warn", (f"context: max model len {seen[0]:,} as the recipe asks, but another 'Using max model len' "
+                    f"line says {', '.join(f'{v:,}' for v in bad)} (the draft model's config?)")
 
 
 # --- boot phases and stalls ------------------------------------------------------------------

@@ -25,7 +25,10 @@ def test_context_verdict_from_the_boot_log():
     assert level == "fail" and "262,144" in text and "500,000" in text and "YaRN override did not take" in text
     # the fallback as the field saw it: a second "Using max model len" line with the native length
     level, text = bootlog.context_verdict(500000, [LEN.format(500000), "x", LEN.format(262144)])
-    assert level == "warn" and "262,144" in text
+    assert level == "fail" and "500,000, 262,144" in text and "YaRN override did not take" in text
+    # a draft config with its own (shorter) length only warns
+    level, text = bootlog.context_verdict(131072, [LEN.format(131072), LEN.format(65536)])
+    assert level == "warn" and "65,536" in text
 
 
 @pytest.mark.parametrize("line, phase", [

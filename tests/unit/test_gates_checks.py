@@ -192,3 +192,9 @@ def test_a_recipe_setting_with_url_counts_as_a_recipe(capsys):
         assert rc == 0 and statuses(report)["context"] == "pass", report
         rc, report = flash_test(capsys, s.url, "CTX=100000", "YARN=0", "--only", "context")
         assert rc == 1 and statuses(report)["context"] == "fail"
+
+
+def test_standin_yarn_fallback_fault_is_caught_by_context(capsys):
+    with StandIn("--max-model-len", "500000", faults="yarn_ignored") as s:
+        rc, report = flash_test(capsys, s.url, "default", "--only", "context")
+    assert rc == 1 and statuses(report)["context"] == "fail"
