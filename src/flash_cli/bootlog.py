@@ -83,7 +83,8 @@ PHASES: tuple[Phase, ...] = (
           "also check memory pressure (flash status) and lower GPU_MEM"),
     Phase("graph capture", re.compile(r"Capturing CUDA graph|CUDA graph capture"),
           "capturing CUDA graphs for every batch size; if it never ends, lower the capture sizes "
-          "(EXTRA='-cc.max_cudagraph_capture_size=16') or confirm with COMPILE_FLAGS='-cc.cudagraph_mode=NONE'"),
+          "(COMPILE_FLAGS='-cc.cudagraph_mode=PIECEWISE -cc.max_cudagraph_capture_size=16') or confirm "
+          "without graphs (COMPILE_FLAGS='-cc.cudagraph_mode=NONE')"),
 )
 # After these the engine is up and the API server starts: no longer a known hang phase.
 PAST_BOOT = re.compile(r"Graph capturing finished|init engine .* took|Starting vLLM API server|"
