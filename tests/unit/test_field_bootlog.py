@@ -72,3 +72,18 @@ def test_bootwatch_ignores_unknown_phases_and_zero_threshold():
     tail = ["Starting torch.compile"]
     off.feed(tail, 0)
     assert off.feed(tail, 10_000) is None
+
+
+def test_remedies_suggest_settings_flash_itself_accepts():
+    import re
+
+    from flash_cli import preflight, spec
+
+    found = 0
+    for ph in bootlog.PHASES:
+        for key, value in re.findall(r"(COMPILE_FLAGS|CONTAINER_ENV)='([^']*)'", ph.remedy):
+            s = resolve(overrides={key: value})
+            assert not preflight.recipe(s), (ph.name, key, value)
+            spec.extra_env(s["CONTAINER_ENV"])
+            found += 1
+    assert found >= 3
