@@ -18,7 +18,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "prefill, prefix_cache, determinism, decode, metrics",
                        description="Run the checks against the server (default: the running flash container, "
                        "found by label). Exit 0 only when every required check passes. Thresholds are the "
-                       "TEST_* settings (KEY=VALUE arguments override them).")
+                       "TEST_* settings (KEY=VALUE arguments override them). The context check compares the "
+                       "served max_model_len with the recipe: the container's labels, or with --url the "
+                       "PROFILE/K=V words given (none: N/A).")
     recipe.add_arguments(p)
     target.add_arguments(p)
     p.add_argument("--only", action="append", default=[], metavar="CHECK", choices=CHECK_NAMES,

@@ -17,7 +17,10 @@ KV_LINE = re.compile(r"GPU KV cache size|Maximum concurrency")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("wait", help="wait until the server answers /health")
+    p = sub.add_parser("wait", help="wait until the server answers /health",
+                       description="Poll until /health answers; a dead container fails at once. A boot silent "
+                       "for BOOT_STALL s in a known phase is named with its remedy; a served context other "
+                       "than the recipe's fails with exit 11 (docs/FIELD.md).")
     recipe.add_arguments(p)
     p.add_argument("--timeout", type=float, default=None, help="seconds (default: the TIMEOUT setting, 1800)")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between polls (default 2)")
