@@ -58,6 +58,15 @@ def context_verdict(expected: int, lines: list[str]) -> tuple[str, str] | None:
                     f"line says {', '.join(f'{v:,}' for v in bad)} (the draft model's config?)")
 
 
+def verdict_for_labels(labels: dict, lines: list[str]) -> tuple[str, str] | None:
+    """`context_verdict` for a container: the recipe from its `org.flash.recipe` label (None
+    without one: nothing to compare with)."""
+    from .running import recipe_settings
+
+    s = recipe_settings(labels)
+    return None if s is None else context_verdict(expected_context(s), lines)
+
+
 # --- boot phases and stalls ------------------------------------------------------------------
 @dataclass(frozen=True)
 class Phase:

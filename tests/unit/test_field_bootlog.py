@@ -87,3 +87,11 @@ def test_remedies_suggest_settings_flash_itself_accepts():
             spec.extra_env(s["CONTAINER_ENV"])
             found += 1
     assert found >= 3
+
+
+def test_verdict_from_a_containers_recipe_label():
+    labels = {"org.flash.recipe": '{"CTX":"500000","MODE":"hybrid","YARN":"1"}'}
+    assert bootlog.verdict_for_labels(labels, [LEN.format(500000)])[0] == "ok"
+    assert bootlog.verdict_for_labels(labels, [LEN.format(262144)])[0] == "fail"
+    assert bootlog.verdict_for_labels({}, [LEN.format(262144)]) is None  # an older container: no recipe
+    assert bootlog.verdict_for_labels({"org.flash.recipe": '{"NOPE":"1"}'}, [LEN.format(1)]) is None

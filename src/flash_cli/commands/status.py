@@ -47,12 +47,6 @@ def plan_comparison(labels: dict, kv_line: str | None) -> str | None:
         return f"KV pool prediction unavailable: {exc}"
 
 
-def _defaults():
-    from ..settings import resolve
-
-    return resolve()
-
-
 def _planned_page_cache(labels: dict) -> int | None:
     """Bytes the plan left to the page cache (stored by serve in the kv-plan label), if known."""
     import json
@@ -64,7 +58,7 @@ def _planned_page_cache(labels: dict) -> int | None:
     return int(float(gib) * 1024**3) if gib is not None else None
 
 
-def collect(name: str) -> dict:
+def collect(name: str, mem_warn_pct: float = 10.0) -> dict:
     from .. import engine, engine_read
 
     try:
@@ -91,18 +85,14 @@ def collect(name: str) -> dict:
     out["kv_cache_line"] = kv[-1].strip() if kv else None
     out["kv_cache_plan"] = plan_comparison(labels, out["kv_cache_line"])
     out["patch_lines"] = list(dict.fromkeys(ln.strip() for ln in logs if PATCH_LINE.search(ln)))[-8:]
-    from .wait import context_line
+    from .. import bootlog, mempressure
 
-    verdict = context_line(labels, logs)
+    verdict = bootlog.verdict_for_labels(labels, logs)
     out["context"] = {"level": verdict[0], "text": verdict[1]} if verdict else None
-    from .. import mempressure
-
-    recipe_s = running.recipe_settings(labels)
     mem = mempressure.read()
     out["memory"] = mem.as_dict()
     out["memory_findings"] = [{"level": lv, "text": tx} for lv, tx in mempressure.findings(
-        mem, warn_pct=(recipe_s or _defaults())["MEM_PRESSURE_WARN"],
-        plan_page_cache=_planned_page_cache(labels), running=st.status == "running")]
+        mem, warn_pct=mem_warn_pct, plan_page_cache=_planned_page_cache(labels), running=st.status == "running")]
     out["api"] = "down"
     if st.status == "running":
         health = api.get(f"{ep.url}/health", timeout=2)
@@ -122,7 +112,7 @@ def collect(name: str) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     r = recipe.load(args.recipe)
-    info = collect(r.settings["NAME"])
+    info = collect(r.settings["NAME"], r.settings["MEM_PRESSURE_WARN"])
     if args.json:
         print_json(info)
         return 0

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     kv = [ln for ln in boot if KV_LINE.search(ln)]
     for ln in kv[-2:]:
         print(f"  {ln.strip()[:160]}")
-    verdict = context_line(container.labels, boot)
+    verdict = bootlog.verdict_for_labels(container.labels, boot)
     if verdict:
         print(f"  {verdict[1]}")
     model = ep.model
@@ -96,10 +96,3 @@ def run(args: argparse.Namespace) -> int:
     say("try: flash test")
     return 0
 
-
-def context_line(labels: dict, lines: list[str]) -> tuple[str, str] | None:
-    """The boot log's max model len next to the recipe in the container's labels."""
-    s = running.recipe_settings(labels)
-    if s is None:
-        return None
-    return bootlog.context_verdict(bootlog.expected_context(s), lines)
