@@ -62,6 +62,7 @@ def test_each_fault_fails_exactly_its_check(capsys, fault, check):
     assert rc == 1 and report["ok"] is False
     assert [n for n, v in st.items() if v == "fail"] == [check], report
     assert report["summary"]["failed_required"] == [check]
+    assert st.pop("context") == "skip"  # --url without a recipe: N/A
     assert all(v == "pass" for n, v in st.items() if n != check)
 
 
