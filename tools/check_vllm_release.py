@@ -267,6 +267,10 @@ PROBES = {
     "reasoning_effort_map": lambda read, names: "effort_map.get(effort, effort)" in (read("vllm/renderers/params.py") or ""),
     "mamba_prefill_checkpoints": lambda read, names: "def get_mamba_prefill_checkpoint_alignment" in (
         read("vllm/model_executor/layers/mamba/abstract.py") or ""),
+    "spec_tokens_per_batch_size": lambda read, names: "num_speculative_tokens_per_batch_size:" in (
+        read("vllm/config/speculative.py") or ""),
+    "spec_eagle_block_drop_flag": lambda read, names: "disable_eagle_block_drop:" in (
+        read("vllm/config/speculative.py") or ""),
     "overhead_fitted": lambda read, names: False,  # a new release has not been calibrated on hardware
 }
 NOT_FROM_SOURCE = {"overhead_fitted": "not calibrated on this release",

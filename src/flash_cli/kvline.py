@@ -11,8 +11,11 @@ import re
 KV_LINE = re.compile(r"KV cache size:\s*([\d,]+)\s*tokens")
 
 
-def prediction_label(predicted: int, lo: int, hi: int, hardware: str) -> str:
-    return json.dumps({"tokens": predicted, "lo": lo, "hi": hi, "hardware": hardware}, separators=(",", ":"))
+def prediction_label(predicted: int, lo: int, hi: int, hardware: str, page_cache_gib: float | None = None) -> str:
+    d = {"tokens": predicted, "lo": lo, "hi": hi, "hardware": hardware}
+    if page_cache_gib is not None:
+        d["page_cache_gib"] = page_cache_gib
+    return json.dumps(d, separators=(",", ":"))
 
 
 def parse_prediction(label: str) -> tuple[int, int, int]:

@@ -27,6 +27,10 @@ IMAGES = {
     "node-exporter": "prom/node-exporter:v1.9.1@sha256:d00a542e409ee618a4edc67da14dd48c5da66726bbd5537ab2af9c1dfc442c8a",
 }
 ROLES = tuple(IMAGES)
+# The pressure collector (PSI) is on by default; the vmstat collector's default field filter
+# leaves out pgscan_direct, which the dashboard's direct-reclaim panel reads.
+VMSTAT_FIELDS = "^(oom_kill|pgpg|pswp|pg.*fault|pgscan_direct|pgsteal_direct|allocstall).*"
+NODE_EXPORTER_FLAGS = ("--collector.pressure", f"--collector.vmstat.fields={VMSTAT_FIELDS}")
 
 # the addresses the shipped observability/ files carry (the settings' defaults)
 DEFAULT_VLLM = "127.0.0.1:18300"
@@ -145,7 +149,8 @@ def plan(settings, state_dir: Path) -> MonitorPlan:
                                f"{name}-grafana-data": {"bind": "/var/lib/grafana", "mode": "rw"}},
                       labels=labels("grafana")),
         ContainerPlan("node-exporter", f"{name}-node-exporter", IMAGES["node-exporter"],
-                      [f"--web.listen-address={bind}:{settings['MONITOR_NODE_PORT']}", "--path.rootfs=/host"],
+                      [f"--web.listen-address={bind}:{settings['MONITOR_NODE_PORT']}", "--path.rootfs=/host",
+                       *NODE_EXPORTER_FLAGS],
                       volumes={"/": {"bind": "/host", "mode": "ro,rslave"}}, labels=labels("node-exporter"),
                       pid_mode="host", user="65534:65534"),
     ]

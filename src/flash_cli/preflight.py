@@ -157,7 +157,13 @@ def graph_regime(s: Settings) -> list[Problem]:
 
 def recipe(s: Settings) -> list[Problem]:
     """Combinations the image cannot serve, caught before a ten-minute boot."""
+    from .spec import speculative_config
+
     out = graph_regime(s)
+    try:
+        speculative_config(s)
+    except ConfigError as exc:
+        out.append(Problem(ConfigError, str(exc), exc.hint or ""))
     fp8_gap = fp8_kv_gap(s["BASE"]) if s["KV_DTYPE"] in ("fp8", "fp8_e4m3") else None
     if fp8_gap:
         out.append(Problem(ConfigError, f"KV_DTYPE={s['KV_DTYPE']} is not available on BASE={s['BASE']}: "

@@ -28,3 +28,20 @@ def endpoint(container: "Container") -> Endpoint:
     key = state.read_api_key(container.name) if labels.get(f"{LABEL}.api-key") == "required" else None
     return Endpoint(f"http://{host}:{labels.get(f'{LABEL}.port', '18300')}", key,
                     labels.get(f"{LABEL}.served-model-name", ""))
+
+
+def recipe_settings(labels: dict):
+    """The settings the container was started with, from its `org.flash.recipe` label (the
+    overrides of the table's defaults); None for a container without one or with a bad one."""
+    import json
+
+    from .errors import FlashError
+    from .settings import resolve
+
+    raw = labels.get(f"{LABEL}.recipe")
+    if not raw:
+        return None
+    try:
+        return resolve(overrides=json.loads(raw))
+    except (ValueError, TypeError, FlashError):
+        return None

@@ -36,6 +36,12 @@ CAPS: Mapping[str, tuple[tuple[object, ...], str]] = MappingProxyType({
                                   "(get_mamba_prefill_checkpoint_alignment; the planner's block size)"),
     "ring_state_bucket": ((True, False),
                           "the KV grouping treats the QSA ring bucket as a state bucket (0.30+; the planner)"),
+    "spec_tokens_per_batch_size": ((True, False),
+                                   "SpeculativeConfig.num_speculative_tokens_per_batch_size exists "
+                                   "(MTP_BY_BATCH: adaptive draft depth)"),
+    "spec_eagle_block_drop_flag": ((True, False),
+                                   "SpeculativeConfig.disable_eagle_block_drop exists (MTP_BLOCK_DROP=0); "
+                                   "0.29's config forbids unknown keys, so the boot would fail"),
     "overhead_fitted": ((True, False),
                         "the planner's runtime-overhead constant was fitted on pools measured on this release"),
 })
@@ -79,13 +85,14 @@ def _release(version: str, torch: str, **caps: object) -> Release:
                    digest=None, torch=torch, caps=caps)
 
 
-_NEWER = dict(dockerfile="Dockerfile", ple_storage="storage", ring_state_bucket=True, overhead_fitted=False)
+_NEWER = dict(dockerfile="Dockerfile", ple_storage="storage", ring_state_bucket=True, overhead_fitted=False,
+              spec_tokens_per_batch_size=True, spec_eagle_block_drop_flag=True)
 
 # Oldest first. 0.29.0 is the first release with qwen4_exp.
 RELEASES: tuple[Release, ...] = (
     _release("0.29.0", "2.13.0", dockerfile="Dockerfile.v0.29", ple_storage="splitting-op", qsa_fp8_kv="patch",
              reasoning_effort_map=False, mamba_prefill_checkpoints=False, ring_state_bucket=False,
-             overhead_fitted=True),
+             overhead_fitted=True, spec_tokens_per_batch_size=True, spec_eagle_block_drop_flag=False),
     _release("0.30.0", "2.13.0", **_NEWER, qsa_fp8_kv="patch", reasoning_effort_map=False,
              mamba_prefill_checkpoints=False),
     _release("0.31.0", "2.13.0", **_NEWER, qsa_fp8_kv="native", reasoning_effort_map=False,

@@ -21,9 +21,10 @@ FAST = ["TEST_PREFILL_TOKENS=1024", "TEST_DECODE_TOKENS=32", "TEST_DET_TOKENS=8"
 
 
 def flash_test(capsys, url: str, *extra: str) -> tuple[int, dict]:
+    profile = [w for w in extra[:1] if "=" not in w and not w.startswith("-")]  # a profile comes first
     words = [w for w in extra if "=" in w and not w.startswith("-")]
-    opts = [w for w in extra if w not in words]
-    rc = main(["test", *FAST, *words, "--url", url, "--json", *opts])
+    opts = [w for w in extra if w not in words and w not in profile]
+    rc = main(["test", *profile, *FAST, *words, "--url", url, "--json", *opts])
     out = capsys.readouterr().out
     return rc, json.loads(out)
 
@@ -37,8 +38,10 @@ def test_faithful_server_passes_every_check(capsys):
         rc, report = flash_test(capsys, s.url)
     assert rc == 0 and report["ok"] is True
     assert [c["name"] for c in report["checks"]] == list(checks.CHECK_NAMES)
-    assert set(statuses(report).values()) == {"pass"}, report
     by = {c["name"]: c for c in report["checks"]}
+    # a URL needs no profile; without one there is no recipe to compare the context with: N/A, visibly
+    assert by.pop("context")["status"] == "skip" and "N/A" in report["checks"][2]["detail"]
+    assert {c["status"] for c in by.values()} == {"pass"}, report
     assert "PLE counters: 8/8" in by["metrics"]["detail"]
     assert by["prefix_cache"]["data"]["method"] == "metrics"
     assert by["prefill"]["data"]["prompt_tokens"] > 900
@@ -59,6 +62,7 @@ def test_each_fault_fails_exactly_its_check(capsys, fault, check):
     assert rc == 1 and report["ok"] is False
     assert [n for n, v in st.items() if v == "fail"] == [check], report
     assert report["summary"]["failed_required"] == [check]
+    assert st.pop("context") == "skip"  # --url without a recipe: N/A
     assert all(v == "pass" for n, v in st.items() if n != check)
 
 
@@ -213,7 +217,8 @@ def test_untrained_declares_the_trained_model_checks_na_visibly(capsys):
         assert rc == 0, report
         st = statuses(report)
         assert st["coherence"] == st["tool_call"] == st["decode"] == "n/a"
-        assert all(v == "pass" for n, v in st.items() if n not in ("coherence", "tool_call", "decode"))
+        assert st["context"] == "skip"  # --url without a recipe: nothing to compare (issue 16)
+        assert all(v == "pass" for n, v in st.items() if n not in ("coherence", "tool_call", "decode", "context"))
         by = {c["name"]: c for c in report["checks"]}
         assert by["coherence"]["detail"].startswith("n/a: untrained checkpoint (--untrained)")
         assert by["decode"]["detail"] == "n/a: timed separately"
@@ -233,3 +238,34 @@ def test_na_refuses_unknown_and_mandatory_checks(capsys):
     assert "nosuch" in capsys.readouterr().err
     assert main(["test", "--url", "http://127.0.0.1:9", "--na", "health=down"]) == 2
     assert "--na accepts" in capsys.readouterr().err
+
+def test_context_matches_the_recipe_given_with_url(capsys):
+    with StandIn("--max-model-len", "262144") as s:
+        rc, report = flash_test(capsys, s.url, "native", "--only", "context")
+    by = {c["name"]: c for c in report["checks"]}
+    assert rc == 0 and by["context"]["status"] == "pass", report
+    assert by["context"]["data"] == {"max_model_len": 262144, "expected": 262144}
+
+
+def test_silent_yarn_fallback_fails_context_naming_both_numbers(capsys):
+    # the recipe asks for 500,000 with YaRN; the server came up at the native 262,144
+    with StandIn("--max-model-len", "262144") as s:
+        rc, report = flash_test(capsys, s.url, "default", "--only", "context")
+    by = {c["name"]: c for c in report["checks"]}
+    assert rc == 1 and report["summary"]["failed_required"] == ["context"]
+    assert "262,144" in by["context"]["detail"] and "500,000" in by["context"]["detail"]
+    assert "YaRN override did not take" in by["context"]["data"]["hint"]
+
+
+def test_a_recipe_setting_with_url_counts_as_a_recipe(capsys):
+    with StandIn("--max-model-len", "131072") as s:
+        rc, report = flash_test(capsys, s.url, "CTX=131072", "YARN=0", "--only", "context")
+        assert rc == 0 and statuses(report)["context"] == "pass", report
+        rc, report = flash_test(capsys, s.url, "CTX=100000", "YARN=0", "--only", "context")
+        assert rc == 1 and statuses(report)["context"] == "fail"
+
+
+def test_standin_yarn_fallback_fault_is_caught_by_context(capsys):
+    with StandIn("--max-model-len", "500000", faults="yarn_ignored") as s:
+        rc, report = flash_test(capsys, s.url, "default", "--only", "context")
+    assert rc == 1 and statuses(report)["context"] == "fail"

@@ -170,6 +170,8 @@ def test_propose_reads_capabilities_from_source_markers():
         "vllm/models/qwen4_exp/nvidia/qsa.py": 'supported_kv_cache_dtypes = [\n "auto",\n "fp8_e4m3",\n]\n',
         "vllm/renderers/params.py": "return effort_map.get(effort, effort)",
         "vllm/model_executor/layers/mamba/abstract.py": "def get_mamba_prefill_checkpoint_alignment(",
+        "vllm/config/speculative.py": "    disable_eagle_block_drop: bool = False\n"
+                                      "    num_speculative_tokens_per_batch_size: list | None = None\n",
     }
     caps, entry = _tool().propose_from("0.34.0", "2.15.0", files.get, set(files))
     assert caps == {**releases.get("v0.33").caps, "overhead_fitted": False}
@@ -178,4 +180,8 @@ def test_propose_reads_capabilities_from_source_markers():
     bare = {k: v for k, v in files.items() if "qsa" not in k and "ngram" not in k}
     caps, entry = _tool().propose_from("0.34.0", "2.15.0", bare.get, set(bare))
     assert caps["qsa_fp8_kv"] is None and caps["ple_storage"] is None
+    assert caps["spec_tokens_per_batch_size"] and caps["spec_eagle_block_drop_flag"]
+    old_spec = dict(files, **{"vllm/config/speculative.py": "    num_speculative_tokens_per_batch_size: list\n"})
+    caps, _ = _tool().propose_from("0.34.0", "2.15.0", old_spec.get, set(old_spec))
+    assert caps["spec_tokens_per_batch_size"] and not caps["spec_eagle_block_drop_flag"]
     assert "port patch 1 before serving" in entry and "patch 7 ships code" in entry

@@ -14,11 +14,13 @@ from ..gates import target
 def register(sub: argparse._SubParsersAction) -> None:
     from ..gates.checks import CHECK_NAMES
 
-    p = sub.add_parser("test", help="gate a running server: health, model, coherence, effort, tool_call, "
+    p = sub.add_parser("test", help="gate a running server: health, model, context, coherence, effort, tool_call, "
                        "prefill, prefix_cache, determinism, decode, metrics",
                        description="Run the checks against the server (default: the running flash container, "
                        "found by label). Exit 0 only when every required check passes. Thresholds are the "
-                       "TEST_* settings (KEY=VALUE arguments override them).")
+                       "TEST_* settings (KEY=VALUE arguments override them). The context check compares the "
+                       "served max_model_len with the recipe: the container's labels, or with --url the "
+                       "PROFILE/K=V words given (none: N/A).")
     recipe.add_arguments(p)
     target.add_arguments(p)
     p.add_argument("--only", action="append", default=[], metavar="CHECK", choices=CHECK_NAMES,
@@ -64,12 +66,18 @@ def not_applicable(args: argparse.Namespace) -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     from ..gates import checks
 
-    r = recipe.load(args.recipe)
+    # A URL needs no profile: without recipe words, `--url` runs on the table's defaults (the
+    # TEST_* thresholds) and the context check says N/A instead of guessing a recipe.
+    r = recipe.load(args.recipe, use_profile=not (args.url and not target.recipe_given(args)))
     tgt = target.resolve(args, r)
     # the container says whether the PLE mmap patch runs with its counters on: then they must show
     expect_ple = "yes" if args.expect_ple == "auto" and tgt.ple else args.expect_ple
+    from ..bootlog import expected_context
+
     ctx = checks.Context(target.client(tgt, r), checks.Thresholds.from_settings(r.settings),
-                         expect_model=tgt.model or None, expect_ple=expect_ple, not_applicable=not_applicable(args))
+                         expect_model=tgt.model or None, expect_ple=expect_ple, not_applicable=not_applicable(args),
+                         expect_ctx=expected_context(tgt.recipe) if tgt.recipe is not None else None,
+                         ctx_source=tgt.recipe_source)
     if not args.json:
         print(f"flash test  {tgt.url}" + (f"  ({tgt.source})" if tgt.source else ""))
     width = max(len(n) for n in checks.CHECK_NAMES) + 2

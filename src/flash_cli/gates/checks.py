@@ -1,7 +1,7 @@
 """`flash test`: the checks, each a function of a shared context that passes, fails or skips.
 
-Check names are an interface (scripts and CI grep them): health, model, coherence, effort,
-tool_call, prefill, prefix_cache, determinism, decode, metrics. They run in that order; a
+Check names are an interface (scripts and CI grep them): health, model, context, coherence,
+effort, tool_call, prefill, prefix_cache, determinism, decode, metrics. They run in that order; a
 later check may use what an earlier one measured (prefix_cache repeats prefill's prompt).
 
 Prompts are sized to the server: the model check reads max_model_len from /v1/models and the
@@ -23,7 +23,7 @@ from . import prompts as P
 from .client import Client, Reply
 
 PASS, FAIL, SKIP, NA = "pass", "fail", "skip", "n/a"
-CHECK_NAMES: tuple[str, ...] = ("health", "model", "coherence", "effort", "tool_call", "prefill",
+CHECK_NAMES: tuple[str, ...] = ("health", "model", "context", "coherence", "effort", "tool_call", "prefill",
                                 "prefix_cache", "determinism", "decode", "metrics")
 
 
@@ -67,7 +67,10 @@ class Context:
     thresholds: Thresholds = field(default_factory=Thresholds)
     expect_model: str | None = None
     expect_ple: str = "auto"  # auto | yes | no
+    expect_ctx: int | None = None  # the recipe's max_model_len (None: no recipe known, context is N/A)
+    ctx_source: str = ""
     model: str | None = None
+    max_model_len: int | None = None  # what /v1/models reports (the model check fills it in)
     # filled in as checks run
     prefill: dict = field(default_factory=dict)
     healthy: bool = False
@@ -160,6 +163,26 @@ def check_model(ctx: Context) -> Result:
     ctx.max_model_len = mml if isinstance(mml, int) and not isinstance(mml, bool) and mml > 0 else None
     return Result("model", PASS, f"{ctx.model}" + (f" (max_model_len {mml:,})" if isinstance(mml, int) else ""),
                   data={"models": ids, "max_model_len": mml})
+
+
+def check_context(ctx: Context) -> Result:
+    """The silent context fallback: a YaRN override that does not take leaves the server at the
+    native 262,144 tokens while the recipe asked for more (seen only in the boot log)."""
+    from ..bootlog import context_mismatch_hint
+
+    if ctx.expect_ctx is None:
+        return Result("context", SKIP, "N/A: no recipe to compare with (give one: flash test PROFILE [K=V…] --url URL; "
+                      "the local container's labels carry it)")
+    got = ctx.max_model_len
+    if got is None:
+        return Result("context", FAIL, f"/v1/models reports no max_model_len for {ctx.model!r} "
+                      f"(the recipe asks for {ctx.expect_ctx:,})")
+    if got != ctx.expect_ctx:
+        return Result("context", FAIL, f"server max_model_len {got:,}, the recipe ({ctx.ctx_source}) asks for "
+                      f"{ctx.expect_ctx:,}", data={"max_model_len": got, "expected": ctx.expect_ctx,
+                                                   "hint": context_mismatch_hint(ctx.expect_ctx, got)})
+    return Result("context", PASS, f"max_model_len {got:,} as the recipe ({ctx.ctx_source}) asks",
+                  data={"max_model_len": got, "expected": ctx.expect_ctx})
 
 
 def check_coherence(ctx: Context) -> Result:
@@ -407,7 +430,7 @@ def check_metrics(ctx: Context) -> Result:
 
 
 CHECKS: dict[str, Callable[[Context], Result]] = {
-    "health": check_health, "model": check_model, "coherence": check_coherence, "effort": check_effort,
+    "health": check_health, "model": check_model, "context": check_context, "coherence": check_coherence, "effort": check_effort,
     "tool_call": check_tool_call, "prefill": check_prefill, "prefix_cache": check_prefix_cache,
     "determinism": check_determinism, "decode": check_decode, "metrics": check_metrics,
 }
@@ -435,7 +458,7 @@ def run(ctx: Context, only: set[str] | None = None, skip: set[str] | None = None
             except Exception as exc:  # a bug or a malformed reply must fail this check, not hide the rest
                 res = Result(name, FAIL, f"{type(exc).__name__}: {exc}")
         res.seconds = time.perf_counter() - start
-        if name not in ("health", "model", "metrics") and res.status != SKIP:
+        if name not in ("health", "model", "context", "metrics") and res.status != SKIP:
             ctx.generated = True
         results.append(res)
         if on_result:

@@ -317,10 +317,11 @@ def status_comparison(settings, kv_log_line: str, hw: Hardware | None = None) ->
     return compare(*prediction(settings, hw)[:3], kv_log_line)
 
 
-def prediction(settings, hw: Hardware | None = None) -> tuple[int, int, int, str]:
-    """(predicted tokens, low, high, hardware name): what `flash serve` stores in a label."""
+def prediction(settings, hw: Hardware | None = None) -> tuple[int, int, int, str, float | None]:
+    """(predicted tokens, low, high, hardware name, GiB left to the page cache): what `flash
+    serve` stores in a label (status compares MemAvailable with the last one)."""
     if hw is None:
         hw, _ = hardware_mod.detect()
     plan = build(settings, hw)
     lo, hi = plan["kv_cache_tokens_range"]
-    return plan["kv_cache_tokens"], lo, hi, hw.name
+    return plan["kv_cache_tokens"], lo, hi, hw.name, plan["host"].get("page_cache_for_ple_gib")

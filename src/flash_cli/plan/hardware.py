@@ -71,17 +71,9 @@ def preset(name: str) -> Hardware:
 
 
 def read_meminfo(path: str | Path = "/proc/meminfo") -> dict[str, int]:
-    out: dict[str, int] = {}
-    try:
-        text = Path(path).read_text()
-    except OSError:
-        return out
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts and parts[0].isdigit():
-            out[key.strip()] = int(parts[0]) * (1024 if parts[1:2] == ["kB"] else 1)
-    return out
+    from ..mempressure import read_meminfo as _read  # one parser, importable without the planner
+
+    return _read(path)
 
 
 def query_gpus(runner=subprocess.run) -> list[tuple[str, str, str]] | None:
