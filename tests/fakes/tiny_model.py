@@ -43,7 +43,7 @@ VOCAB = 2048
 LAYERS = 4          # GDN 0, 1 (PLE), 2; QSA 3: every kind once
 EXPERTS = 8
 TOP_K = 2
-PLE_BASE = 1009     # smallest per-head table: 16 primes from 1009 → 17,152 rows (8 shards of 2,144)
+PLE_BASE = 40009    # 16 primes from 40,009: 640,384 rows x 16 B = 10 MB of fp8 (visible on the GPU with patch 1 off)
 PLE_PARTS = 8
 MAX_MB = 40
 DONOR_REVISION = "e2e0" * 10
@@ -248,14 +248,9 @@ def write(cache: Path, flavour: str) -> Path:
                                revision=DONOR_REVISION if flavour == "donor" else None)
 
 
-def snapshot_bytes(directory: Path) -> int:
-    """Bytes a directory adds: real files only (links into blobs/ already counted there)."""
-    return sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file() and not f.is_symlink())
-
-
-def repo_bytes(snapshot: Path) -> int:
-    repo = Path(snapshot).parents[1]
-    return sum(f.stat().st_size for f in repo.rglob("*") if f.is_file() and not f.is_symlink())
+def served_bytes(directory: Path) -> int:
+    """Bytes vLLM reads from a checkpoint directory (symlinks followed)."""
+    return sum(f.stat().st_size for f in Path(directory).iterdir() if f.is_file())
 
 
 def build(cache: Path, python: str = sys.executable) -> dict[str, Path]:
@@ -297,8 +292,11 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0].startswith("-"):
         print("usage: python tests/fakes/tiny_model.py CACHE_DIR [--json]", file=sys.stderr)
         return 2
-    snaps = build(Path(argv[0]))
-    sizes = {k: repo_bytes(v) if k == "a" else snapshot_bytes(v) for k, v in snaps.items()}
+    import contextlib
+
+    with contextlib.redirect_stdout(sys.stderr):  # the writers' progress lines; stdout is the answer
+        snaps = build(Path(argv[0]))
+    sizes = {k: served_bytes(v) for k, v in snaps.items()}
     out = {k: {"path": str(v), "bytes": sizes[k]} for k, v in snaps.items()}
     print(json.dumps(out, indent=2) if "--json" in argv else "\n".join(f"{k}: {v['path']} ({v['bytes'] / 1e6:.1f} MB)"
                                                                        for k, v in out.items()))

@@ -24,10 +24,6 @@ def snaps(tmp_path_factory):
     return tiny_model.build(tmp_path_factory.mktemp("tiny") / "hf")
 
 
-def _served_bytes(directory):
-    return sum(f.stat().st_size for f in directory.iterdir() if f.is_file())  # follows the blob links
-
-
 def _tensor(path, name):
     h = read_header(path)
     t = h.tensors[name]
@@ -39,7 +35,7 @@ def test_three_layouts_verify_and_stay_small(snaps):
     for key, d in snaps.items():
         res = verify.verify(d, with_hash=key == "a")
         assert res.ok, (key, res.problems)
-        assert _served_bytes(d) <= tiny_model.MAX_MB * 10**6, (key, _served_bytes(d))
+        assert tiny_model.served_bytes(d) <= tiny_model.MAX_MB * 10**6, (key, tiny_model.served_bytes(d))
     assert snaps["b"].name.endswith("-fp8hybrid") and snaps["c"].name.endswith("-fp8hybrid-mtpnvfp4")
 
 
