@@ -347,7 +347,15 @@ def write_safetensors(path: Path, tensors: list, sparse: bool, seed: int, values
 
     rng = np.random.default_rng(seed)
     make = values or (lambda _n, dt, s, r: _random_array(dt, s, r))
-    save_file({n: make(n, dt, tuple(s), rng) for n, dt, s in tensors}, str(path), metadata={"format": "pt"})
+    arrays = {n: make(n, dt, tuple(s), rng) for n, dt, s in tensors}
+    if all(isinstance(a, np.ndarray) for a in arrays.values()):
+        save_file(arrays, str(path), metadata={"format": "pt"})
+        return
+    import torch  # a value hook that made torch tensors (no ml_dtypes): write them all through torch
+    from safetensors.torch import save_file as save_torch
+
+    save_torch({n: a if isinstance(a, torch.Tensor) else torch.from_numpy(np.array(a, order="C"))  # keeps 0-d scalars 0-d
+                for n, a in arrays.items()}, str(path), metadata={"format": "pt"})
 
 
 def _git_sha1(data: bytes) -> str:

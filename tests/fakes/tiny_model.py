@@ -204,9 +204,27 @@ def small_files(flavour: str, d: ckpt.Dims) -> dict[str, str]:
     return out
 
 
+def _as(a, kind: str):
+    """float32 / uint8-code numpy array → a BF16 or F8_E4M3 array safetensors can write: ml_dtypes where
+    installed (the project venv), else torch (the GPU device's vLLM env has torch, not ml_dtypes)."""
+    import numpy as np
+
+    try:
+        import ml_dtypes
+    except ImportError:
+        import torch
+
+        t = torch.from_numpy(np.array(a, order="C"))  # keeps 0-d scalars 0-d
+        if kind == "bf16":
+            return t.to(torch.bfloat16)
+        return t.view(torch.float8_e4m3fn) if a.dtype == np.uint8 else t.to(torch.float8_e4m3fn)
+    if kind == "bf16":
+        return a.astype(ml_dtypes.bfloat16)
+    return a.view(ml_dtypes.float8_e4m3fn) if a.dtype == np.uint8 else a.astype(ml_dtypes.float8_e4m3fn)
+
+
 def values(name: str, dtype: str, shape: tuple, rng):
     """A valid value for every tensor of the layouts (see the module doc)."""
-    import ml_dtypes
     import numpy as np
 
     n = ckpt._numel(shape)
@@ -217,9 +235,9 @@ def values(name: str, dtype: str, shape: tuple, rng):
         return rng.integers(0, 256, n, dtype=np.uint8).reshape(shape)
     if dtype == "F8_E4M3":
         if leaf == "weight_scale":  # NVFP4 block scales: positive e4m3 in [64, 448]
-            return rng.uniform(64, 448, n).astype(np.float32).astype(ml_dtypes.float8_e4m3fn).reshape(shape)
+            return _as(rng.uniform(64, 448, n).astype(np.float32).reshape(shape), "fp8")
         codes = rng.integers(0, 0x7F, n, dtype=np.uint8) | (rng.integers(0, 2, n, dtype=np.uint8) << 7)
-        return codes.view(ml_dtypes.float8_e4m3fn).reshape(shape)  # finite e4m3 (0x7F/0xFF are NaN)
+        return _as(codes.reshape(shape), "fp8")  # finite e4m3 (0x7F/0xFF are NaN)
     if dtype == "F32":
         if leaf == "weight_scale_2":  # per-tensor FP4 scale: |w| ≤ 6 · 448 · s = 0.12
             return np.full(shape, 0.02 / 448, dtype=np.float32)
@@ -239,7 +257,7 @@ def values(name: str, dtype: str, shape: tuple, rng):
             a = (rng.standard_normal(n) * 0.02).astype(np.float32)
         else:
             a = (rng.standard_normal(n) * 0.02).astype(np.float32)
-        return a.astype(ml_dtypes.bfloat16).reshape(shape)
+        return _as(a.reshape(shape), "bf16")
     raise ValueError(f"{name}: no value rule for dtype {dtype}")
 
 

@@ -630,9 +630,10 @@ def cuda_problem(env: dict[str, str], python: str) -> str | None:
 
 
 def fixture_problem(env: dict[str, str], python: str) -> str | None:
-    r = subprocess.run([python, "-c", "import numpy, safetensors, ml_dtypes, requests, prometheus_client"], env=env,
+    r = subprocess.run([python, "-c", "import numpy, safetensors, torch, requests, prometheus_client"], env=env,
                        capture_output=True, text=True)
-    return None if r.returncode == 0 else f"the fixture writer needs numpy, safetensors, ml_dtypes, requests, prometheus_client: {r.stderr.strip()[-300:]}"
+    return None if r.returncode == 0 else ("the fixture writer and the flash CLI need numpy, safetensors, torch, requests, "
+                                           f"prometheus_client: {r.stderr.strip()[-300:]}")
 
 
 def commit() -> str:
@@ -704,6 +705,15 @@ def pack(ctx: Context, results: dict) -> None:
 
 
 def run(chosen: list[Scenario], dry: bool) -> int:
+    res = run_selected(chosen, dry)
+    if "exit" in res:
+        print(res["error"], file=sys.stderr)
+        return res["exit"]
+    return 0 if all(r["ok"] for r in res["scenarios"].values()) else 1
+
+
+def run_selected(chosen: list[Scenario], dry: bool = False) -> dict:
+    """The whole run → results (with "exit"/"error" when it could not start); pytest and the CLI share it."""
     ctx = make_context(dry)
     if dry:
         from fakes import tiny_model  # on CPU: the real fixtures, so the argv names real snapshots
@@ -712,23 +722,20 @@ def run(chosen: list[Scenario], dry: bool) -> int:
         plugin_site(ctx)
         print_plan(plan(ctx, chosen), chosen)
         say("\n(dry run: nothing started; FLASH_E2E_DRY unset and a GPU give the real run)")
-        return 0
+        return {"dry": True, "scenarios": {}}
     problem = cuda_problem(ctx.base_env, ctx.python)
     if problem:
-        print(f"gpu-e2e: needs an NVIDIA GPU with CUDA and vLLM: {problem}", file=sys.stderr)
-        return 3
+        return {"exit": 3, "error": f"gpu-e2e: needs an NVIDIA GPU with CUDA and vLLM: {problem}"}
     problem = fixture_problem(ctx.base_env, ctx.python)
     if problem:
-        print(f"gpu-e2e: {problem}", file=sys.stderr)
-        return 3
+        return {"exit": 3, "error": f"gpu-e2e: {problem}"}
     t0 = time.monotonic()
     say(f"gpu-e2e: building the tiny fixtures under {ctx.work}")
     fx = subprocess.run([ctx.python, str(ROOT / "tests" / "fakes" / "tiny_model.py"), str(ctx.cache), "--json"],
                         env={**ctx.base_env, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), ctx.base_env.get("PYTHONPATH", "")])},
                         capture_output=True, text=True)
     if fx.returncode != 0:
-        print(f"gpu-e2e: the fixture build failed:\n{fx.stderr[-3000:]}", file=sys.stderr)
-        return 4
+        return {"exit": 4, "error": f"gpu-e2e: the fixture build failed:\n{fx.stderr[-3000:]}"}
     ctx.snaps = {k: Path(v["path"]) for k, v in json.loads(fx.stdout).items()}
     plugin_site(ctx)
     specs = plan(ctx, chosen)
@@ -768,7 +775,7 @@ def run(chosen: list[Scenario], dry: bool) -> int:
         pack(ctx, results)
     ok = all(r["ok"] for r in results["scenarios"].values())
     say(f"gpu-e2e: {'all passed' if ok else 'FAILURES'}; results in {ctx.out} (results.json, summary.txt, logs.tar.gz)")
-    return 0 if ok else 1
+    return results
 
 
 def main(argv: list[str]) -> int:

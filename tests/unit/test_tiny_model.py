@@ -117,3 +117,20 @@ def test_transformers_accepts_config_tokenizer_and_bf16_shapes(snaps):
 
 def test_dims_defaults_keep_the_old_fakes():
     assert ckpt.TINY.head_dim == 256 and ckpt.TINY.vis_blocks == 27  # TINY/REAL unchanged by the new fields
+
+
+def test_same_bytes_without_ml_dtypes(snaps, tmp_path):
+    """The GPU device's vLLM env has torch but not ml_dtypes: there the writer (and the hybrid's fp8
+    cast) go through torch, and every file comes out byte-identical."""
+    code = ("import runpy, sys; sys.modules['ml_dtypes'] = None; sys.argv = ['tiny_model.py', sys.argv[1]]; "
+            f"runpy.run_path({str(tiny_model.HERE / 'tiny_model.py')!r}, run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "hf")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ours = snaps["a"].parents[3]
+    compared = 0
+    for f in sorted(ours.rglob("*")):
+        if f.is_file() and f.suffix in (".safetensors", ".json") and ".tmp" not in f.name:
+            other = tmp_path / "hf" / f.relative_to(ours)
+            assert other.read_bytes() == f.read_bytes(), f.relative_to(ours)
+            compared += 1
+    assert compared > 40
