@@ -18,7 +18,8 @@ breaker's sitecustomize.
 Environment: FLASH_E2E_VLLM_ENV (the device payload's env.sh, sourced for every server), FLASH_E2E_OUT
 (results; default a new tmp dir), FLASH_E2E_WORK (fixtures, caches; default a tmp dir),
 FLASH_E2E_GPU_MEM (one server's share, default 0.07: 12 servers fit), FLASH_E2E_PORT (first port, 18400),
-FLASH_E2E_BOOT_TIMEOUT (s, 420), FLASH_E2E_TEST_ARGS (how `flash test` declares the checks a random
+FLASH_E2E_BOOT_TIMEOUT (s, 420), FLASH_E2E_DEADLINE (s after start when unfinished scenarios are
+cut, servers stopped and results packed; 540, inside a 10-minute device call), FLASH_E2E_TEST_ARGS (how `flash test` declares the checks a random
 model cannot pass; default TEST_NA_ARGS), FLASH_E2E_COMMIT (the commit, when .git is absent).
 Results: at most 8 flat files: results.json, summary.txt, logs.tar.gz (every server's full log and
 each scenario's artefacts).
@@ -39,6 +40,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -312,6 +314,29 @@ def wait(procs: list[Proc], timeout: float) -> None:
         time.sleep(2)
 
 
+def stop_all(procs: list[Proc], grace: float = 20) -> None:
+    """SIGTERM to every process group this harness started, one shared grace period, then SIGKILL."""
+    live = [p for p in procs if p.popen.poll() is None]
+    for p in live:
+        try:
+            os.killpg(p.popen.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    end = time.monotonic() + grace
+    for p in live:
+        try:
+            p.popen.wait(max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.popen.wait(10)
+    for p in procs:
+        if p.exited is None:
+            p.exited, p.ended_at = p.popen.returncode, time.monotonic()
+
+
 def stop(p: Proc, grace: float = 30) -> None:
     """SIGTERM to the process group this harness started (vLLM's engine/worker children too), then SIGKILL."""
     if p.popen.poll() is None:
@@ -331,7 +356,7 @@ def stop(p: Proc, grace: float = 30) -> None:
         p.exited, p.ended_at = p.popen.returncode, time.monotonic()
 
 
-def boot(ctx: Context, specs: list[dict], timeout: float) -> dict[str, Proc]:
+def boot(ctx: Context, specs: list[dict], timeout: float, deadline: float) -> dict[str, Proc]:
     """Every non-solo server at once (staggered by 2 s), then, once those are up and idle, the solo
     servers one at a time: vLLM sizes its KV pool from the whole GPU's used memory (mem_get_info), so
     a server profiling while another allocates gets a smaller pool; a solo server's pool is clean
@@ -342,13 +367,13 @@ def boot(ctx: Context, specs: list[dict], timeout: float) -> dict[str, Proc]:
         procs[spec["server"]] = launch(ctx, spec)
         time.sleep(2)
     group = [procs[s["server"]] for s in rest]
-    wait(group, timeout)
+    wait(group, min(timeout, deadline - time.monotonic() - 90))
     for p in group:
         say(f"  {p.spec['server']}: {poll(p)} after {time.monotonic() - p.started:.0f}s")
     for spec in [s for s in specs if s["solo"]]:
         p = launch(ctx, spec)
         procs[spec["server"]] = p
-        wait([p], timeout)
+        wait([p], min(timeout, deadline - time.monotonic() - 90))
         say(f"  {spec['server']}: {poll(p)} after {time.monotonic() - p.started:.0f}s (alone)")
     return procs
 
@@ -723,13 +748,15 @@ def run_selected(chosen: list[Scenario], dry: bool = False) -> dict:
         print_plan(plan(ctx, chosen), chosen)
         say("\n(dry run: nothing started; FLASH_E2E_DRY unset and a GPU give the real run)")
         return {"dry": True, "scenarios": {}}
-    problem = cuda_problem(ctx.base_env, ctx.python)
+    # FLASH_E2E_CUDA_CHECK=0: a CPU rehearsal against a stand-in `vllm` (tests/unit/test_gpu_e2e_dry.py)
+    problem = cuda_problem(ctx.base_env, ctx.python) if os.environ.get("FLASH_E2E_CUDA_CHECK") != "0" else None
     if problem:
         return {"exit": 3, "error": f"gpu-e2e: needs an NVIDIA GPU with CUDA and vLLM: {problem}"}
     problem = fixture_problem(ctx.base_env, ctx.python)
     if problem:
         return {"exit": 3, "error": f"gpu-e2e: {problem}"}
     t0 = time.monotonic()
+    deadline = t0 + float(os.environ.get("FLASH_E2E_DEADLINE", "540"))
     say(f"gpu-e2e: building the tiny fixtures under {ctx.work}")
     fx = subprocess.run([ctx.python, str(ROOT / "tests" / "fakes" / "tiny_model.py"), str(ctx.cache), "--json"],
                         env={**ctx.base_env, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), ctx.base_env.get("PYTHONPATH", "")])},
@@ -744,11 +771,16 @@ def run_selected(chosen: list[Scenario], dry: bool = False) -> dict:
     results: dict = {"commit": commit(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                      "fixtures": json.loads(fx.stdout), "scenarios": {}, "servers": {}}
     try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)
-        results["device"] = smi.stdout.strip()
+        try:
+            results["device"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                                                "--format=csv,noheader"], capture_output=True, text=True,
+                                               timeout=30).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            results["device"] = f"unknown ({exc})"
         say(f"gpu-e2e: booting {len(specs)} server(s)")
-        ctx.procs = boot(ctx, specs, timeout)
+        ctx.procs = boot(ctx, specs, timeout, deadline)
+        (ctx.out / "results.json").write_text(json.dumps({**results, "phase": "booted"}, indent=2, default=str))
+
         def one(s: Scenario) -> tuple[str, dict]:
             t = time.monotonic()
             try:
@@ -759,14 +791,20 @@ def run_selected(chosen: list[Scenario], dry: bool = False) -> dict:
             say(f"{'PASS' if r['ok'] else 'FAIL'} {s.name} ({r['s']}s)")
             return s.name, r
 
-        # scenarios talk to the servers over HTTP and wait on subprocesses: run them side by side
-        with ThreadPoolExecutor(max_workers=int(os.environ.get("FLASH_E2E_PARALLEL", "6"))) as pool:
-            done = dict(pool.map(one, chosen))
-        results["scenarios"] = {s.name: done[s.name] for s in chosen}
+        # scenarios talk to the servers over HTTP and wait on subprocesses: run them side by side,
+        # until the deadline (a device call is cut at 10 minutes; what finished must still come back)
+        pool = ThreadPoolExecutor(max_workers=int(os.environ.get("FLASH_E2E_PARALLEL", "6")))
+        futures = {pool.submit(one, s): s for s in chosen}
+        finished, _ = futures_wait(futures, timeout=max(5.0, deadline - time.monotonic() - 45))
+        pool.shutdown(wait=False, cancel_futures=True)
+        done = dict(f.result() for f in finished)
+        results["scenarios"] = {s.name: done.get(s.name, {"ok": False, "error": "not finished before the deadline "
+                                                           "(FLASH_E2E_DEADLINE)"}) for s in chosen}
     finally:
+        states = {name: poll(p) for name, p in ctx.procs.items()}
+        stop_all(list(ctx.procs.values()))
         for name, p in ctx.procs.items():
-            state = poll(p)
-            stop(p)
+            state = states[name]
             results["servers"][name] = {"state_before_stop": state, "exit": p.exited,
                                         "boot_s": round(p.healthy_at - p.started, 1) if p.healthy_at else None,
                                         "kv_line": (lambda m: m.group(0) if m else None)(
@@ -792,8 +830,19 @@ def main(argv: list[str]) -> int:
         print(f"gpu-e2e: -k {expr!r} selects no scenario (known: {', '.join(SCENARIOS)})", file=sys.stderr)
         return 2
     dry = mode == "plan" or os.environ.get("FLASH_E2E_DRY", "") not in ("", "0")
+
+    def _term(signum, _frame):
+        raise SystemExit(128 + signum)  # unwinds through run's finally: servers stopped, results packed
+
+    signal.signal(signal.SIGTERM, _term)
     return run(chosen, dry)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        rc = main(sys.argv[1:])
+    except SystemExit as exc:  # SIGTERM (after the results were packed) or a usage exit
+        rc = exc.code if isinstance(exc.code, int) else 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)  # scenario threads past the deadline must not hold the exit (results are written)

@@ -152,3 +152,35 @@ def test_breaker_moves_an_anchor_and_keeps_the_code(tmp_path):
     env["FLASH_E2E_BREAK"] = json.dumps({"module": "fakepkg.mod", "old": "not there", "new": "x"})
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode != 0 and "nothing to move" in proc.stderr
+
+
+def test_rehearsal_against_the_standin(tmp_path):
+    """The whole run path on CPU, with tests/standin/server.py as `vllm` (a stand-in package on
+    PYTHONPATH, FLASH_E2E_CUDA_CHECK=0): fixtures, boots from the planned argv, probes and diffs,
+    prefix-hit, stop, results packed flat. The stand-in has no plugin, so the broken boot stays up
+    and that scenario must FAIL, saying why."""
+    fake = tmp_path / "fake"
+    cli = fake / "vllm" / "entrypoints" / "cli"
+    cli.mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text('__version__ = "0.33.0"\n')
+    (fake / "vllm" / "entrypoints" / "__init__.py").write_text("")
+    (cli / "__init__.py").write_text("")
+    (cli / "main.py").write_text("import runpy, sys\nsys.argv = ['vllm', *sys.argv[1:]]\n"
+                                 f"runpy.run_path({str(ROOT / 'tests' / 'standin' / 'server.py')!r}, run_name='__main__')\n")
+    out = tmp_path / "out"
+    env = {**os.environ, "FLASH_E2E_CUDA_CHECK": "0", "PYTHONPATH": str(fake), "FLASH_E2E_PYTHON": sys.executable,
+           "FLASH_E2E_WORK": str(tmp_path / "work"), "FLASH_E2E_OUT": str(out), "STANDIN_BOOT_SECONDS": "1",
+           "FLASH_E2E_PORT": "18640"}
+    env.pop("FLASH_E2E_DRY", None)
+    proc = subprocess.run([sys.executable, str(FLEET), "run", "-k", "probe_p1 or prefix_hit or broken"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # the broken boot did not refuse
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "results.json", "summary.txt"]
+    res = json.loads((out / "results.json").read_text())
+    verdicts = {k: v["ok"] for k, v in res["scenarios"].items()}
+    assert verdicts == {"probe_p1": True, "probe_p13": True, "prefix_hit_a": True, "broken_patch_p1": False}
+    assert "did not fail" in res["scenarios"]["broken_patch_p1"]["error"]
+    assert res["scenarios"]["prefix_hit_a"]["result"]["prefix_cache_hit_tokens"] > 0
+    assert {s["exit"] for s in res["servers"].values()} == {0}  # every server stopped cleanly
+    log = (tmp_path / "work" / "logs" / "probe-p1.log").read_text().splitlines()[0]
+    assert "vllm.entrypoints.cli.main serve" in log and "--block-size 256" in log
