@@ -197,10 +197,14 @@ def small_files(flavour: str, d: ckpt.Dims) -> dict[str, str]:
         "bos_token": None, "model_max_length": 262144, "clean_up_tokenization_spaces": False,
         "added_tokens_decoder": {str(i): {"content": t, "special": True} for t, i in tok.items()}})
     out["chat_template.jinja"] = CHAT_TEMPLATE
-    out["preprocessor_config.json"] = json.dumps({
-        "image_processor_type": "Qwen2VLImageProcessorFast", "patch_size": 16, "temporal_patch_size": 2,
-        "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-        "size": {"shortest_edge": 65536, "longest_edge": 16777216}})
+    # the classes transformers maps qwen4_exp to; small pixel bounds keep one image or video within the
+    # 2,048-token context (64x64..256x256 px: 4..64 tokens after the 2x2 merge)
+    px = {"shortest_edge": 4096, "longest_edge": 65536}
+    common = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+              "image_std": [0.5, 0.5, 0.5], "size": px}
+    out["preprocessor_config.json"] = json.dumps({"image_processor_type": "Qwen2VLImageProcessor", **common})
+    out["video_preprocessor_config.json"] = json.dumps({"video_processor_type": "Qwen3VLVideoProcessor", **common,
+                                                        "fps": 2, "min_frames": 2, "max_frames": 8})
     return out
 
 

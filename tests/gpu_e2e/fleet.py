@@ -17,7 +17,8 @@ breaker's sitecustomize.
 
 Environment: FLASH_E2E_VLLM_ENV (the device payload's env.sh, sourced for every server), FLASH_E2E_OUT
 (results; default a new tmp dir), FLASH_E2E_WORK (fixtures, caches; default a tmp dir),
-FLASH_E2E_GPU_MEM (one server's share, default 0.07: 12 servers fit), FLASH_E2E_PORT (first port, 18400),
+FLASH_E2E_EXTRA (more `vllm serve` words for every server, appended to EXTRA, e.g.
+--language-model-only if the vision tower gets in the way), FLASH_E2E_GPU_MEM (one server's share, default 0.07: 12 servers fit), FLASH_E2E_PORT (first port, 18400),
 FLASH_E2E_BOOT_TIMEOUT (s, 420), FLASH_E2E_DEADLINE (s after start when unfinished scenarios are
 cut, servers stopped and results packed; 540, inside a 10-minute device call), FLASH_E2E_TEST_ARGS (how `flash test` declares the checks a random
 model cannot pass; default TEST_NA_ARGS), FLASH_E2E_COMMIT (the commit, when .git is absent).
@@ -198,7 +199,8 @@ def words_for(ctx: Context, server: Server, index: int) -> list[str]:
         "MODE": {"a": "nvfp4", "b": "hybrid", "c": "hybrid-mtp"}[server.fixture]}
     words = list(TINY_WORDS) + [f"{k}={v}" for k, v in fx.items()]
     words += [f"HF_CACHE={ctx.cache}", f"PORT={ctx.port0 + index}", f"NAME=e2e-{server.name}",
-              f"GPU_MEM={ctx.gpu_mem:.2f}", f"DRAFT_VOCAB={draft_vocab(ctx)}", f"EXTRA={TINY_EXTRA}",
+              f"GPU_MEM={ctx.gpu_mem:.2f}", f"DRAFT_VOCAB={draft_vocab(ctx)}",
+              f"EXTRA={TINY_EXTRA} {os.environ.get('FLASH_E2E_EXTRA', '')}".rstrip(),
               "CONTAINER_ENV=" + " ".join(TINY_CONTAINER_ENV + server.container_env)]
     return words + list(server.words)
 
