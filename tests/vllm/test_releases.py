@@ -105,10 +105,22 @@ def tiny_hybrids(tmp_path_factory):
     return os.pathsep.join(out)
 
 
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """The gpu-e2e tier's tiny model in its three layouts (a, b, c) for check_tiny_model.py."""
+    import os
+
+    from fakes import tiny_model
+
+    snaps = tiny_model.build(tmp_path_factory.mktemp("tiny") / "hf")
+    return os.pathsep.join(str(snaps[k]) for k in "abc")
+
+
 @pytest.mark.parametrize("release", RELEASES)
-def test_patch_logic_in_release(release, tmp_path, tiny_hybrids):
+def test_patch_logic_in_release(release, tmp_path, tiny_hybrids, tiny_models):
     rt = _tool().ensure(release)
-    rt["env"] = dict(rt["env"], FLASH_TEST_TINY_HYBRIDS=tiny_hybrids)
+    rt["env"] = dict(rt["env"], FLASH_TEST_TINY_HYBRIDS=tiny_hybrids, FLASH_TEST_TINY_MODELS=tiny_models,
+                     HF_HUB_OFFLINE="1")
     junit = tmp_path / "junit.xml"
     proc = subprocess.run(
         [rt["python"], "-m", "pytest", str(ROOT / "tests" / "vllm" / "release"), "-q",
