@@ -275,11 +275,15 @@ SETTINGS: tuple[Setting, ...] = (
       "flash bench", minimum=1, maximum=100),
     S("BENCH_DECODE_TOKENS", "int", 256, "`flash bench` decode: max_tokens per request (a real answer).",
       "flash bench", minimum=8, maximum=32768),
-    S("MONITOR_PROM_PORT", "int", 19090, "`flash monitor`: Prometheus listens on BIND:this port.",
+    S("MONITOR_BIND", "host", "127.0.0.1", "`flash monitor`: address Grafana listens on. Loopback: Grafana "
+      "lets anonymous users view. Anything else: Grafana requires a login (admin password file in the "
+      "state dir). Prometheus and node-exporter have no authentication and always stay on 127.0.0.1.",
+      "env GF_SERVER_HTTP_ADDR, GF_AUTH_ANONYMOUS_ENABLED"),
+    S("MONITOR_PROM_PORT", "int", 19090, "`flash monitor`: Prometheus listens on 127.0.0.1:this port.",
       "prometheus --web.listen-address", minimum=1, maximum=65535),
-    S("MONITOR_GRAFANA_PORT", "int", 13000, "`flash monitor`: Grafana listens on BIND:this port.",
+    S("MONITOR_GRAFANA_PORT", "int", 13000, "`flash monitor`: Grafana listens on MONITOR_BIND:this port.",
       "env GF_SERVER_HTTP_PORT", minimum=1, maximum=65535),
-    S("MONITOR_NODE_PORT", "int", 19100, "`flash monitor`: node-exporter listens on BIND:this port.",
+    S("MONITOR_NODE_PORT", "int", 19100, "`flash monitor`: node-exporter listens on 127.0.0.1:this port.",
       "node_exporter --web.listen-address", minimum=1, maximum=65535),
 )
 del S
