@@ -56,3 +56,21 @@ def test_a_skipping_gpu_test_fails_in_a_gpu_tier(tmp_path):
                          timeout=120)
     assert res.returncode == 1 and "1 failed, 1 skipped" in res.stdout, res.stdout
     assert "FAILED test_g.py::test_needs_cuda - skipped inside a selected GPU tier" in res.stdout
+
+
+def test_readme_says_where_each_tier_runs():
+    """README's test table names every tier tests/run knows and where it runs: CI's default set
+    (tests/run with no argument) as CI, GPU tiers as the GPU machine."""
+    run = (ROOT / "tests" / "run").read_text()
+    default = run.split("|| tiers=(", 1)[1].split(")", 1)[0].split()
+    readme = (ROOT / "README.md").read_text()
+    where = {}
+    for line in readme.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[1].startswith("`tests/run"):
+            where[cells[0]] = cells[2]
+    for tier in default:
+        assert where.get(tier, "").startswith("CI"), (tier, where)
+    assert "GPU machine" in where["gpu"]
+    assert any(t.startswith("gpu-") and "GPU machine" in w for t, w in where.items())
+    assert "CI (`.ci/run`) runs `tests/run` with no arguments" in readme
