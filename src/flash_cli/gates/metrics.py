@@ -83,8 +83,22 @@ def parse(text: str) -> Snapshot:
             families.setdefault(fam.name, []).extend((s.name, dict(s.labels), float(s.value)) for s in fam.samples)
             types[fam.name] = fam.type
     except (ValueError, TypeError, KeyError, IndexError) as exc:
-        raise MetricsError(f"not Prometheus text format: {exc}") from None
+        raise MetricsError(f"not Prometheus text format: {exc} ({_where(text)})") from None
     return Snapshot(families, types)
+
+
+def _where(text: str) -> str:
+    """Name the bad input: the first line prometheus_client refuses on its own, else the start."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for n, line in enumerate(text.split("\n"), 1):
+        try:
+            for fam in text_string_to_metric_families(line + "\n"):
+                for s in fam.samples:
+                    float(s.value)
+        except (ValueError, TypeError, KeyError, IndexError):
+            return f"line {n}: {line[:120]!r}"
+    return f"in {text[:120]!r}"
 
 
 def family_names(text: str) -> set[str]:
