@@ -52,7 +52,10 @@ def parse_size(raw: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*", raw.strip().lower())
     if not m:
         raise ValueError("expected a size like 17179869184, 16G or 512M")
-    return int(float(m.group(1)) * SIZE_UNITS[m.group(2)])
+    try:
+        return int(float(m.group(1)) * SIZE_UNITS[m.group(2)])
+    except OverflowError:  # 400 digits: float() says inf
+        raise ValueError("too large") from None
 
 
 @dataclass(frozen=True)
