@@ -81,7 +81,7 @@ def test_first_failed_file_cancels_the_rest_at_once(hub, tmp_path):
     files = h.repos[ckpt.RADIXARK].commits[COMMIT]
     sha_to_path = {f.sha256: f.path for f in files.values() if f.lfs}
     h.fail_status["model-bf16-00010.safetensors"] = 500
-    s = _settings(tmp_path / "cache")
+    s = _settings(tmp_path / "cache", MAX_WORKERS="2")  # 2 running, the rest queued behind them
     p = download.plan(s)
     t0 = time.monotonic()
     with pytest.raises(download.DownloadError, match="model-bf16-00010.safetensors: HTTP 500"):
