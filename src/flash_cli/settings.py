@@ -54,7 +54,10 @@ def parse_size(raw: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*", raw.strip().lower())
     if not m:
         raise ValueError("expected a size like 17179869184, 16G or 512M")
-    return int(float(m.group(1)) * SIZE_UNITS[m.group(2)])
+    try:
+        return int(float(m.group(1)) * SIZE_UNITS[m.group(2)])
+    except OverflowError:  # 400 digits: float() says inf
+        raise ValueError("too large") from None
 
 
 @dataclass(frozen=True)
@@ -277,11 +280,15 @@ SETTINGS: tuple[Setting, ...] = (
       "flash bench", minimum=1, maximum=100),
     S("BENCH_DECODE_TOKENS", "int", 256, "`flash bench` decode: max_tokens per request (a real answer).",
       "flash bench", minimum=8, maximum=32768),
-    S("MONITOR_PROM_PORT", "int", 19090, "`flash monitor`: Prometheus listens on BIND:this port.",
+    S("MONITOR_BIND", "host", "127.0.0.1", "`flash monitor`: address Grafana listens on. Loopback: Grafana "
+      "lets anonymous users view. Anything else: Grafana requires a login (admin password file in the "
+      "state dir). Prometheus and node-exporter have no authentication and always stay on 127.0.0.1.",
+      "env GF_SERVER_HTTP_ADDR, GF_AUTH_ANONYMOUS_ENABLED"),
+    S("MONITOR_PROM_PORT", "int", 19090, "`flash monitor`: Prometheus listens on 127.0.0.1:this port.",
       "prometheus --web.listen-address", minimum=1, maximum=65535),
-    S("MONITOR_GRAFANA_PORT", "int", 13000, "`flash monitor`: Grafana listens on BIND:this port.",
+    S("MONITOR_GRAFANA_PORT", "int", 13000, "`flash monitor`: Grafana listens on MONITOR_BIND:this port.",
       "env GF_SERVER_HTTP_PORT", minimum=1, maximum=65535),
-    S("MONITOR_NODE_PORT", "int", 19100, "`flash monitor`: node-exporter listens on BIND:this port.",
+    S("MONITOR_NODE_PORT", "int", 19100, "`flash monitor`: node-exporter listens on 127.0.0.1:this port.",
       "node_exporter --web.listen-address", minimum=1, maximum=65535),
     # --- field lessons (issue 16): default effort, adaptive MTP, boot stalls, memory pressure ---
     S("EFFORT_DEFAULT", "choice", None, "The server's default reasoning effort for requests that send none "

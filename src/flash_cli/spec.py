@@ -315,6 +315,9 @@ def build(
         f"{LABEL}.version": __version__,
     }
     url_host = "127.0.0.1" if bind in ("0.0.0.0", "::") or is_loopback(bind) else bind
+    # The healthcheck runs inside the container: bridge → vLLM listens on 0.0.0.0 there, so
+    # loopback answers; host network → vLLM listens on BIND only, so probe that address.
+    probe = ["--health", str(listen_port)] + ([host] if network == "host" and host not in ("0.0.0.0", "::", "127.0.0.1") else [])
     return RunSpec(
         name=name,
         image=image,
@@ -333,7 +336,7 @@ def build(
         log_max_files=s["LOG_MAX_FILES"],
         cpuset=s["CPUSET"],
         # Boots take 8-13 minutes: a generous start period, then a cheap /health probe.
-        healthcheck={"test": ["CMD", "python3", "-m", "flash_vllm.launch", "--health", str(listen_port)], "interval": 30 * 10**9,
+        healthcheck={"test": ["CMD", "python3", "-m", "flash_vllm.launch", *probe], "interval": 30 * 10**9,
                      "timeout": 10 * 10**9, "retries": 3, "start_period": 1800 * 10**9},
         api_url=f"http://{url_host}:{port}",
         warnings=warnings,

@@ -176,7 +176,9 @@ class Writer:
                 chunk = os.pread(src_fd, n, offset)
                 if len(chunk) != n:
                     raise OSError(f"short read at {offset} in the source of {self.current}")
-                os.write(self.fd, chunk)
+                view = memoryview(chunk)
+                while view:  # os.write may take fewer bytes than asked (signal, pipe, quota)
+                    view = view[os.write(self.fd, view):]
                 done = n
             offset += done
 
