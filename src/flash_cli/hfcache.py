@@ -124,7 +124,7 @@ def quant_method(snapshot: Path) -> str | None:
 
 def leaves_snapshot(fname: str) -> bool:
     """True for an index entry that names a path out of the snapshot (absolute, `..`, NUL):
-    the rule the safetensors index reader applies (flash_vllm.ple.header._check_shard_name)."""
+    the rule the safetensors index reader applies (flash_common.stheader._check_shard_name)."""
     parts = fname.replace("\\", "/").split("/")
     return not fname or fname.startswith("/") or ".." in parts or "\x00" in fname
 

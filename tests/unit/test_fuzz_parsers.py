@@ -31,10 +31,7 @@ from flash_cli.gates import metrics
 from flash_cli.gates.client import Stream, StreamError, feed_sse_line
 from flash_cli.settings import SETTINGS, parse_assignments, resolve
 
-try:  # issue 13 moves the reader to the shared package; either place is the same code
-    from flash_common import stheader as header
-except ImportError:  # pragma: no cover - before the move
-    from flash_vllm.ple import header
+from flash_common import stheader as header
 
 pytestmark = pytest.mark.fuzz
 N = int(os.environ.get("FLASH_FUZZ_EXAMPLES", "300"))

@@ -14,7 +14,7 @@ import pytest
 from fakes import ckpt, tiny_model
 from flash_cli.checkpoint import verify
 from flash_vllm.ple.hashing import PLELayout
-from flash_vllm.ple.header import read_header
+from flash_common.stheader import read_header
 
 PLE = "model.language_model.layers.1.ple.ple_embedding."
 
