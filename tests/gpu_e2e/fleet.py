@@ -54,11 +54,10 @@ for p in (ROOT / "src", ROOT / "tests"):
 
 NEUTRAL = (1, 3, 4, 5, 8, 13)   # output-neutral patches: greedy output must not change
 ALL_PATCHES = tuple(range(1, 14))
-# Checks a random model cannot pass, declared not applicable (visibly: the result JSON lists them).
-# `flash test --skip CHECK` exists today; engineer i11's n/a mechanism replaces these words through
-# FLASH_E2E_TEST_ARGS once merged (one place to change).
+# Checks a random model cannot pass, declared not applicable (visibly: `flash test --untrained`
+# reports them as "n/a: untrained checkpoint" and the result JSON lists them).
 TEST_NA = ("coherence", "tool_call")
-TEST_NA_ARGS = tuple(w for c in TEST_NA for w in ("--skip", c))
+TEST_NA_ARGS = ("--untrained",)
 # The tiny model's sizes, as settings (the H200 traps: block size 256 for the QSA ring of 32;
 # no FlashInfer cubins offline: triton GDN prefill, no FlashInfer sampler).
 TINY_WORDS = ("YARN=0", "CTX=2048", "SEQS=4", "BATCHED_TOKENS=2048", "NETWORK=host", "BIND=127.0.0.1",
@@ -98,6 +97,11 @@ def _servers() -> dict[str, Server]:
         env = (_disable_all_but(n),) + (() if n == 1 else ("VLLM_PLE_MMAP=0",))
         out[f"probe-p{n}"] = Server(f"probe-p{n}", "a", words=gate, container_env=env)
     out["broken-p1"] = Server("broken-p1", "a", expect="refuse", breaks=True)
+    # diagnosis of patch 1's ids (VLLM_PLE_MMAP_DEBUG) and the stock device-table class on the same ids
+    out["diag-p1"] = Server("diag-p1", "a", container_env=("VLLM_PLE_MMAP_DEBUG=1",))
+    out["diag-stockdev"] = Server("diag-stockdev", "a", words=(
+        "EXACT_TOPK=0", "DET_TOPK=0", f"EXTRA={TINY_EXTRA} --engram-config '{{\"cpu_offload\":false}}'"),
+        container_env=(_disable_all_but(None), "VLLM_PLE_MMAP=0"))
     return out
 
 
@@ -130,6 +134,9 @@ def _scenarios() -> dict[str, Scenario]:
                        lambda ctx: check_prefix_hit(ctx, "a-default")))
     sc.append(Scenario("ple_memory", ("a-default", "a-nople"), "GPU memory and pinned bytes with/without patch 1; "
                        "vllm:ple_mmap_* counters move", lambda ctx: check_ple_memory(ctx, "a-default", "a-nople")))
+    sc.append(Scenario("diag_ple_ids", ("diag-p1", "diag-stockdev"), "patch 1 with VLLM_PLE_MMAP_DEBUG and "
+                       "stock vLLM with the PLE table on the GPU: records the id checks and how each boot ended",
+                       lambda ctx: check_diag(ctx, ("diag-p1", "diag-stockdev"))))
     sc.append(Scenario("broken_patch_p1", ("broken-p1",), f"patch 1's anchor moved in {BREAK['module']}: the boot "
                        "refuses, naming the patch", lambda ctx: check_broken(ctx, "broken-p1")))
     return {s.name: s for s in sc}
@@ -503,7 +510,8 @@ def flash_test_args() -> list[str]:
 def check_flash_test(ctx: Context, name: str) -> dict:
     p = need_up(ctx, name)
     s = p.spec
-    words = [w for w in s["words"] if w.startswith(("TEST_", "MODEL=", "HF_CACHE=", "MODE=", "REVISION="))]
+    # the recipe words flash test needs to know what it tests (the context check compares CTX/YARN)
+    words = [w for w in s["words"] if w.startswith(("TEST_", "MODEL=", "HF_CACHE=", "MODE=", "REVISION=", "CTX=", "YARN="))]
     proc = flash(ctx, "test", "--url", s["url"], "--model", s["model"], "--json", *flash_test_args(), "default", *words,
                  timeout=540)
     keep(ctx, f"flash-test-{name}.json", proc.stdout + ("\n# stderr\n" + proc.stderr if proc.stderr else ""))
@@ -617,6 +625,19 @@ def _find(obj, key):
             if hit is not None:
                 return hit
     return None
+
+
+def check_diag(ctx: Context, names: tuple[str, ...]) -> dict:
+    """What each diagnosis boot said: its state, patch 1's id checks, the first error lines."""
+    out = {}
+    for name in names:
+        p = ctx.procs[name]
+        lines = log_text(p).splitlines()
+        out[name] = {"state": poll(p), "exit": p.exited,
+                     "debug": [ln.split("patch 1 debug: ", 1)[1][:3000] for ln in lines if "patch 1 debug: " in ln][:8],
+                     "errors": [ln[:600] for ln in lines if re.search(r"Error|error:|Traceback", ln)][:12],
+                     "tail": lines[-15:] if p.exited is not None else []}
+    return out
 
 
 def check_broken(ctx: Context, name: str) -> dict:
