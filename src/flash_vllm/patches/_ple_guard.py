@@ -65,14 +65,15 @@ def _is_capturing(torch) -> bool:
 
 
 def _in_breakable_capture() -> bool:
-    """True while a breakable CUDA-graph capture runs (its eager segments included): the ids
-    computed before us were recorded, not run, so they are garbage. Replay runs outside it."""
+    """True while a breakable CUDA-graph capture runs, its eager segments included: the ids
+    computed before us were recorded, not run, so they are garbage. `add_eager` ends the current
+    segment (`_capturing` is False) before it runs the eager function once at capture time, so
+    the context being active is what counts, not `_capturing`. Replay runs outside the context."""
     try:
         from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
     except ImportError:
         return False
-    cap = BreakableCUDAGraphCapture.current()
-    return cap is not None and bool(getattr(cap, "_capturing", False))
+    return BreakableCUDAGraphCapture.current() is not None
 
 
 def eager_break(fn):
