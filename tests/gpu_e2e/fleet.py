@@ -132,6 +132,8 @@ def _scenarios() -> dict[str, Scenario]:
                            "off: byte-identical", lambda ctx, n=n: check_probe(ctx, "probe-off", f"probe-p{n}")))
     sc.append(Scenario("prefix_hit_a", ("a-default",), "greedy probe twice: the prefix-cache hit run equals the cold one",
                        lambda ctx: check_prefix_hit(ctx, "a-default")))
+    sc.append(Scenario("prefix_hit_off", ("probe-off",), "the same with every patch off (is a difference ours?)",
+                       lambda ctx: check_prefix_hit(ctx, "probe-off")))
     sc.append(Scenario("ple_memory", ("a-default", "a-nople"), "GPU memory and pinned bytes with/without patch 1; "
                        "vllm:ple_mmap_* counters move", lambda ctx: check_ple_memory(ctx, "a-default", "a-nople")))
     sc.append(Scenario("diag_ple_ids", ("diag-p1", "diag-stockdev"), "patch 1 with VLLM_PLE_MMAP_DEBUG and "

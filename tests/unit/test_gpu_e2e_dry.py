@@ -98,7 +98,7 @@ def test_selection_is_pytest_like():
     names = lambda e: [s.name for s in fleet.select(e)]  # noqa: E731
     assert names("probe and not p13") == [f"probe_p{n}" for n in fleet.NEUTRAL if n != 13]
     assert names("boot_a or broken") == ["boot_a", "broken_patch_p1"]
-    assert len(names(None)) == len(fleet.SCENARIOS) == 3 * 3 + len(fleet.NEUTRAL) + 4  # + diag_ple_ids
+    assert len(names(None)) == len(fleet.SCENARIOS) == 3 * 3 + len(fleet.NEUTRAL) + 5  # + diag_ple_ids, prefix_hit_off
 
 
 def test_plugin_site_declares_our_entry_point(planned):
