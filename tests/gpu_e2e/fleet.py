@@ -82,19 +82,21 @@ class Server:
     breaks: bool = False
 
 
-def _disable_all_but(keep: int | None) -> str:
-    return "FLASH_DISABLE_PATCHES=" + ",".join(str(n) for n in ALL_PATCHES if n != keep)
+def _disable_all_but(keep: int | None, among: tuple[int, ...] = ALL_PATCHES) -> str:
+    return "FLASH_DISABLE_PATCHES=" + ",".join(str(n) for n in among if n != keep)
 
 
 def _servers() -> dict[str, Server]:
     out = {f"{x}-default": Server(f"{x}-default", x) for x in "abc"}
     out["a-nople"] = Server("a-nople", "a", container_env=("VLLM_PLE_MMAP=0",))
-    # greedy neutrality: all patches off vs exactly one on, same graph mode (the default PIECEWISE)
+    # greedy neutrality: the output-neutral patches all off vs exactly one on, same graph mode (the
+    # default PIECEWISE). The others stay at the recipe's default: with patch 2 (Mamba block size)
+    # off the tiny model's state blocks do not fit a small memory share (measured on the H200).
     out["probe-off"] = Server("probe-off", "a", words=("EXACT_TOPK=0", "DET_TOPK=0"),
-                              container_env=(_disable_all_but(None), "VLLM_PLE_MMAP=0"))
+                              container_env=(_disable_all_but(None, NEUTRAL), "VLLM_PLE_MMAP=0"))
     for n in NEUTRAL:
         gate = {5: ("EXACT_TOPK=1", "DET_TOPK=0"), 8: ("EXACT_TOPK=0", "DET_TOPK=1")}.get(n, ("EXACT_TOPK=0", "DET_TOPK=0"))
-        env = (_disable_all_but(n),) + (() if n == 1 else ("VLLM_PLE_MMAP=0",))
+        env = (_disable_all_but(n, NEUTRAL),) + (() if n == 1 else ("VLLM_PLE_MMAP=0",))
         out[f"probe-p{n}"] = Server(f"probe-p{n}", "a", words=gate, container_env=env)
     out["broken-p1"] = Server("broken-p1", "a", expect="refuse", breaks=True)
     # diagnosis of patch 1's ids (VLLM_PLE_MMAP_DEBUG) and the stock device-table class on the same ids
