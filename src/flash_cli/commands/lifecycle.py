@@ -36,6 +36,14 @@ def _target(args: argparse.Namespace):
     return r, engine.require(client, r.settings["NAME"])
 
 
+def _deployment(args: argparse.Namespace):
+    """(settings, every box) when NAME is a multi-node deployment, else (settings, None)."""
+    from .. import deploy
+
+    r = recipe.load(args.recipe)
+    return r.settings, deploy.locate(r.settings)
+
+
 def in_flight(ep: running.Endpoint) -> float | None:
     reply = api.get(f"{ep.url}/metrics", timeout=3)
     if reply.status != 200:
@@ -59,6 +67,11 @@ def drain(ep: running.Endpoint, timeout: float, interval: float = 1.0) -> tuple[
 
 
 def stop(args: argparse.Namespace) -> int:
+    s, boxes = _deployment(args)
+    if boxes is not None:
+        from .. import deploy
+
+        return deploy.stop(boxes, 0 if args.no_drain else s["DRAIN_TIMEOUT"], args.dry_run)
     r, c = _target(args)
     st = engine.state(c)
     if st.status != "running":
@@ -77,6 +90,11 @@ def stop(args: argparse.Namespace) -> int:
 
 
 def start(args: argparse.Namespace) -> int:
+    _, boxes = _deployment(args)
+    if boxes is not None:
+        from .. import deploy
+
+        return deploy.start(boxes, args.dry_run)
     _, c = _target(args)
     st = engine.state(c)
     if st.status == "running":
@@ -91,6 +109,11 @@ def start(args: argparse.Namespace) -> int:
 
 
 def rm(args: argparse.Namespace) -> int:
+    _, boxes = _deployment(args)
+    if boxes is not None:
+        from .. import deploy
+
+        return deploy.rm(boxes, args.dry_run)
     r, c = _target(args)
     st = engine.state(c)
     what = engine.describe(c)
