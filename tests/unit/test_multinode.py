@@ -193,3 +193,108 @@ def test_engine_urls():
     assert multinode.engine_url("unix:///tmp/d.sock") == "unix:///tmp/d.sock"
     with pytest.raises(ConfigError):
         multinode.engine_url("ftp://x")
+
+
+# -- flash plan for two boxes -----------------------------------------------------------------
+def test_plan_dp2_is_two_one_box_pools_and_tp2_splits_the_weights():
+    from flash_cli.plan import build as plan_build, hardware, parallel
+
+    p = profiles.load("tp2")
+    s = resolve(p.layer(), {}, BOXES, profile_name=p.name)
+    single = plan_build(s, hardware.preset("gb10"), snapshot=None)
+    dp = parallel.plan(single, "dp2")
+    assert dp["pools"] == 2 and dp["aggregate"]["kv_cache_tokens"] == 2 * single["kv_cache_tokens"]
+    assert [r["kv_cache_tokens"] for r in dp["ranks"]] == [single["kv_cache_tokens"]] * 2
+    tp = parallel.plan(single, "tp2")
+    assert tp["pools"] == 1
+    assert tp["ranks"][0]["weights_gib"] == pytest.approx(single["weights_gib"] / 2, abs=1e-3)
+    b = single["budget"]
+    freed = single["weights_gib"] / 2
+    assert tp["ranks"][0]["kv_cache_gib"] == pytest.approx(b["kv_cache_gib"] + freed, abs=1e-2)
+    # a token costs each rank half: the pool is (2 × per-rank KV) worth of one-box tokens
+    want = 2 * tp["ranks"][0]["kv_cache_gib"] / b["kv_cache_gib"] * single["kv_cache_tokens"]
+    assert tp["aggregate"]["kv_cache_tokens"] == pytest.approx(want, rel=1e-3)
+    assert any("first-order" in line for line in parallel.render(tp))
+
+
+def test_plan_command_reports_the_deployment(capsys):
+    assert main(["plan", "dp2", "--hardware", "gb10", "--no-snapshot", "--json"]) in (0, 1)
+    data = json.loads(capsys.readouterr().out)
+    assert data["parallel"]["mode"] == "dp2" and data["parallel"]["pools"] == 2
+
+
+# -- doctor's judgement of the boxes' facts (nodecheck.judge is pure) -----------------------------
+def box_facts(i: int, **over) -> dict:
+    f = {"node": i, "box": "ab"[i], "engine": f"ssh://{'ab'[i]}", "kernel": "6.11.0-1016-nvidia", "clock_offset_s": 0.02,
+         "clock_rtt_s": 0.01, "user": "spark", "image_id": "sha256:" + "1" * 64, "rdma_options_accepted": True,
+         "probe": {"memlock_unlimited": True, "ipc_lock": True, "infiniband": ["rdma_cm", "uverbs0"],
+                   "ib_ports": [{"dev": "rocep1s0f1", "port": "1", "state": "4: ACTIVE", "rate": "200 Gb/sec (2X NDR)"}],
+                   "revision": "abc", "snapshot": True, "variant": True, "variant_marker": {"format": 2},
+                   "lingering": ["spark"], "remove_ipc": None},
+         "nccl": "ib"}
+    for k, v in over.items():
+        if k in f["probe"]:
+            f["probe"] = {**f["probe"], k: v}
+        else:
+            f[k] = v
+    return f
+
+
+def judged(*facts, **settings):
+    from flash_cli import nodecheck
+
+    p = profiles.load("tp2")
+    s = resolve(p.layer(), {}, {**BOXES, **settings}, profile_name=p.name)
+    return nodecheck.judge(list(facts), s)
+
+
+def fails(found) -> list[str]:
+    return [t for level, t in found if level == "fail"]
+
+
+def test_doctor_all_good():
+    found = judged(box_facts(0), box_facts(1))
+    assert not fails(found), fails(found)
+    assert not [t for level, t in found if level == "warn"]
+    assert any("same image on every box" in t for _, t in found)
+
+
+@pytest.mark.parametrize("box,over,needle", [
+    (1, {"image_id": "sha256:" + "2" * 64}, "different images"),
+    (1, {"revision": "def"}, "different checkpoint revisions"),
+    (0, {"kernel": "7.0.0-1019-nvidia"}, "is known bad: ibv_reg_mr"),
+    (1, {"clock_offset_s": 2.5}, "clock +2.50 s off"),
+    (1, {"memlock_unlimited": False}, "NOT memlock unlimited"),
+    (1, {"ipc_lock": False}, "NOT IPC_LOCK"),
+    (0, {"infiniband": None}, "NOT /dev/infiniband"),
+    (0, {"rdma_options_accepted": False, "rdma_error": "no such device"}, "RDMA options do not start"),
+    (1, {"ib_ports": [{"state": "4: ACTIVE", "rate": "100 Gb/sec (2X HDR)"}]}, "link at 100 Gb/s, expected 200"),
+    (1, {"ib_ports": [{"state": "1: DOWN", "rate": "200 Gb/sec"}]}, "no active RDMA port"),
+    (1, {"nccl": "socket"}, "NCCL fell back to sockets"),
+    (0, {"snapshot": False}, "not in HF_CACHE"),
+    (1, {"variant": False}, "variant is not prepared"),
+    (1, {"variant_marker": {"format": 1}}, "prepared variants differ"),
+    (1, {"image_id": None}, "is not there"),
+    (1, {"unreachable": "box 1 (b) is unreachable"}, "unreachable"),
+])
+def test_doctor_catches(box, over, needle):
+    facts = [box_facts(0), box_facts(1)]
+    facts[box] = box_facts(box, **over)
+    found = fails(judged(*facts))
+    assert any(needle in t for t in found), found
+
+
+def test_doctor_lingering_warns_and_dp2_sockets_only_warn():
+    found = judged(box_facts(0), box_facts(1, lingering=[]))
+    assert any("sudo loginctl enable-linger spark" in t for level, t in found if level == "warn")
+    assert not fails(judged(box_facts(0, user="root", lingering=[]), box_facts(1, remove_ipc="no", lingering=[])))
+    found = judged(box_facts(0, nccl="socket"), box_facts(1), PARALLEL="dp2")
+    assert not fails(found) and any("NCCL over sockets" in t for _, t in found)
+
+
+def test_known_bad_kernels_are_data():
+    from flash_cli import nodecheck
+
+    assert nodecheck.bad_kernel("7.0.0-1019-nvidia-64k")["prefix"] == "7.0.0-1019"
+    assert nodecheck.bad_kernel("6.11.0-1016-nvidia") is None
+    assert nodecheck._utc("2026-12-01T15:20:01.5Z") == pytest.approx(1796138401.5)
