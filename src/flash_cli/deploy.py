@@ -143,6 +143,8 @@ def serve(dep: "Deployment", s, *, force: bool, start_check: float, kv_label: st
         for p in preflight.image(s, n.spec.image, engine.image_labels(b.client, n.spec.image)):
             raise p.error(f"box {b.index} ({b.box}): {p.message}", hint=p.hint)
         b.container = find_node(b.client, s["NAME"], b.index)
+    # a one-box server of that NAME on any box is replaced (after every check passed, below)
+    one_box = [(b, c) for b in boxes for c in engine.find_all(b.client, s["NAME"]) if f"{LABEL}.node" not in c.labels]
     held = [b for b in boxes if b.container is not None and engine.state(b.container).status == "running"]
     same = all(b.container is not None and b.container.labels.get(f"{LABEL}.settings") == n.spec.labels[f"{LABEL}.settings"]
                and b.container.labels.get(f"{LABEL}.nodes") == s["NODES"] for b, n in zip(boxes, dep.nodes))
@@ -154,6 +156,16 @@ def serve(dep: "Deployment", s, *, force: bool, start_check: float, kv_label: st
         head_held = any(b.index == 0 for b in held)
         for p in preflight.port(s, held_by_us=head_held):
             p.raise_()
+    if boxes[0].container is not None and boxes[0] in held and s["DRAIN_TIMEOUT"] > 0 and endpoint_url(boxes[0]):
+        from .commands.lifecycle import drain
+
+        left, _ = drain(running.Endpoint(endpoint_url(boxes[0]), running.endpoint(boxes[0].container).key, ""),
+                        s["DRAIN_TIMEOUT"])
+        if left:
+            say(f"  ! {left:.0f} request(s) still running after {s['DRAIN_TIMEOUT']} s; replacing anyway")
+    for b, c in one_box:
+        say(f"  · replacing the one-box server on box {b.index}: {engine.describe(c)}")
+        c.remove(force=True)
     for b in boxes:
         if b.container is not None:
             say(f"  · replacing {b.label}: {engine.describe(b.container)}")

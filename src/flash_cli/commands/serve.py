@@ -9,7 +9,7 @@ import sys
 from dataclasses import asdict
 
 from .. import preflight, recipe, running, state
-from ..errors import ContainerDied
+from ..errors import ContainerDied, UsageError
 from ..output import dim, say
 from ..render import docker_run_text
 from ..spec import LABEL, RunSpec, build
@@ -128,6 +128,10 @@ def run(args: argparse.Namespace) -> int:
     for p in preflight.image(s, spec.image, engine.image_labels(client, spec.image)):
         p.raise_()
     existing = engine.find(client, s["NAME"])
+    if existing is not None and existing.labels.get(f"{LABEL}.nodes"):
+        raise UsageError(f"{s['NAME']} is a {existing.labels.get(f'{LABEL}.parallel', 'multi-node')} deployment on "
+                         f"{existing.labels[f'{LABEL}.nodes']}; a one-box server would replace only part of it",
+                         hint="flash rm (removes every box) first, or pick another NAME=")
     held = existing is not None and engine.state(existing).status == "running"
     for p in preflight.port(s, held_by_us=held):
         p.raise_()
