@@ -153,7 +153,8 @@ def serve(dep: "Deployment", s, *, force: bool, start_check: float, kv_label: st
               f"{dep.head.spec.labels[f'{LABEL}.settings']}); nothing to do (--force replaces it)")
         return 0
     if same_machine(boxes[0].url):
-        head_held = any(b.index == 0 for b in held)
+        head_held = any(b.index == 0 for b in held) or any(  # ours: replaced below
+            b.index == 0 and engine.state(c).status == "running" for b, c in one_box)
         for p in preflight.port(s, held_by_us=head_held):
             p.raise_()
     if boxes[0].container is not None and boxes[0] in held and s["DRAIN_TIMEOUT"] > 0 and endpoint_url(boxes[0]):

@@ -169,3 +169,16 @@ def test_doctor_catches_an_image_mismatch(flash, docker_client, second_engine):
     finally:
         original.tag(IMAGE)
         client2.images.remove(other.id, force=True)
+
+
+def test_one_box_server_and_deployment_of_one_name(flash, docker_client, second_engine):
+    url, client2 = second_engine
+    env = boxes_env(url)
+    res = flash("serve", "published", "--start-check", "1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    res = flash("serve", "tp2", "--start-check", "1", env=env)
+    assert res.returncode == 0 and "replacing the one-box server on box 0" in res.stderr, res.stdout + res.stderr
+    assert len(docker_client.containers.list(all=True, filters={"label": f"org.flash.name={flash.name}"})) == 1
+    res = flash("serve", "published")
+    assert res.returncode == 2 and "is a tp2 deployment" in res.stderr, res.stdout + res.stderr
+    assert flash("rm").returncode == 0
