@@ -214,7 +214,7 @@ def remove_all(boxes: list[Box]) -> None:
 def wait(boxes: list[Box], timeout: float, interval: float) -> int:
     missing = [b for b in boxes if b.container is None]
     if missing:
-        raise ContainerMissing(f"{missing[0].label.replace('(?)', '')}: no container of this deployment there",
+        raise ContainerMissing(f"node {missing[0].index} on {missing[0].box}: no container of this deployment there",
                                hint="flash serve … again (it starts every box)")
     start = time.monotonic()
     api_boxes = [b for b in boxes if b.container.labels.get(f"{LABEL}.role") != "worker"]

@@ -106,8 +106,16 @@ def is_deployment(settings) -> bool:
 
 def run_deployment(args: argparse.Namespace, settings) -> int:
     from .. import deploy
+    from ..errors import ContainerMissing
 
-    rows = deploy.status(deploy.locate(settings) or [])
+    try:
+        rows = deploy.status(deploy.locate(settings) or [])
+    except ContainerMissing:
+        rows = []
+    if not rows:
+        print_json({"name": settings["NAME"], "state": "absent", "nodes": []}) if args.json \
+            else print(f"{settings['NAME']}: absent (no box of {settings['NODES']} has it)")
+        return 0
     if args.json:
         print_json({"name": settings["NAME"], "nodes": rows})
         return 0
