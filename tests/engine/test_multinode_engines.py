@@ -56,6 +56,10 @@ def second_engine(docker_client, built_image):
         proc.wait(30)
     except subprocess.TimeoutExpired:
         proc.kill()
+        proc.wait(10)
+    netns = d / "x" / "netns" / "default"  # dockerd leaves its netns bind mount behind
+    if netns.exists():
+        subprocess.run(["umount", str(netns)], check=False, capture_output=True)
     shutil.rmtree(d, ignore_errors=True)
 
 
