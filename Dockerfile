@@ -1,10 +1,12 @@
-# flash image for the current base, vLLM v0.33.0 (v0.30-v0.32 build from this file too, with
-# --build-arg FLASH_VLLM_BASE=v0.3N --build-arg BASE_IMAGE=vllm/vllm-openai:v0.3N.0).
+# flash image for the catalogue's current base (flash_common.releases); every release whose
+# `dockerfile` capability names this file builds from it too, with --build-arg FLASH_VLLM_BASE=vX.Y
+# --build-arg BASE_IMAGE=<its image> (`flash setup` passes both).
 # Our plugin is copied in and registered as a vLLM general plugin; nothing of vLLM is rewritten:
 # every patch is applied at runtime by flash_vllm.register() in each vLLM process.
 # The base is pinned by tag (no release digest is known to us); `flash setup` records the digest
 # it built from. Builds with the classic builder and BuildKit alike, with no network access.
-# Generated values: PATCHSET is kept in sync by tools/gen_patches_doc.py (--check in the unit tier).
+# Generated values: BASE_IMAGE, FLASH_VLLM_BASE (from the release catalogue) and PATCHSET are kept
+# in sync by tools/gen_patches_doc.py (--check in the unit tier).
 ARG BASE_IMAGE=vllm/vllm-openai:v0.33.0
 ARG SELFCHECK=1
 
@@ -18,14 +20,16 @@ LABEL org.flash.selfcheck=skipped
 FROM selfcheck-${SELFCHECK}
 ARG FLASH_VLLM_BASE=v0.33
 ARG SELFCHECK=1
-ARG PATCHSET=76bab1abf92a955d
+ARG PATCHSET=c977715a0c0886a3
 ENV FLASH_VLLM_BASE=${FLASH_VLLM_BASE}
 LABEL qwen38.base=${FLASH_VLLM_BASE} \
       org.flash.base=${FLASH_VLLM_BASE} \
       org.flash.patchset=${PATCHSET}
 
-# Our distribution, --no-deps by construction: only flash_vllm, on the image's own Python.
+# Our distribution, --no-deps by construction: flash_vllm and the shared flash_common (release
+# catalogue, safetensors header reader, effort map), on the image's own Python.
 COPY pyproject.toml /opt/flash/pyproject.toml
+COPY src/flash_common /opt/flash/lib/flash_common
 COPY src/flash_vllm /opt/flash/lib/flash_vllm
 RUN python3 /opt/flash/lib/flash_vllm/_image_install.py /opt/flash \
  && python3 -m flash_vllm.selfcheck --expect-patchset "${PATCHSET}" --patchset-only

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -15,3 +17,32 @@ def isolate_state(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("FLASH_DEBUG", raising=False)
     yield home
+
+
+def _gpu_marked(item) -> bool:
+    return any(m.name == "gpu" or m.name.startswith("gpu_") for m in item.iter_markers())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """In a selected GPU tier (tests/run sets FLASH_REQUIRE_GPU=1), a GPU test that skips fails:
+    the tier proves nothing by skipping."""
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.skipped and os.environ.get("FLASH_REQUIRE_GPU") == "1" and _gpu_marked(item):
+        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        rep.outcome = "failed"
+        rep.longrepr = f"skipped inside a selected GPU tier (FLASH_REQUIRE_GPU=1): {reason}"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Every skip reason, grouped and counted, at the end of each tier's output."""
+    reasons: dict[str, int] = {}
+    for rep in terminalreporter.stats.get("skipped", []):
+        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    if reasons:
+        terminalreporter.section(f"skip reasons ({sum(reasons.values())} skipped)")
+        for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"{n:5d} x {reason}")

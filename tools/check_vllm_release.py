@@ -2,7 +2,12 @@
 """Check every flash_vllm patch against a vLLM release from PyPI, on this CPU-only machine.
 
     tools/check_vllm_release.py X.Y.Z [--json]       check one release, print the matrix
+    tools/check_vllm_release.py X.Y.Z --propose      print the release-catalogue entry it needs
     tools/check_vllm_release.py --setup X.Y.Z ...    only build/reuse the environments (tier hook)
+
+`--propose` reads the release's wheel (no venv, no import): its torch pin, and each capability of
+`flash_common.releases.CAPS` from the source markers in `PROBES`; a capability no marker tells is
+copied from the newest catalogued release and flagged in the output, for the reviewer.
 
 For a release it fetches the wheel from PyPI (cached), installs it `--no-deps` into its own
 directory beside a shared venv per torch pin (CPU torch plus the minimum of vLLM's dependencies
@@ -235,6 +240,74 @@ def setup(versions: list[str]) -> None:
     say(f"{len(versions)} release(s) ready in {time.monotonic() - t:.0f}s")
 
 
+# --- --propose: the catalogue entry from the release's own source ------------------------------
+
+def _qsa_fp8_native(read) -> bool:
+    src = read("vllm/models/qwen4_exp/nvidia/qsa.py") or ""
+    i = src.find("supported_kv_cache_dtypes")
+    return i >= 0 and "fp8_e4m3" in src[i:src.find("]", i) + 1]
+
+
+def _ple_storage(read, names) -> str | None:
+    """Patch 1's targets (ple_mmap.PINNED; ple_mmap_v029.STORAGE and IDS_OP), as names in the modules."""
+    ngram = read("vllm/models/qwen4_exp/nvidia/ngram_embedding.py") or ""
+    if "Qwen4ExpPLEPinnedHostEmbedding" in ngram and "vllm/compilation/breakable_cudagraph.py" in names:
+        return "storage"
+    layer = read("vllm/models/qwen4_exp/nvidia/ple_layer.py") or ""
+    if "PLEVocabParallelEmbedding" in layer and "qwen4_exp_compute_ple_ngram_ids" in layer:
+        return "splitting-op"
+    return None
+
+
+# capability -> probe(read, names) -> value; read(path) is the text of a file in the wheel or None.
+PROBES = {
+    "ple_storage": _ple_storage,
+    "dockerfile": lambda read, names: "Dockerfile.v0.29" if _ple_storage(read, names) == "splitting-op" else "Dockerfile",
+    "qsa_fp8_kv": lambda read, names: "native" if _qsa_fp8_native(read) else None,
+    "reasoning_effort_map": lambda read, names: "effort_map.get(effort, effort)" in (read("vllm/renderers/params.py") or ""),
+    "mamba_prefill_checkpoints": lambda read, names: "def get_mamba_prefill_checkpoint_alignment" in (
+        read("vllm/model_executor/layers/mamba/abstract.py") or ""),
+    "spec_tokens_per_batch_size": lambda read, names: "num_speculative_tokens_per_batch_size:" in (
+        read("vllm/config/speculative.py") or ""),
+    "spec_eagle_block_drop_flag": lambda read, names: "disable_eagle_block_drop:" in (
+        read("vllm/config/speculative.py") or ""),
+    "overhead_fitted": lambda read, names: False,  # a new release has not been calibrated on hardware
+}
+NOT_FROM_SOURCE = {"overhead_fitted": "not calibrated on this release",
+                   "ring_state_bucket": "no source marker: copied from the newest catalogued release"}
+
+
+def propose_from(version: str, torch: str, read, names: set[str]) -> tuple[dict, str]:
+    """(capabilities, the catalogue entry as Python) for a release, from its wheel's files."""
+    sys.path.insert(0, str(SRC))
+    from flash_common import releases
+
+    newest = releases.get(releases.NEWEST)
+    caps = {name: (PROBES[name](read, names) if name in PROBES else newest.caps[name]) for name in releases.CAPS}
+    if caps["qsa_fp8_kv"] is None and version in {r.version for r in releases.RELEASES}:
+        caps["qsa_fp8_kv"] = releases.by_version(version).caps["qsa_fp8_kv"]  # "patch": ours, not the source's
+    args = ", ".join(f"{k}={v!r}" for k, v in caps.items())
+    notes = "".join(f"\n    # {k}: {why}" for k, why in NOT_FROM_SOURCE.items())
+    if caps["qsa_fp8_kv"] is None:
+        notes += "\n    # qsa_fp8_kv: not native; patch 7 ships code for its ported releases only (port it, or leave None)"
+    if caps["ple_storage"] is None:
+        notes += "\n    # ple_storage: neither layout patch 1 knows: port patch 1 before serving this release"
+    return caps, f'    _release("{version}", "{torch}", {args}),{notes}'
+
+
+def propose(version: str) -> dict:
+    cache = cache_dir()
+    wheel = fetch_wheel(version, cache)
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+
+        def read(path: str) -> str | None:
+            return z.read(path).decode(errors="replace") if path in names else None
+
+        caps, entry = propose_from(version, torch_pin(wheel), read, names)
+    return {"release": version, "torch": torch_pin(wheel), "caps": caps, "entry": entry}
+
+
 def check(version: str) -> dict:
     sys.path.insert(0, str(SRC))
     from flash_vllm import compat
@@ -257,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("versions", nargs="+", metavar="X.Y.Z")
     ap.add_argument("--json", action="store_true", help="end with one JSON object")
     ap.add_argument("--setup", action="store_true", help="only build/reuse the environments")
+    ap.add_argument("--propose", action="store_true",
+                    help="print the flash_common.releases entry this release needs (from its wheel)")
     args = ap.parse_args(argv)
     bad = [v for v in args.versions if not re.fullmatch(r"\d+\.\d+\.\d+", v)]
     if bad:
@@ -267,6 +342,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if len(args.versions) != 1:
             ap.error("check one release at a time (or use --setup)")
+        if args.propose:
+            proposal = propose(args.versions[0])
+            print(json.dumps(proposal) if args.json else
+                  "# add to RELEASES in src/flash_common/releases.py (oldest first), then run\n"
+                  "# tools/gen_patches_doc.py, tools/gen_settings_doc.py and this tool without --propose:\n"
+                  + proposal["entry"])
+            return 0
         result = check(args.versions[0])
     except subprocess.CalledProcessError as e:
         say(f"setup failed: {' '.join(map(str, e.cmd))} exited {e.returncode}")

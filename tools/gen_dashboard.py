@@ -80,6 +80,17 @@ PANELS = [
             ("rate(node_vmstat_pgmajfault[5m])", "major faults/s")],
          "Swapping out vLLM itself makes every step page-fault (keep vm.swappiness low)."),
     ]),
+    ("Memory pressure (node-exporter)", [
+        ("Memory stall share (PSI)", "percentunit", "timeseries", [
+            ("flash:memory_pressure_some:rate5m", "some tasks stalled"),
+            ("flash:memory_pressure_full:rate5m", "all tasks stalled")],
+         "/proc/pressure/memory: share of time tasks waited on memory (direct reclaim, refaults). "
+         "The FlashMemoryPressure alert fires above 10% for 10 minutes."),
+        ("Direct reclaim", "ops", "timeseries", [
+            ("rate(node_vmstat_pgscan_direct[5m])", "pages scanned by direct reclaim/s")],
+         "Allocations that had to free memory themselves: on a full unified pool this burns the CPU "
+         "the PLE gather needs."),
+    ]),
 ]
 
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""Generate docs/PATCHES.md from the flash_vllm registry and stamp the patch-set hash into the
-Dockerfiles (`ARG PATCHSET=`, the `org.flash.patchset` label). `--check` exits 1 on any drift."""
+"""Generate docs/PATCHES.md from the flash_vllm registry and the release catalogue, and stamp the
+Dockerfiles: the patch-set hash (`ARG PATCHSET=`, the `org.flash.patchset` label) and the default
+release each builds (`ARG BASE_IMAGE=`, `ARG FLASH_VLLM_BASE=`, from flash_common.releases).
+`--check` exits 1 on any drift; `--print` writes the doc to stdout and touches nothing."""
 
 from __future__ import annotations
 
@@ -11,14 +13,43 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+# After PYTHONPATH's entries (sys.path[0] is tools/): a caller may put a copy of a package first
+# (the release-catalogue dry run in tests/unit/test_release_catalogue.py does).
+sys.path.insert(1 + len([p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]), str(ROOT / "src"))
 
-from flash_vllm import compat  # noqa: E402
+from flash_common import releases  # noqa: E402
 from flash_vllm.registry import DISABLE_ENV, catalogue, patchset_hash  # noqa: E402
 
 OUT = ROOT / "docs" / "PATCHES.md"
-DOCKERFILES = (ROOT / "Dockerfile", ROOT / "Dockerfile.v0.29")
+DOCKERFILES = tuple(ROOT / d for d in sorted({str(releases.cap(b, "dockerfile")) for b in releases.ORDER}))
 ARG = re.compile(r"^ARG PATCHSET=\S*$", re.M)
+BASE_ARG = re.compile(r"^ARG BASE_IMAGE=\S*$", re.M)
+LINE_ARG = re.compile(r"^ARG FLASH_VLLM_BASE=\S*$", re.M)
+
+# What adding a vLLM release touches (counted on the dry run of tests/unit/test_release_catalogue.py).
+ADDING = """\
+## Adding a vLLM release
+
+One catalogue entry, then the patches that really change:
+
+1. `tools/check_vllm_release.py X.Y.Z --propose` prints the `_release(...)` entry from the release's
+   own wheel (torch pin, image, capabilities read from its source); review it and paste it into
+   `src/flash_common/releases.py` (move `CURRENT` there too if it becomes the default).
+2. `tools/gen_patches_doc.py && tools/gen_settings_doc.py`: this page, the Dockerfiles' stamps and the
+   settings reference follow (patches declare ranges, so an open range takes the new release in;
+   a patch whose ranges leave it unclassified stops the registry from loading, naming the patch).
+3. `tools/check_vllm_release.py X.Y.Z` (and `tests/run vllm -- -k X.Y.Z`): every patch that applies
+   must still fit; only a patch that breaks needs code.
+
+Files a real addition touches: **5** — 1 edited by hand (`src/flash_common/releases.py`) and 4
+regenerated (`docs/PATCHES.md`, `docs/SETTINGS.md`, `Dockerfile`, `Dockerfile.v0.29`: the patch-set
+stamp covers the catalogue), plus the patches that really change (counted by adding a 0.34.0 entry
+to a copy of the tree and running the generators). Making it the current base too (`CURRENT`, still
+in that one file) also regenerates what names the current base: the 7 golden run specs
+(`FLASH_UPDATE_GOLDEN=1`, image tag and base label) and `docs/PLAN.md`'s profile table
+(`tools/gen_plan_doc.py`): 13 files, 1 by hand. Profiles say `# base: current` and follow. Before
+the catalogue it was about 30 files, found by grep.
+"""
 
 
 def cell(text: str) -> str:
@@ -26,7 +57,7 @@ def cell(text: str) -> str:
 
 
 def render() -> str:
-    bases = compat.ORDER
+    bases = releases.ORDER
     lines = [
         "# flash_vllm patches",
         "",
@@ -43,7 +74,7 @@ def render() -> str:
         "**upstream** (the release has the fix; read from its source), **not-needed**, **not-ported**",
         "(no code for that release, reason given; the run spec must not ask for the feature).",
         "",
-        "| # | patch | gate | " + " | ".join(f"{b} ({compat.BASES[b]})" for b in bases) + " |",
+        "| # | patch | gate | " + " | ".join(f"{b} ({releases.get(b).version})" for b in bases) + " |",
         "|---|---|---|" + "---|" * len(bases),
     ]
     for p in catalogue():
@@ -69,6 +100,7 @@ def render() -> str:
             body.pop(0)
         if body:
             lines += ["", *body]
+    lines += ["", ADDING]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -81,10 +113,21 @@ def _module_of(patch) -> str:
     raise KeyError(patch.number)
 
 
+def default_release(dockerfile: str) -> releases.Release:
+    """The release a Dockerfile builds without build args: the current base where that is its
+    Dockerfile, else the newest release it serves."""
+    served = [b for b in releases.ORDER if releases.cap(b, "dockerfile") == dockerfile]
+    return releases.get(releases.CURRENT if releases.CURRENT in served else served[-1])
+
+
 def stamped(path: Path) -> str:
     text = path.read_text()
-    if not ARG.search(text):
-        raise SystemExit(f"{path.name} has no `ARG PATCHSET=` line")
+    for pattern in (ARG, BASE_ARG, LINE_ARG):
+        if not pattern.search(text):
+            raise SystemExit(f"{path.name} has no `{pattern.pattern[1:-5]}` line")
+    release = default_release(path.name)
+    text = BASE_ARG.sub(f"ARG BASE_IMAGE={release.image}" + (f"@{release.digest}" if release.digest else ""), text)
+    text = LINE_ARG.sub(f"ARG FLASH_VLLM_BASE={release.base}", text)
     return ARG.sub(f"ARG PATCHSET={patchset_hash()}", text)
 
 
@@ -97,7 +140,11 @@ def write(path: Path, text: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--check", action="store_true", help="exit 1 if the doc or a Dockerfile is stale")
+    ap.add_argument("--print", action="store_true", help="write docs/PATCHES.md's text to stdout; touch nothing")
     args = ap.parse_args()
+    if args.print:
+        sys.stdout.write(render())
+        return 0
     wanted = {OUT: render(), **{d: stamped(d) for d in DOCKERFILES}}
     stale = [p for p, text in wanted.items() if not p.is_file() or p.read_text() != text]
     if args.check:

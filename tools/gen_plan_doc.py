@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from flash_cli import profiles  # noqa: E402
-from flash_cli.plan import build, calibration as cal  # noqa: E402
+from flash_cli.plan import build, calibration as cal, fitting  # noqa: E402
 from flash_cli.plan.hardware import PRESETS  # noqa: E402
 from flash_cli.settings import resolve  # noqa: E402
 
@@ -31,8 +31,8 @@ def fmt(value: float, unit: str) -> str:
 def calibration_table() -> str:
     rows = ["| figure | published (source) | predicted | error | asserted |", "|---|---|---|---|---|"]
     for f in cal.FIGURES:
-        p = cal.predict(f)
-        err = cal.error_pct(f, p)
+        p = fitting.predict(f)
+        err = fitting.error_pct(f, p)
         tol = "fit" if f.key == cal.FIT_FIGURE else ("not modeled" if f.tolerance_pct is None else f"±{f.tolerance_pct:g}%")
         note = f" ({f.note})" if f.note else ""
         rows.append(f"| `{f.key}`: {f.what}{note} | {fmt(f.published, f.unit)} ({f.source}) | {fmt(p, f.unit)} "

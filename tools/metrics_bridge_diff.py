@@ -35,6 +35,7 @@ from types import SimpleNamespace as NS
 
 def engine(ops):
     from flash_vllm.ple.stats import PLEStats
+    from flash_vllm import metrics_bridge; metrics_bridge.wire()  # what register() does
     s = PLEStats(stats_sec=0, prometheus=True)
     for _ in range(ops):
         s.record(ops=1, op_s=0.004, gpu_wait_s=0.001, dedup_s=0.0002, gather_s=0.002, stage_s=0.0005,

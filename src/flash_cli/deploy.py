@@ -158,9 +158,7 @@ def serve(dep: "Deployment", s, *, force: bool, start_check: float, kv_label: st
         for p in preflight.port(s, held_by_us=head_held):
             p.raise_()
     if boxes[0].container is not None and boxes[0] in held and s["DRAIN_TIMEOUT"] > 0 and endpoint_url(boxes[0]):
-        from .commands.lifecycle import drain
-
-        left, _ = drain(running.Endpoint(endpoint_url(boxes[0]), running.endpoint(boxes[0].container).key, ""),
+        left, _ = running.drain(running.Endpoint(endpoint_url(boxes[0]), running.endpoint(boxes[0].container).key, ""),
                         s["DRAIN_TIMEOUT"])
         if left:
             say(f"  ! {left:.0f} request(s) still running after {s['DRAIN_TIMEOUT']} s; replacing anyway")
@@ -273,9 +271,7 @@ def stop(boxes: list[Box], drain_timeout: float, dry_run: bool) -> int:
             continue
         url = endpoint_url(b)
         if url and drain_timeout > 0:
-            from .commands.lifecycle import drain
-
-            left, waited = drain(running.Endpoint(url, running.endpoint(b.container).key, ""), drain_timeout)
+            left, waited = running.drain(running.Endpoint(url, running.endpoint(b.container).key, ""), drain_timeout)
             if left:
                 say(f"  ! {left:.0f} request(s) still running after {waited:.0f} s; stopping anyway")
         b.container.stop(timeout=30)

@@ -61,3 +61,9 @@ class NotAvailable(FlashError):
     """A step whose implementation has not landed yet."""
 
     exit_code = 10
+
+
+class ContextMismatch(FlashError):
+    """The server came up with another max model len than its recipe asks for (a silent fallback)."""
+
+    exit_code = 11

@@ -122,12 +122,27 @@ def quant_method(snapshot: Path) -> str | None:
     return None
 
 
-def index_files(snapshot: Path) -> list[str] | None:
-    """Distinct file names the index weight_map points to (sorted), None if unreadable."""
-    idx = _load_json(snapshot / INDEX)
+def leaves_snapshot(fname: str) -> bool:
+    """True for an index entry that names a path out of the snapshot (absolute, `..`, NUL):
+    the rule the safetensors index reader applies (flash_common.stheader._check_shard_name)."""
+    parts = fname.replace("\\", "/").split("/")
+    return not fname or fname.startswith("/") or ".." in parts or "\x00" in fname
+
+
+def _index_shards(snapshot: Path) -> tuple[list[str] | None, list[str]]:
+    """(distinct shard names, entries that leave the snapshot); (None, []) if unreadable."""
+    idx = _load_json(Path(snapshot) / INDEX)
     if idx is None or not isinstance(idx.get("weight_map"), dict):
-        return None
-    return sorted({v for v in idx["weight_map"].values() if isinstance(v, str)})
+        return None, []
+    names = {v for v in idx["weight_map"].values() if isinstance(v, str)}
+    return sorted(names), sorted(n for n in names if leaves_snapshot(n))
+
+
+def index_files(snapshot: Path) -> list[str] | None:
+    """Distinct file names the index weight_map points to (sorted), None if unreadable or if
+    any entry names a path outside the snapshot (`../x`, `/etc/x`)."""
+    shards, bad = _index_shards(snapshot)
+    return None if bad else shards
 
 
 def missing_files(snapshot: Path) -> list[str]:
@@ -141,9 +156,11 @@ def missing_files(snapshot: Path) -> list[str]:
     if not has_quant_config(snapshot):
         missing.append("quantization config (hf_quant_config.json or config.json quantization_config)")
     if (snapshot / INDEX).is_file():
-        shards = index_files(snapshot)
+        shards, bad = _index_shards(snapshot)
         if shards is None:
             missing.append(f"{INDEX} (unreadable)")
+        elif bad:
+            missing.append(f"{INDEX} (weight_map names paths outside the snapshot: {', '.join(map(repr, bad[:3]))})")
         else:
             missing.extend(s for s in shards if not (snapshot / s).is_file())
     return missing

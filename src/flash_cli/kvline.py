@@ -8,11 +8,14 @@ from __future__ import annotations
 import json
 import re
 
-KV_LINE = re.compile(r"KV cache size:\s*([\d,]+)\s*tokens")
+KV_LINE = re.compile(r"KV cache size:\s*(\d[\d,]*)\s*tokens")
 
 
-def prediction_label(predicted: int, lo: int, hi: int, hardware: str) -> str:
-    return json.dumps({"tokens": predicted, "lo": lo, "hi": hi, "hardware": hardware}, separators=(",", ":"))
+def prediction_label(predicted: int, lo: int, hi: int, hardware: str, page_cache_gib: float | None = None) -> str:
+    d = {"tokens": predicted, "lo": lo, "hi": hi, "hardware": hardware}
+    if page_cache_gib is not None:
+        d["page_cache_gib"] = page_cache_gib
+    return json.dumps(d, separators=(",", ":"))
 
 
 def parse_prediction(label: str) -> tuple[int, int, int]:
@@ -20,7 +23,7 @@ def parse_prediction(label: str) -> tuple[int, int, int]:
     try:
         d = json.loads(label)
         predicted, lo, hi = int(d["tokens"]), int(d["lo"]), int(d["hi"])
-    except (TypeError, KeyError, json.JSONDecodeError) as exc:
+    except (TypeError, KeyError, ValueError, OverflowError, RecursionError) as exc:  # JSONDecodeError is a ValueError
         raise ValueError(f"not a KV prediction label: {label!r}") from exc
     return predicted, lo, hi
 

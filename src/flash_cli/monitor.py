@@ -1,8 +1,9 @@
 """`flash monitor`: Prometheus, Grafana and node-exporter next to the server, as plain data first.
 
-All three use the host network and listen on BIND (loopback by default): Prometheus then scrapes
-the API's published port and node-exporter over loopback, with no extra docker network and no
-port publishing. Config comes from observability/ (rendered with this recipe's ports into the
+All three use the host network. Prometheus and node-exporter have no authentication, so they
+always listen on 127.0.0.1; Grafana listens on MONITOR_BIND (loopback by default, where anonymous
+users may view; anywhere else it requires a login). Prometheus scrapes the API where BIND
+publishes it, with no extra docker network and no port publishing. Config comes from observability/ (rendered with this recipe's ports into the
 state dir, atomically) so the shipped files and what runs never drift apart.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +29,10 @@ IMAGES = {
     "node-exporter": "prom/node-exporter:v1.9.1@sha256:d00a542e409ee618a4edc67da14dd48c5da66726bbd5537ab2af9c1dfc442c8a",
 }
 ROLES = tuple(IMAGES)
+# The pressure collector (PSI) is on by default; the vmstat collector's default field filter
+# leaves out pgscan_direct, which the dashboard's direct-reclaim panel reads.
+VMSTAT_FIELDS = "^(oom_kill|pgpg|pswp|pg.*fault|pgscan_direct|pgsteal_direct|allocstall).*"
+NODE_EXPORTER_FLAGS = ("--collector.pressure", f"--collector.vmstat.fields={VMSTAT_FIELDS}")
 
 # the addresses the shipped observability/ files carry (the settings' defaults)
 DEFAULT_VLLM = "127.0.0.1:18300"
@@ -81,6 +87,8 @@ class MonitorPlan:
     files: dict[str, str]  # path relative to config_dir → content
     containers: list[ContainerPlan]
     urls: dict[str, str]
+    exposed: bool = False  # Grafana listens beyond loopback (login required)
+    uid: int = 0  # the invoking user: owner of the password file
 
     def as_dict(self) -> dict:
         return {"name": self.name, "config_dir": str(self.config_dir), "files": sorted(self.files),
@@ -117,25 +125,44 @@ def config_files(vllm: str, node: str, prom: str, interval: str | None = None) -
     return files
 
 
-def plan(settings, state_dir: Path) -> MonitorPlan:
+LOCAL = "127.0.0.1"  # where the unauthenticated listeners (Prometheus, node-exporter) always stay
+GRAFANA_UID = 472  # grafana's uid in its image
+
+
+def _is_loopback(addr: str) -> bool:
+    import ipaddress
+
+    return addr == "localhost" or ipaddress.ip_address(addr).is_loopback
+
+
+def plan(settings, state_dir: Path, uid: int | None = None) -> MonitorPlan:
+    """`uid`: the invoking user (os.getuid()). Not root: Grafana runs as that user so the admin
+    password file can stay 0600 and owned by them (Grafana's image accepts any uid)."""
     name = settings["NAME"]
     bind = settings["BIND"]
-    host = "127.0.0.1" if bind in ("0.0.0.0", "::") else bind
-    vllm, node = f"{host}:{settings['PORT']}", f"{host}:{settings['MONITOR_NODE_PORT']}"
-    prom = f"{host}:{settings['MONITOR_PROM_PORT']}"
+    gbind = settings["MONITOR_BIND"]
+    exposed = not _is_loopback(gbind)
+    uid = os.getuid() if uid is None else uid
+    host = LOCAL if bind in ("0.0.0.0", "::") else bind
+    vllm, node = f"{host}:{settings['PORT']}", f"{LOCAL}:{settings['MONITOR_NODE_PORT']}"
+    prom = f"{LOCAL}:{settings['MONITOR_PROM_PORT']}"
+    ghost = LOCAL if gbind in ("0.0.0.0", "::") else gbind
     cdir = state_dir / f"monitor-{name}"
     labels = lambda role: {f"{LABEL}.monitor": name, f"{LABEL}.role": role}
     containers = [
         ContainerPlan("prometheus", f"{name}-prometheus", IMAGES["prometheus"],
                       ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prometheus",
-                       "--storage.tsdb.retention.time=30d", f"--web.listen-address={bind}:{settings['MONITOR_PROM_PORT']}"],
+                       "--storage.tsdb.retention.time=30d", f"--web.listen-address={prom}"],
                       volumes={str(cdir / "prometheus"): {"bind": "/etc/prometheus", "mode": "ro"},
                                f"{name}-prometheus-data": {"bind": "/prometheus", "mode": "rw"}},
                       labels=labels("prometheus")),
         ContainerPlan("grafana", f"{name}-grafana", IMAGES["grafana"], [],
-                      environment={"GF_SERVER_HTTP_ADDR": bind, "GF_SERVER_HTTP_PORT": str(settings["MONITOR_GRAFANA_PORT"]),
+                      environment={"GF_SERVER_HTTP_ADDR": gbind, "GF_SERVER_HTTP_PORT": str(settings["MONITOR_GRAFANA_PORT"]),
                                    "GF_PATHS_PROVISIONING": "/etc/grafana/provisioning",
-                                   "GF_AUTH_ANONYMOUS_ENABLED": "true", "GF_AUTH_ANONYMOUS_ORG_ROLE": "Viewer",
+                                   # beyond loopback: nobody sees anything without logging in
+                                   **({"GF_AUTH_ANONYMOUS_ENABLED": "false", "GF_AUTH_DISABLE_LOGIN_FORM": "false",
+                                       "GF_USERS_ALLOW_SIGN_UP": "false"} if exposed else
+                                      {"GF_AUTH_ANONYMOUS_ENABLED": "true", "GF_AUTH_ANONYMOUS_ORG_ROLE": "Viewer"}),
                                    "GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH": "/etc/grafana/dashboards/flash.json",
                                    # the admin password is a file (never env or argv: docker inspect shows both)
                                    "GF_SECURITY_ADMIN_PASSWORD__FILE": "/run/secrets/grafana-admin"},
@@ -143,36 +170,52 @@ def plan(settings, state_dir: Path) -> MonitorPlan:
                                str(cdir / "grafana/dashboards"): {"bind": "/etc/grafana/dashboards", "mode": "ro"},
                                str(cdir / "grafana-admin"): {"bind": "/run/secrets/grafana-admin", "mode": "ro"},
                                f"{name}-grafana-data": {"bind": "/var/lib/grafana", "mode": "rw"}},
-                      labels=labels("grafana")),
+                      labels=labels("grafana"), user=None if uid == 0 else f"{uid}:0"),
         ContainerPlan("node-exporter", f"{name}-node-exporter", IMAGES["node-exporter"],
-                      [f"--web.listen-address={bind}:{settings['MONITOR_NODE_PORT']}", "--path.rootfs=/host"],
+                      [f"--web.listen-address={node}", "--path.rootfs=/host",
+                       *NODE_EXPORTER_FLAGS],
                       volumes={"/": {"bind": "/host", "mode": "ro,rslave"}}, labels=labels("node-exporter"),
                       pid_mode="host", user="65534:65534"),
     ]
     files = config_files(vllm, node, prom)
-    urls = {"grafana": f"http://{host}:{settings['MONITOR_GRAFANA_PORT']}/d/flash-qwen38",
+    urls = {"grafana": f"http://{ghost}:{settings['MONITOR_GRAFANA_PORT']}/d/flash-qwen38",
             "prometheus": f"http://{prom}", "node-exporter": f"http://{node}/metrics", "scrapes": f"http://{vllm}/metrics"}
-    return MonitorPlan(name, cdir, files, containers, urls)
+    return MonitorPlan(name, cdir, files, containers, urls, exposed, uid)
 
 
 def write_files(p: MonitorPlan) -> None:
-    """Write the rendered config atomically (tmp sibling + rename per file); the Grafana admin
-    password is generated once, 0600, readable by the Grafana container's user (472)."""
+    """Write the rendered config atomically (tmp sibling + rename per file). The state dir and
+    the monitor folder are 0700; the Grafana admin password is generated once and always 0600,
+    owned by whoever Grafana runs as (the invoking user, or grafana's uid when run as root).
+    The config folders bind-mounted into the containers stay world-readable (0755/0644): the
+    containers' users (65534, 472) read them, and they hold no secret."""
+    for d in (p.config_dir.parent, p.config_dir):
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(d, 0o700)
     for rel, text in p.files.items():
         path = p.config_dir / rel
         path.parent.mkdir(parents=True, exist_ok=True)
+        for d in (path.parent, *path.parent.parents):
+            if d == p.config_dir:
+                break
+            os.chmod(d, 0o755)
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         tmp.write_text(text, encoding="utf-8")
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     secret = p.config_dir / "grafana-admin"
     if not secret.is_file():
-        tmp = secret.with_name(f".grafana-admin.tmp{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(secrets.token_urlsafe(24))
+        fd, tmp = tempfile.mkstemp(dir=p.config_dir, prefix=".grafana-admin.", suffix=".tmp")  # 0600
         try:
-            os.chown(tmp, 472, 472)  # grafana's uid in its image
-        except PermissionError:
-            os.chmod(tmp, 0o644)  # not root: the file must still be readable inside the container
-        os.replace(tmp, secret)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(secrets.token_urlsafe(24))
+            os.replace(tmp, secret)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+    os.chmod(secret, 0o600)  # also repairs a file an older flash left 0644
+    if p.uid == 0:
+        os.chown(secret, GRAFANA_UID, GRAFANA_UID)

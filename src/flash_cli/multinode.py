@@ -27,7 +27,9 @@ from .errors import ConfigError
 from .settings import Settings
 from .spec import KEY_TARGET, LABEL, HF_MOUNT, RunSpec, build, extra_env
 
-# ==== per-release facts (the one place; issue 13's catalogue can absorb it) ===================
+# ==== per-release facts (the one place) ==========================================================
+# None differs between the catalogued releases, so nothing here asks flash_common.releases; a flag
+# that one day differs becomes a capability there (`cap(base, …)`), never a release name here.
 # Read from the wheels' sources (vllm/engine/arg_utils.py, vllm/entrypoints/cli/serve.py,
 # vllm/config/parallel.py, vllm/config/kv_transfer.py, .../kv_connector/v1/nixl/connector.py):
 # every flag below exists with the same meaning in 0.29.0 and 0.33.0, and the vllm tier parses
@@ -38,7 +40,6 @@ from .spec import KEY_TARGET, LABEL, HF_MOUNT, RunSpec, build, extra_env
 # data_parallel_rpc_port 29550, envs.VLLM_NIXL_SIDE_CHANNEL_PORT 5600.
 NIXL_CONNECTOR = "NixlConnector"
 NIXL_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
-RELEASE_DIFFERENCES: dict[str, dict[str, str]] = {}  # base → fact; none among v0.29-v0.33
 # ==============================================================================================
 
 MODES = {"tp2": 2, "pp2": 2, "dp2": 2, "pd": 2}  # mode → boxes it needs

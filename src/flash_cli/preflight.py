@@ -12,6 +12,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from flash_common import releases
+
 from . import hfcache
 from .errors import ConfigError, FlashError, ImageMissing, PortInUse, WeightsMissing
 from .settings import Settings, split_args
@@ -55,30 +57,26 @@ def weights(s: Settings, hf_cache: Path, snapshot: Path | None) -> list[Problem]
     return out
 
 
-def served_gap(patch_module: str, base: str) -> str | None:
-    """Why the patch in `flash_vllm.patches.<patch_module>` leaves its feature unserved on `base`
-    (per the plugin's registry, docs/PATCHES.md); None where it ships code or the release has it.
-    The registry is metadata only: it imports no vLLM, no torch."""
-    import importlib
-
-    patch = importlib.import_module(f"flash_vllm.patches.{patch_module}").PATCH
-    if patch.expected_status(base) in ("applies", "upstream"):
-        return None
-    return patch.not_ported.get(base, "no code for this release")
+def served_gap(capability: str, base: str) -> str | None:
+    """Why `base` leaves a feature unserved, per the release catalogue (flash_common.releases, which
+    the plugin's patches classify themselves by); None where a patch ships code or vLLM has it."""
+    if releases.cap(base, capability) is None:
+        return f"the release catalogue has {capability}=None for {base}: no code for this release"
+    return None
 
 
 def ple_mmap_gap(base: str) -> str | None:
     """Patch 1, which the run spec always turns on: without it vLLM puts the table in memory."""
-    return served_gap("ple_mmap", base)
+    return served_gap("ple_storage", base)
 
 
 def fp8_kv_gap(base: str) -> str | None:
-    """Patch 7: fp8 KV on QSA, ported on 0.29/0.30, native from 0.31."""
+    """fp8 KV on QSA: patch 7 on some releases, native on later ones."""
     return served_gap("qsa_fp8_kv", base)
 
 
 CC_FLAGS = ("--compilation-config", "-cc")
-PLE_OP_V029 = "vllm::flash_ple_mmap_lookup"  # patch 1's splitting op on 0.29 (ple_mmap_v029.OP_NAME)
+PLE_OP_V029 = "vllm::flash_ple_mmap_lookup"  # patch 1's splitting op where ple_storage=splitting-op (ple_mmap_v029.SPLIT_OP)
 
 
 def compilation_config(argv: list[str]) -> dict:
@@ -150,16 +148,22 @@ def graph_regime(s: Settings) -> list[Problem]:
                            "set cudagraph_mode PIECEWISE in the JSON config, or add -cc.cudagraph_mode=PIECEWISE: dotted "
                            "-cc.* keys replace flash's whole compilation config in vLLM's parser"))
     ops = cc.get("splitting_ops")
-    if s["BASE"] == "v0.29" and isinstance(ops, list) and PLE_OP_V029 not in ops and mode != "NONE":
+    if releases.cap(s["BASE"], "ple_storage") == "splitting-op" and isinstance(ops, list) and PLE_OP_V029 not in ops and mode != "NONE":
         out.append(Problem(ConfigError, f"splitting_ops {ops} (from COMPILE_FLAGS/EXTRA) leaves out patch 1's op "
-                           f"{PLE_OP_V029}: on v0.29 the PLE gather would be captured inside a graph",
+                           f"{PLE_OP_V029}: on {s['BASE']} the PLE gather would be captured inside a graph",
                            f"add \"{PLE_OP_V029}\" to splitting_ops, or leave splitting_ops unset"))
     return out
 
 
 def recipe(s: Settings) -> list[Problem]:
     """Combinations the image cannot serve, caught before a ten-minute boot."""
+    from .spec import speculative_config
+
     out = graph_regime(s)
+    try:
+        speculative_config(s)
+    except ConfigError as exc:
+        out.append(Problem(ConfigError, str(exc), exc.hint or ""))
     fp8_gap = fp8_kv_gap(s["BASE"]) if s["KV_DTYPE"] in ("fp8", "fp8_e4m3") else None
     if fp8_gap:
         out.append(Problem(ConfigError, f"KV_DTYPE={s['KV_DTYPE']} is not available on BASE={s['BASE']}: "
@@ -169,7 +173,7 @@ def recipe(s: Settings) -> list[Problem]:
     if gap:
         out.append(Problem(ConfigError, f"BASE={s['BASE']}: patch 1 (PLE table from mmap) is not ported to this release "
                            f"({gap}), so vLLM would put the 48 GiB n-gram table in GPU memory and fail to fit",
-                           "use a base patch 1 ships code for (BASE=v0.33, the default profiles); see docs/PATCHES.md"))
+                           f"use a base patch 1 ships code for (BASE={releases.CURRENT}, the default profiles); see docs/PATCHES.md"))
     return out
 
 

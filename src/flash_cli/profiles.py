@@ -2,7 +2,8 @@
 
 Stricter than the upstream loader: keys must be in the settings table (did-you-mean on a typo),
 whitespace around `=` is trimmed, matching single or double quotes are stripped, and `# base:`
-becomes the BASE setting so the profile picks its image line.
+becomes the BASE setting so the profile picks its image line (`# base: current` = the release
+catalogue's current base, `flash_common.releases.CURRENT`: moving it moves those profiles).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from flash_common import releases
 
 from .errors import ConfigError, UsageError
 from .settings import BY_NAME, lookup
@@ -60,6 +63,8 @@ def parse(text: str, name: str, path: Path) -> Profile:
             raise ConfigError(f"{path}:{lineno}: expected KEY=VALUE, got {stripped!r}")
         lookup(key, f"{path.name}:{lineno}")
         values[key] = _unquote(value.strip())
+    if base == "current":
+        base = releases.CURRENT
     if base:
         BY_NAME["BASE"].parse(base)  # `# base:` is validated like the setting it feeds
     return Profile(name=name, path=path, desc=desc, base=base, values=values)

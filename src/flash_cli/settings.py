@@ -17,6 +17,8 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from flash_common import releases
+
 from .errors import ConfigError
 
 TRUE = ("1", "true", "yes", "on")
@@ -52,7 +54,10 @@ def parse_size(raw: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*", raw.strip().lower())
     if not m:
         raise ValueError("expected a size like 17179869184, 16G or 512M")
-    return int(float(m.group(1)) * SIZE_UNITS[m.group(2)])
+    try:
+        return int(float(m.group(1)) * SIZE_UNITS[m.group(2)])
+    except OverflowError:  # 400 digits: float() says inf
+        raise ValueError("too large") from None
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,7 @@ class Setting:
 
     def accepted(self) -> str:
         if self.kind == "choice":
-            return " | ".join(repr(c) if c == "" else c for c in self.choices)
+            return " | ".join(repr(c) if c == "" else c for c in self.choices) + (" (empty: unset)" if self.optional else "")
         if self.kind == "bool":
             return "0 or 1"
         if self.kind == "host":
@@ -134,8 +139,8 @@ class Setting:
         return str(value)
 
 
-BASES = ("v0.33", "v0.32", "v0.31", "v0.30", "v0.29")
-CURRENT_BASE = "v0.33"
+BASES = releases.newest_first()   # the catalogue's bases (flash_common.releases), newest first
+CURRENT_BASE = releases.CURRENT
 
 S = Setting
 SETTINGS: tuple[Setting, ...] = (
@@ -143,7 +148,7 @@ SETTINGS: tuple[Setting, ...] = (
     S("NAME", "str", "qwen38-flash", "Container name (also the label value flash finds it by).",
       "docker --name, label org.flash.name", pattern=r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,62}"),
     S("BASE", "choice", CURRENT_BASE, "vLLM release line the image is built on; picks the Dockerfile, "
-      "graph regime and which patches apply. Profiles set it with `# base:`.",
+      "graph regime and which patches apply. Profiles set it with `# base:` (`current`: the catalogue's current base).",
       "image tag, Dockerfile choice, compilation flags, label org.flash.base", choices=BASES),
     S("IMAGE", "str", None, "Image to run. Empty: flash-vllm:<BASE>, built by `flash setup`.",
       "docker image", optional=True, pattern=r"[a-zA-Z0-9][\w./:@-]*"),
@@ -253,7 +258,7 @@ SETTINGS: tuple[Setting, ...] = (
       "(a healthy Spark does ~2,000; this catches a swapping or misconfigured box).", "flash test", minimum=0),
     S("TEST_MIN_DECODE_TPS", "float", 10.0, "`flash test` decode: tokens/s of a real greedy answer below this "
       "fail (single stream ~35 on a Spark).", "flash test", minimum=0),
-    S("TEST_PREFILL_TOKENS", "int", 8192, "`flash test` prefill/prefix_cache: prompt size in tokens (approximate).",
+    S("TEST_PREFILL_TOKENS", "int", 8192, "`flash test` prefill/prefix_cache: prompt size in tokens (approximate; scaled down to fit the server's max_model_len).",
       "flash test", minimum=64, maximum=1048576),
     S("TEST_DECODE_TOKENS", "int", 400, "`flash test` decode: max_tokens of the answer (never ignore_eos).",
       "flash test", minimum=8, maximum=32768),
@@ -275,12 +280,36 @@ SETTINGS: tuple[Setting, ...] = (
       "flash bench", minimum=1, maximum=100),
     S("BENCH_DECODE_TOKENS", "int", 256, "`flash bench` decode: max_tokens per request (a real answer).",
       "flash bench", minimum=8, maximum=32768),
-    S("MONITOR_PROM_PORT", "int", 19090, "`flash monitor`: Prometheus listens on BIND:this port.",
+    S("MONITOR_BIND", "host", "127.0.0.1", "`flash monitor`: address Grafana listens on. Loopback: Grafana "
+      "lets anonymous users view. Anything else: Grafana requires a login (admin password file in the "
+      "state dir). Prometheus and node-exporter have no authentication and always stay on 127.0.0.1.",
+      "env GF_SERVER_HTTP_ADDR, GF_AUTH_ANONYMOUS_ENABLED"),
+    S("MONITOR_PROM_PORT", "int", 19090, "`flash monitor`: Prometheus listens on 127.0.0.1:this port.",
       "prometheus --web.listen-address", minimum=1, maximum=65535),
-    S("MONITOR_GRAFANA_PORT", "int", 13000, "`flash monitor`: Grafana listens on BIND:this port.",
+    S("MONITOR_GRAFANA_PORT", "int", 13000, "`flash monitor`: Grafana listens on MONITOR_BIND:this port.",
       "env GF_SERVER_HTTP_PORT", minimum=1, maximum=65535),
-    S("MONITOR_NODE_PORT", "int", 19100, "`flash monitor`: node-exporter listens on BIND:this port.",
+    S("MONITOR_NODE_PORT", "int", 19100, "`flash monitor`: node-exporter listens on 127.0.0.1:this port.",
       "node_exporter --web.listen-address", minimum=1, maximum=65535),
+    # --- field lessons (issue 16): default effort, adaptive MTP, boot stalls, memory pressure ---
+    S("EFFORT_DEFAULT", "choice", None, "The server's default reasoning effort for requests that send none "
+      "(empty: the chat template's own default, xhigh). One recipe found xhigh made 23 of 42 agent runs think "
+      "without end, 0 of 42 at medium (checks passed 42.5% -> 95.9%): profile `agent` sets medium. A request's "
+      "own reasoning_effort still wins.", "vllm --default-chat-template-kwargs {\"reasoning_effort\": …} (every base)",
+      choices=("low", "medium", "xhigh"), optional=True),
+    S("MTP_BY_BATCH", "str", None, "Adaptive MTP depth: `BATCH:K` pairs, ascending from batch size 1, each K "
+      "used from that many running requests up (e.g. 1:3,3:2,6:1 = 3 draft tokens for 1-2 requests, 2 for 3-5, "
+      "1 from 6). A K above MTP is capped to MTP (with a warning). Empty: MTP tokens at every batch size.",
+      "vllm --speculative-config num_speculative_tokens_per_batch_size (bases that accept it)",
+      optional=True, pattern=r"\d+:\d+(,\d+:\d+)*"),
+    S("MTP_BLOCK_DROP", "bool", True, "Drop the trailing prefix-cache block for the MTP drafter (vLLM's default). "
+      "0 keeps it: one recipe measured turn-1 TTFT 3.25 s -> 0.63 s with the drop off. Refused on bases "
+      "without the option.", "vllm --speculative-config disable_eagle_block_drop (v0.30+)"),
+    S("BOOT_STALL", "int", 600, "`flash wait`: a boot that prints nothing new for this many seconds in a known "
+      "phase (weights, compile, KV allocation, graph capture) is reported with the phase and its remedy "
+      "(0: never). Waiting goes on until TIMEOUT.", "flash wait", minimum=0, maximum=86400),
+    S("MEM_PRESSURE_WARN", "float", 10.0, "`flash doctor`/`status`: warn when /proc/pressure/memory `some` "
+      "avg60 (percent of time tasks stalled on memory) is above this (direct reclaim, PLE pages evicted).",
+      "flash doctor, flash status (warning threshold)", minimum=0, maximum=100),
     # --- two boxes: vLLM's own multi-node modes (issue 15; docs/MULTINODE.md) ------------------
     S("PARALLEL", "choice", "none", "Spread one deployment over the boxes in NODES with vLLM's own launch: "
       "tp2 = tensor parallel 2 (one rank per box, --nnodes/--node-rank/--master-addr, --headless worker); "

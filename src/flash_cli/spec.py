@@ -13,13 +13,18 @@ import re
 from dataclasses import dataclass, field
 
 # Claude Code sends high/max/minimal; the template knows xhigh/medium/low only. One map, shared
-# with patch 12 (which applies it on v0.29-v0.32), so the two cannot drift.
-from flash_vllm.effort import EFFORT_MAP
+# with patch 12 (which applies it where vLLM has no --reasoning-effort-map), so the two cannot drift.
+from flash_common import releases
+from flash_common.effort import EFFORT_MAP
 
 from . import __version__
 from .hfcache import VARIANT_SUFFIX
 from .errors import ConfigError
 from .settings import Settings, split_args
+
+# The server's default reasoning effort reaches the chat template this way on every base (the
+# servings merge it under the request's own kwargs: a request that sets reasoning_effort wins).
+DEFAULT_CHAT_TEMPLATE_KWARGS = "--default-chat-template-kwargs"
 
 CONTAINER_PORT = 8000
 HF_MOUNT = "/hf"
@@ -130,16 +135,75 @@ def vllm_args(s: Settings, snapshot: str, host: str, port: int, parallel: list[s
         argv += ["--enable-log-requests", "--enable-log-outputs"]
     argv += ["--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3",
              "--enable-prompt-tokens-details"]
-    if s["EFFORT_ALIAS"] and base == "v0.33":
+    if s["EFFORT_ALIAS"] and releases.has(base, "reasoning_effort_map"):
         argv += ["--reasoning-effort-map", json.dumps(EFFORT_MAP, separators=(",", ":"))]
-    if mtp:
-        spec: dict = {"method": "mtp", "num_speculative_tokens": mtp}
-        if yarn:  # dict hf_overrides do not reach the draft model: give it the length itself
-            spec["max_model_len"] = ctx
+    if s["EFFORT_DEFAULT"]:
+        argv += [DEFAULT_CHAT_TEMPLATE_KWARGS,
+                 json.dumps({"reasoning_effort": s["EFFORT_DEFAULT"]}, separators=(",", ":"))]
+    spec = speculative_config(s)
+    if spec:
         argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
     argv += list(parallel)  # this box's multi-node flags (multinode.py); none on one box
     # EXTRA last: argparse keeps the last occurrence, so a user flag wins over ours.
     return argv + split_args(s["EXTRA"], "EXTRA")
+
+
+def mtp_schedule(s: Settings) -> list[list[int]] | None:
+    """MTP_BY_BATCH `1:3,3:2,6:1` → vLLM's inclusive ranges [[1,2,3],[3,5,2],[6,SEQS,1]], checked the
+    way vllm/v1/spec_decode/dynamic/utils.py checks them (first range at 1, no overlap)."""
+    text = s["MTP_BY_BATCH"]
+    if not text:
+        return None
+    where = f"MTP_BY_BATCH={text!r}"
+    if not s["MTP"]:
+        raise ConfigError(f"{where} needs MTP > 0 (MTP=0 turns speculative decoding off)",
+                          hint="set MTP to the largest K in the schedule, or leave MTP_BY_BATCH empty")
+    base = s["BASE"]
+    if not releases.has(base, "spec_tokens_per_batch_size"):
+        raise ConfigError(f"{where}: BASE={base}'s vLLM has no num_speculative_tokens_per_batch_size",
+                          hint=f"bases that accept it: {', '.join(sorted(releases.where('spec_tokens_per_batch_size', True)))}")
+    pairs = [tuple(int(x) for x in part.split(":")) for part in text.split(",")]
+    starts = [b for b, _ in pairs]
+    if starts[0] != 1 or any(b2 <= b1 for b1, b2 in zip(starts, starts[1:])):
+        raise ConfigError(f"{where}: batch sizes must start at 1 and rise strictly (got {', '.join(map(str, starts))})",
+                          hint="MTP_BY_BATCH accepts BATCH:K pairs like 1:3,3:2,6:1")
+    top = max(s["SEQS"], starts[-1])
+    ends = [b - 1 for b in starts[1:]] + [top]
+    # a K above MTP is capped to MTP, as vLLM does; build() says so in its warnings
+    return [[b, e, min(k, s["MTP"])] for (b, k), e in zip(pairs, ends)]
+
+
+def schedule_capped(s: Settings) -> int | None:
+    """The largest K of MTP_BY_BATCH when it is above MTP (e.g. `flash serve speed MTP=1`)."""
+    if not s["MTP_BY_BATCH"] or not s["MTP"]:
+        return None
+    top = max(int(p.split(":")[1]) for p in s["MTP_BY_BATCH"].split(","))
+    return top if top > s["MTP"] else None
+
+
+def speculative_config(s: Settings) -> dict | None:
+    """The `--speculative-config` JSON (None when MTP=0): depth, adaptive depth, block drop."""
+    mtp, base = s["MTP"], s["BASE"]
+    if not mtp:
+        if not s["MTP_BLOCK_DROP"]:
+            raise ConfigError("MTP_BLOCK_DROP=0 needs MTP > 0 (there is no drafter whose block to keep)",
+                              hint="set MTP, or leave MTP_BLOCK_DROP=1")
+        mtp_schedule(s)  # refuses a schedule without MTP
+        return None
+    spec: dict = {"method": "mtp", "num_speculative_tokens": mtp}
+    if s["YARN"]:  # dict hf_overrides do not reach the draft model: give it the length itself
+        spec["max_model_len"] = s["CTX"]
+    schedule = mtp_schedule(s)
+    if schedule:
+        spec["num_speculative_tokens_per_batch_size"] = schedule
+    if not s["MTP_BLOCK_DROP"]:
+        if not releases.has(base, "spec_eagle_block_drop_flag"):
+            raise ConfigError(f"MTP_BLOCK_DROP=0: BASE={base}'s vLLM has no disable_eagle_block_drop "
+                              "(its SpeculativeConfig refuses unknown keys, so the boot would fail)",
+                              hint=f"bases that accept it: {', '.join(sorted(releases.where('spec_eagle_block_drop_flag', True)))}; "
+                              "or leave MTP_BLOCK_DROP=1")
+        spec["disable_eagle_block_drop"] = True
+    return spec
 
 
 def container_env(s: Settings, needs_key: bool) -> dict[str, str]:
@@ -161,7 +225,7 @@ def container_env(s: Settings, needs_key: bool) -> dict[str, str]:
     if s["MODE"] in ("hybrid", "hybrid-mtp"):
         env["VLLM_FP8_HYBRID"] = "1"
         env["VLLM_USE_DEEP_GEMM"] = "0"
-    if s["EFFORT_ALIAS"] and s["BASE"] != "v0.33":
+    if s["EFFORT_ALIAS"] and not releases.has(s["BASE"], "reasoning_effort_map"):
         env["FLASH_EFFORT_ALIAS"] = "1"
     if s["PROM_MULTIPROC"]:
         env["PROMETHEUS_MULTIPROC_DIR"] = PROM_DIR
@@ -228,6 +292,10 @@ def build(
                         "reach this port can use the model")
     if s["PAD_M4"]:
         warnings.append("PAD_M4 has no effect: M%4 padding is upstream in every supported vLLM release")
+    capped = schedule_capped(s)
+    if capped:
+        warnings.append(f"MTP_BY_BATCH={s['MTP_BY_BATCH']} asks for up to {capped} draft tokens; MTP={s['MTP']} caps "
+                        f"every step at {s['MTP']} (raise MTP to use the schedule)")
     if s["CTX"] > NATIVE_CTX and not s["YARN"]:
         warnings.append(f"CTX={s['CTX']} is above the native {NATIVE_CTX} without YARN=1: vLLM will refuse it")
 
@@ -257,6 +325,9 @@ def build(
         f"{LABEL}.version": __version__,
     }
     url_host = "127.0.0.1" if bind in ("0.0.0.0", "::") or is_loopback(bind) else bind
+    # The healthcheck runs inside the container: bridge → vLLM listens on 0.0.0.0 there, so
+    # loopback answers; host network → vLLM listens on BIND only, so probe that address.
+    probe = ["--health", str(listen_port)] + ([host] if network == "host" and host not in ("0.0.0.0", "::", "127.0.0.1") else [])
     return RunSpec(
         name=name,
         image=image,
@@ -275,7 +346,7 @@ def build(
         log_max_files=s["LOG_MAX_FILES"],
         cpuset=s["CPUSET"],
         # Boots take 8-13 minutes: a generous start period, then a cheap /health probe.
-        healthcheck={"test": ["CMD", "python3", "-m", "flash_vllm.launch", "--health", str(listen_port)], "interval": 30 * 10**9,
+        healthcheck={"test": ["CMD", "python3", "-m", "flash_vllm.launch", *probe], "interval": 30 * 10**9,
                      "timeout": 10 * 10**9, "retries": 3, "start_period": 1800 * 10**9},
         api_url=f"http://{url_host}:{port}",
         warnings=warnings,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import tempfile
 from pathlib import Path
 
 
@@ -25,12 +26,24 @@ def ensure_api_key(name: str) -> tuple[Path, bool]:
         os.chmod(path, 0o600)
         return path, False
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(f"sk-flash-{secrets.token_urlsafe(32)}\n")
-    os.replace(tmp, path)
+    _write_atomic(path, f"sk-flash-{secrets.token_urlsafe(32)}\n")
     return path, True
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """A unique temp file in the same folder (mkstemp: mode 0600, O_EXCL), then rename over
+    `path`: two concurrent writers never share a temp file, a reader sees old or new, never half."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def read_api_key(name: str) -> str | None:
@@ -58,7 +71,6 @@ LOGGING_CONFIG = {
 def ensure_logging_config() -> Path:
     path = state_dir() / "logging.json"
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(LOGGING_CONFIG, indent=2))
-    os.replace(tmp, path)
+    _write_atomic(path, json.dumps(LOGGING_CONFIG, indent=2))
+    os.chmod(path, 0o644)  # read by the container's user through a bind mount
     return path

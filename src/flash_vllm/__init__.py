@@ -9,12 +9,13 @@ units, `flash_vllm.compat` for the base gate and `python -m flash_vllm.selfcheck
 
 
 def register() -> None:
+    from .metrics_bridge import install, wire
     from .plugin import register as _register
 
     _register()
-    # Metrics bridge (not a vLLM patch, so outside the patch set): registers, in the process that
-    # serves /metrics, the collector that carries the engine's vllm:ple_mmap_* counters there.
-    # Never raises. See flash_vllm/metrics_bridge.py.
-    from .metrics_bridge import install
-
+    # Metrics bridge (not a vLLM patch, so outside the patch set): every PLEStats of this process
+    # publishes through it (injected here), and in the process that serves /metrics it registers
+    # the collector that carries the engine's vllm:ple_mmap_* counters there. Never raises.
+    # See flash_vllm/metrics_bridge.py.
+    wire()
     install()

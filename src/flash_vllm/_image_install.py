@@ -2,8 +2,10 @@
 
     python3 /opt/flash/lib/flash_vllm/_image_install.py /opt/flash
 
-The Dockerfile copies the package to `<prefix>/lib/flash_vllm` and runs this, which:
-- writes `flash_vllm.pth` into the interpreter's site-packages (so `import flash_vllm` works in
+The Dockerfile copies the packages to `<prefix>/lib/flash_vllm` and `<prefix>/lib/flash_common` (the
+shared package the plugin imports) and runs this, which:
+- writes `flash_vllm.pth` into the interpreter's site-packages (so `import flash_vllm` and
+  `import flash_common` work in
   every process vLLM spawns, without PYTHONPATH);
 - writes `<prefix>/lib/flash_recipe-<version>.dist-info` (METADATA, entry_points.txt, RECORD,
   INSTALLER) so `importlib.metadata` finds the distribution and vLLM's plugin loader finds the
@@ -52,8 +54,9 @@ def site_packages() -> Path:
 def main(prefix: str) -> int:
     root = Path(prefix)
     lib = root / "lib"
-    if not (lib / "flash_vllm" / "__init__.py").is_file():
-        raise SystemExit(f"{lib}/flash_vllm is missing: COPY the package there first")
+    for package in ("flash_vllm", "flash_common"):
+        if not (lib / package / "__init__.py").is_file():
+            raise SystemExit(f"{lib}/{package} is missing: COPY the package there first")
     version = version_of(root / "pyproject.toml")
     dist = lib / f"{DIST}-{version}.dist-info"
     dist.mkdir(exist_ok=True)
@@ -61,12 +64,12 @@ def main(prefix: str) -> int:
           "Summary: flash_vllm, the recipe's vLLM general plugin (image install)\n")
     write(dist / "entry_points.txt", ENTRY_POINTS)
     write(dist / "INSTALLER", "flash-dockerfile\n")
-    write(dist / "top_level.txt", "flash_vllm\n")
+    write(dist / "top_level.txt", "flash_common\nflash_vllm\n")
     files = sorted(p.relative_to(lib).as_posix() for p in lib.rglob("*") if p.is_file())
     write(dist / "RECORD", "".join(f"{f},,\n" for f in files if not f.endswith("RECORD")) + f"{dist.name}/RECORD,,\n")
     pth = site_packages() / "flash_vllm.pth"
     write(pth, f"{lib}\n")
-    probe = ("import importlib.metadata as m, flash_vllm, sys; "
+    probe = ("import importlib.metadata as m, flash_vllm, flash_common.releases, sys; "
              "eps = [e.value for e in m.entry_points(group='vllm.general_plugins') if e.name == 'flash']; "
              "assert eps == ['flash_vllm:register'], eps; "
              f"assert m.version('flash-recipe') == {version!r}; print(flash_vllm.__file__)")

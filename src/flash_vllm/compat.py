@@ -3,6 +3,9 @@
 Policy (style rule 10): the base is decided once, here, before any patch is touched; patches
 declare the bases they apply to and never compare versions themselves.
 
+The releases themselves (bases, pinned versions, capabilities) are `flash_common.releases`, the
+catalogue both wings read; this module only decides which of them the running process is.
+
 - The image bakes `FLASH_VLLM_BASE` (Dockerfile `ENV`). When set, it must be one of BASES and
   must agree with the installed vLLM's release line: a v0.29 label on a 0.33 install is a broken
   image, not something to guess around.
@@ -19,18 +22,14 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
+from flash_common import releases
+
 BASE_ENV = "FLASH_VLLM_BASE"
 
-# Release line -> the exact release the Dockerfiles and the verification tier pin.
-BASES: dict[str, str] = {
-    "v0.29": "0.29.0",
-    "v0.30": "0.30.0",
-    "v0.31": "0.31.0",
-    "v0.32": "0.32.0",
-    "v0.33": "0.33.0",
-}
-NEWEST = "v0.33"
-ORDER = tuple(BASES)  # oldest first
+# Release line -> the exact release the Dockerfiles and the verification tier pin (from the catalogue).
+BASES: dict[str, str] = {r.base: r.version for r in releases.RELEASES}
+NEWEST = releases.NEWEST
+ORDER = releases.ORDER  # oldest first
 
 
 class CompatError(RuntimeError):
@@ -93,7 +92,7 @@ def resolve(vllm_version: str, env: Mapping[str, str], assume: str | None = None
             f"supported: {', '.join(ORDER)}")
     raise CompatError(
         f"vLLM {vllm_version} is newer than the newest verified base {NEWEST}; run "
-        f"`tools/check_vllm_release.py {vllm_version}` and add the line to flash_vllm.compat")
+        f"`tools/check_vllm_release.py {vllm_version} --propose` and add the entry to flash_common.releases")
 
 
 def installed_vllm_version() -> str:

@@ -245,6 +245,14 @@ _pub_lock = threading.Lock()
 _publisher: Publisher | None = None
 
 
+def wire() -> None:
+    """Make every PLEStats this process creates publish through `attach` (what `register()` does:
+    the stats module is told its publisher, it never imports this one)."""
+    from .ple.stats import set_publisher
+
+    set_publisher(attach)
+
+
 def attach(stats) -> Publisher | None:
     """Publish `stats` (a PLEStats) through this process's record; None when the bridge is not
     the path (multiprocess mode, turned off) or unusable (then PLEStats keeps native counters)."""

@@ -34,6 +34,10 @@ TRUE = ("1", "true", "yes", "on")
 DISABLE_ENV = "FLASH_DISABLE_PATCHES"  # comma list of patch numbers: an operator's kill switch
 
 
+class Unclassified(RuntimeError):
+    """A catalogued release that a patch leaves unclassified: the registry refuses to load."""
+
+
 class TargetMissing(RuntimeError):
     """A patch target is gone or no longer looks like what the patch was written against."""
 
@@ -80,6 +84,7 @@ class Patch:
     applies_to: frozenset[str] = frozenset()   # bases we ship code for
     upstream_in: frozenset[str] = frozenset()  # bases where the fix is upstream
     not_ported: Mapping[str, str] = field(default_factory=dict)  # base -> why we ship nothing
+    not_needed: frozenset[str] = frozenset()   # bases where the problem does not exist
     check: Callable[[Context], None] = _nothing
     apply: Callable[[Context], None] = _nothing
     verify: Callable[[Context], None] = _nothing
@@ -96,7 +101,11 @@ class Patch:
             return "upstream"
         if base in self.not_ported:
             return "not-ported"
-        return "not-needed"
+        if base in self.not_needed:
+            return "not-needed"
+        raise Unclassified(f"patch {self.number} ({self.name}) does not say what it does on {base}; classify it "
+                           f"(applies_to / upstream_in / not_ported / not_needed, usually a range from "
+                           f"flash_common.releases) before that release can be loaded")
 
     def enabled(self, env: Mapping[str, str]) -> bool:
         disabled = {s.strip() for s in env.get(DISABLE_ENV, "").split(",") if s.strip()}
@@ -249,11 +258,14 @@ def catalogue() -> tuple[Patch, ...]:
     if len(set(numbers)) != len(numbers):
         raise RuntimeError(f"duplicate patch numbers: {numbers}")
     for p in patches:
-        unknown = (p.applies_to | p.upstream_in | set(p.not_ported)) - set(ORDER)
+        classes = (p.applies_to, p.upstream_in, frozenset(p.not_ported), p.not_needed)
+        unknown = frozenset().union(*classes) - set(ORDER)
         if unknown:
             raise RuntimeError(f"patch {p.number}: unknown bases {sorted(unknown)}")
-        if p.applies_to & p.upstream_in:
-            raise RuntimeError(f"patch {p.number}: a base cannot be both 'applies' and 'upstream'")
+        if sum(map(len, classes)) != len(frozenset().union(*classes)):
+            raise RuntimeError(f"patch {p.number}: a base is in more than one of applies/upstream/not-ported/not-needed")
+        for base in ORDER:
+            p.expected_status(base)  # raises Unclassified: a new release must not silently drop a patch
     return tuple(patches)
 
 
@@ -274,9 +286,10 @@ def patchset_hash() -> str:
 
     h = hashlib.sha256()
     here = Path(__file__).resolve().parent
-    files = sorted([here / "registry.py", here / "compat.py", here / "plugin.py", here / "effort.py"]
-                   + list((here / "patches").glob("*.py")))
+    common = here.parent / "flash_common"
+    files = sorted([here / "registry.py", here / "compat.py", here / "plugin.py", common / "releases.py",
+                    common / "effort.py"] + list((here / "patches").glob("*.py")))
     for f in files:
-        h.update(f.relative_to(here).as_posix().encode() + b"\0")
+        h.update(f.relative_to(here.parent).as_posix().encode() + b"\0")
         h.update(f.read_bytes().replace(b"\r\n", b"\n") + b"\0")
     return h.hexdigest()[:16]

@@ -45,17 +45,21 @@ def test_serve_wait_test_status_logs_stop_start_rm(flash, docker_client):
     assert res.returncode == 0, res.stderr
     assert "ready after" in res.stdout and "GPU KV cache size" in res.stdout
     assert f"{flash.url}/v1" in res.stdout
+    assert "context: max model len 500,000 as the recipe asks" in res.stdout  # the boot log vs the labels
 
     res = flash("test", "--json")  # finds the server through the container's labels
     assert res.returncode == 0, res.stdout + res.stderr
     checks = {c["name"]: c["status"] for c in json.loads(res.stdout)["checks"]}
     assert checks["health"] == "pass" and checks["tool_call"] == "pass" and checks["determinism"] == "pass"
+    assert checks["context"] == "pass"  # the recipe came from the container's labels
 
     res = flash("status", "--json")
     st = json.loads(res.stdout)
     assert st["state"] == "running" and st["api"] == "up" and st["profile"] == "published"
     assert st["requests_running"] == 0 and "GPU KV cache size" in st["kv_cache_line"]
     assert st["api_key"] is None and not st["exposed_without_key"]
+    assert st["context"]["level"] == "ok" and st["memory"]["meminfo"]["MemAvailable"] > 0
+    assert any("MemAvailable" in f["text"] for f in st["memory_findings"])
     assert "measured 1,234,567 tokens, predicted" in st["kv_cache_plan"]  # planner next to the boot log
     # ... from the prediction serve stored on the container (status does not re-plan on every call)
     stored = docker_client.containers.list(filters={"label": f"org.flash.name={flash.name}"})[0].labels

@@ -49,6 +49,11 @@ class Dims:
     ple_files: int
     vis_hidden: int
     vis_inter: int
+    # head geometry (defaults = the real model's; the valid tiny model of tiny_model.py keeps them)
+    head_dim: int = 256
+    idx_head_dim: int = 128
+    gdn_v_dim: int = 128
+    vis_blocks: int = 27
 
     @property
     def hcw(self) -> int:
@@ -90,16 +95,17 @@ def layer_tensors(d: Dims, L: int) -> list[tuple[str, str, tuple]]:
         a = p + "self_attn."
         out += [(a + "q_proj.weight", "BF16", (d.q_out, H)), (a + "k_proj.weight", "BF16", (d.kv_out, H)),
                 (a + "v_proj.weight", "BF16", (d.kv_out, H)), (a + "o_proj.weight", "BF16", (H, d.q_out // 2)),
-                (a + "q_norm.weight", "BF16", (256,)), (a + "k_norm.weight", "BF16", (256,)),
+                (a + "q_norm.weight", "BF16", (d.head_dim,)), (a + "k_norm.weight", "BF16", (d.head_dim,)),
                 (a + "indexer.index_qk_proj.weight", "BF16", (d.idx_out, H)),
-                (a + "indexer.q_layernorm.weight", "BF16", (128,)), (a + "indexer.k_layernorm.weight", "BF16", (128,))]
+                (a + "indexer.q_layernorm.weight", "BF16", (d.idx_head_dim,)),
+                (a + "indexer.k_layernorm.weight", "BF16", (d.idx_head_dim,))]
     else:
         a = p + "linear_attn."
         out += [(a + "in_proj_qkv.weight", "BF16", (d.gdn_qkv, H)), (a + "in_proj_z.weight", "BF16", (d.gdn_z, H)),
                 (a + "in_proj_a.weight", "BF16", (d.gdn_heads, H)), (a + "in_proj_b.weight", "BF16", (d.gdn_heads, H)),
                 (a + "out_proj.weight", "BF16", (H, d.gdn_z)), (a + "conv1d.weight", "BF16", (d.gdn_qkv, 1, 4)),
                 (a + "A_log", "F32", (d.gdn_heads,)), (a + "dt_bias", "BF16", (d.gdn_heads,)),
-                (a + "norm.weight", "F32", (128,))]
+                (a + "norm.weight", "F32", (d.gdn_v_dim,))]
     m = p + "mlp."
     out += [(m + "gate.weight", "BF16", (d.experts, H)), (m + "shared_expert_gate.weight", "BF16", (1, H)),
             (m + "shared_expert.gate_proj.weight", "BF16", (d.shared_inter, H)),
@@ -155,7 +161,7 @@ def ple_rest(d: Dims) -> list[tuple[str, str, tuple]]:
 
 def vision(d: Dims) -> list[tuple[str, str, tuple]]:
     h, i, out = d.vis_hidden, d.vis_inter, []
-    for blk in range(27):
+    for blk in range(d.vis_blocks):
         b = f"model.visual.blocks.{blk}."
         out += [(b + "norm1.weight", "BF16", (h,)), (b + "norm1.bias", "BF16", (h,)), (b + "norm2.weight", "BF16", (h,)),
                 (b + "norm2.bias", "BF16", (h,)), (b + "attn.qkv.weight", "BF16", (3 * h, h)), (b + "attn.qkv.bias", "BF16", (3 * h,)),
@@ -327,7 +333,8 @@ def _random_array(dtype: str, shape: tuple, rng):
     raise ValueError(dtype)
 
 
-def write_safetensors(path: Path, tensors: list, sparse: bool, seed: int) -> None:
+def write_safetensors(path: Path, tensors: list, sparse: bool, seed: int, values=None) -> None:
+    """`values(name, dtype, shape, rng)`: the array for one tensor (default: `_random_array`)."""
     if sparse:
         entries = [stwriter.Entry(n, dt, tuple(s), DTYPE_BYTES[dt] * _numel(s)) for n, dt, s in sorted(tensors)]
         head = stwriter.header_bytes(entries, {"format": "pt"})
@@ -339,7 +346,16 @@ def write_safetensors(path: Path, tensors: list, sparse: bool, seed: int) -> Non
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng(seed)
-    save_file({n: _random_array(dt, tuple(s), rng) for n, dt, s in tensors}, str(path), metadata={"format": "pt"})
+    make = values or (lambda _n, dt, s, r: _random_array(dt, s, r))
+    arrays = {n: make(n, dt, tuple(s), rng) for n, dt, s in tensors}
+    if all(isinstance(a, np.ndarray) for a in arrays.values()):
+        save_file(arrays, str(path), metadata={"format": "pt"})
+        return
+    import torch  # a value hook that made torch tensors (no ml_dtypes): write them all through torch
+    from safetensors.torch import save_file as save_torch
+
+    save_torch({n: a if isinstance(a, torch.Tensor) else torch.from_numpy(np.array(a, order="C"))  # keeps 0-d scalars 0-d
+                for n, a in arrays.items()}, str(path), metadata={"format": "pt"})
 
 
 def _git_sha1(data: bytes) -> str:
@@ -359,11 +375,13 @@ def revision_for(model: str, flavour: str, dims: Dims) -> str:
 
 
 def write_snapshot(cache: Path, flavour: str, dims: Dims = TINY, sparse: bool = False, model: str | None = None,
-                   revision: str | None = None, seed: int = 0) -> Path:
+                   revision: str | None = None, seed: int = 0, values=None, small_files=None) -> Path:
     """Write a checkpoint into `<cache>/hub/models--…/{blobs,refs,snapshots}`; returns the snapshot.
 
     Blob names: sha256 for safetensors (sparse: sha256 of the header + size, not of the holes —
     the scale tier never runs --hash), git sha1 for small files, like the Hub's ETags.
+    `values` replaces the random generator (see `write_safetensors`); `small_files(flavour, dims)`
+    replaces `configs()` (tests/fakes/tiny_model.py uses both for a model vLLM can run).
     """
     model = model or {"radixark": RADIXARK, "nvidia": NVIDIA, "donor": DONOR}[flavour]
     files = {"radixark": radixark_files, "nvidia": nvidia_files, "donor": donor_files}[flavour](dims)
@@ -386,7 +404,7 @@ def write_snapshot(cache: Path, flavour: str, dims: Dims = TINY, sparse: bool = 
     total = 0
     for i, (fname, tensors) in enumerate(sorted(files.items())):
         tmp = blobs / f".tmp-{fname}"
-        write_safetensors(tmp, tensors, sparse, seed + i)
+        write_safetensors(tmp, tensors, sparse, seed + i, values)
         size = tmp.stat().st_size
         total += size
         if sparse:
@@ -399,7 +417,7 @@ def write_snapshot(cache: Path, flavour: str, dims: Dims = TINY, sparse: bool = 
         place(fname, tmp, blob)
         for n, _, _ in tensors:
             weight_map[n] = fname
-    small = configs("donor" if flavour == "donor" else flavour, dims)
+    small = (small_files or configs)("donor" if flavour == "donor" else flavour, dims)
     small["model.safetensors.index.json"] = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                         indent=2)
     if flavour == "radixark":

@@ -13,7 +13,8 @@ Routes (as huggingface_hub 2.4 calls them, see its hf_api.py / file_download.py)
 Unknown repo → 404 with `X-Error-Code: RepoNotFound`; unknown revision → 404
 `RevisionNotFound`; a repo with `token` set answers 401 without `Authorization: Bearer <token>`.
 Fault injection: `drop_after[path] = n` closes the connection after n body bytes (once per
-entry), `corrupt[path] = True` flips the last byte of the served body.
+entry), `corrupt[path] = True` flips the last byte of the served body, `fail_status[path] = 500`
+answers the file's bytes with that HTTP error.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class FakeHub:
         self.repos: dict[str, Repo] = {}
         self.drop_after: dict[str, int] = {}
         self.corrupt: dict[str, bool] = {}
+        self.fail_status: dict[str, int] = {}  # path → an HTTP error status its bytes are answered with
         self.requests: list[tuple[str, str, dict]] = []
         self.throttle_bps: float | None = None  # slow the CDN down (to interrupt a download mid-file)
         self._server: ThreadingHTTPServer | None = None
@@ -217,6 +219,8 @@ class FakeHub:
         return self._error(h, 404, "EntryNotFound", "no such LFS object", head)
 
     def _serve_bytes(self, h, f: RepoFileData, head: bool, headers: dict):
+        if f.path in self.fail_status:
+            return self._error(h, self.fail_status[f.path], "InjectedFailure", f"injected failure for {f.path}", head)
         start, status = 0, 200
         rng = h.headers.get("Range")
         if rng and rng.startswith("bytes="):

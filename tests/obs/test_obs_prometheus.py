@@ -54,7 +54,7 @@ def test_promtool_check_config_and_rules():
     rules = sorted(str(p.relative_to(OBS)) for p in (OBS / "rules").glob("*.yml"))
     res = run(promtool, "check", "rules", *rules)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "SUCCESS: 11 rules found" in res.stdout and "SUCCESS: 4 rules found" in res.stdout
+    assert "SUCCESS: 13 rules found" in res.stdout and "SUCCESS: 5 rules found" in res.stdout
 
 
 def test_promtool_rule_unit_tests_with_series_fixtures():
@@ -104,7 +104,8 @@ def test_real_prometheus_scrapes_the_standin_and_every_query_returns_data(tmp_pa
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(text)
         node = subprocess.Popen([node_exporter, f"--web.listen-address=127.0.0.1:{node_port}",
-                                 "--collector.disable-defaults", "--collector.meminfo", "--collector.vmstat"],
+                                 "--collector.disable-defaults", "--collector.meminfo", "--collector.vmstat",
+                                 *monitor.NODE_EXPORTER_FLAGS],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         prom = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus/prometheus.yml'}",
                                  f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
@@ -153,4 +154,4 @@ def test_real_prometheus_scrapes_the_standin_and_every_query_returns_data(tmp_pa
     assert not empty, f"queries without data: {empty}"
     assert {t["labels"]["job"]: t["health"] for t in targets} == {"vllm": "up", "node": "up", "prometheus": "up"}
     health = {r["name"]: r["health"] for g in rules for r in g["rules"]}
-    assert len(health) == 15 and set(health.values()) == {"ok"}, health
+    assert len(health) == 18 and set(health.values()) == {"ok"}, health

@@ -21,7 +21,7 @@ from fakes import ckpt
 from flash_cli import hfcache
 from flash_cli.checkpoint import graft, hybrid, layout, verify
 from flash_cli.settings import resolve
-from flash_vllm.ple.header import read_header
+from flash_common.stheader import read_header
 
 pytestmark = pytest.mark.scale
 ROOT = Path(__file__).resolve().parents[2]

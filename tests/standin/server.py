@@ -38,6 +38,11 @@ Not a model: answers are deterministic filler words with a few canned facts. Kno
                          server without flash_vllm's metrics bridge (FLASH_METRICS_BRIDGE=0)
       frozen_counters    token and request counters never move (registered in one process,
                          incremented in another)
+      yarn_ignored       a --max-model-len above 262,144 does not take: the server falls back to
+                         the native 262,144 ("Using max model len" twice, the second one 262,144),
+                         the silent context fallback the field saw with a YaRN override
+  STANDIN_KV_ALLOC_SECONDS (0)  print nothing for this long after the KV cache size line (a boot
+                                hung in allocate_kv_cache)
   VLLM_PLE_MMAP=1               export the vllm:ple_mmap_* counters (VLLM_PLE_MMAP_PROMETHEUS=0: off)
                                 exactly as flash_vllm's metrics bridge does in single-process mode
                                 (and prometheus_client in multiprocess mode): unlabelled, the help
@@ -65,7 +70,7 @@ from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 VERSION = "0.33.0+standin"
-FAULT_NAMES = ("nondeterministic", "no_prefix_hits", "reject_high_effort", "no_tool_calls", "slow", "no_metrics",
+FAULT_NAMES = ("yarn_ignored", "nondeterministic", "no_prefix_hits", "reject_high_effort", "no_tool_calls", "slow", "no_metrics",
                "ple_engine_only", "frozen_counters")
 ACCEPTED_EFFORTS = ("low", "medium", "xhigh")  # what the Qwen3.8-Flash-Next template itself accepts
 ALIASED_EFFORTS = {"high": "xhigh", "max": "xhigh", "minimal": "low"}  # EFFORT_ALIAS=1 rewrites these
@@ -1180,6 +1185,8 @@ def boot(ns: argparse.Namespace, env: dict) -> None:
         log("ERROR", "api_server.py:1900", f"OSError: Incorrect path_or_model_id: '{ns.model}'. Please provide either the path to a local folder or the repo_id of a model on the Hub.")
         sys.exit(1)
     log("INFO", "model.py:547", f"Resolved architecture: Qwen3_8FlashNextForCausalLM")
+    if getattr(ns, "yarn_requested", None):
+        log("INFO", "model.py:1510", f"Using max model len {ns.yarn_requested}")
     log("INFO", "model.py:1510", f"Using max model len {ns.max_model_len or 262144}")
     die = env.get("STANDIN_DIE_AT_BOOT")
     steps = ("Loading safetensors checkpoint shards:   0% Completed | 0/23 [00:00<?, ?it/s]",
@@ -1201,6 +1208,7 @@ def boot(ns: argparse.Namespace, env: dict) -> None:
     log("INFO", "kv_cache_utils.py:1087", f"GPU KV cache size: {kv:,} tokens")
     mml = ns.max_model_len or 262144
     log("INFO", "kv_cache_utils.py:1091", f"Maximum concurrency for {mml:,} tokens per request: {kv / mml:.2f}x")
+    time.sleep(float(env.get("STANDIN_KV_ALLOC_SECONDS", "0")))
     time.sleep(seconds / 3)
     log("INFO", "core.py:210", f"init engine (profile, create kv cache, warmup model) took {seconds:.2f} seconds")
 
@@ -1220,6 +1228,8 @@ def main(argv: list[str]) -> int:
         return 1
     if plan is not None:
         rendezvous(plan, env)
+    if "yarn_ignored" in env.get("STANDIN_FAULTS", "") and (ns.max_model_len or 0) > 262144:
+        ns.yarn_requested, ns.max_model_len = ns.max_model_len, 262144
     engine = Engine(ns, env)
     boot(ns, env)
     Handler.rank_plan = plan

@@ -256,3 +256,32 @@ def test_compiled_cast_equals_torch_over_float32_bit_patterns():
             k.cast(x, c)
             ref = torch.from_numpy(x).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
             assert np.array_equal(c, ref), hex(int((bits | np.uint32(sign))[np.flatnonzero(c != ref)[0]]))
+
+
+
+def test_torch_fallback_tables_equal_ml_dtypes_where_used(monkeypatch):
+    """Without ml_dtypes (the GPU device's vLLM env) the cast tables come from torch: the same codes
+    for every float32 the quantizer can feed (|x| <= 448, finite), so the same fp8 bytes."""
+    import sys
+
+    import numpy as np
+
+    from flash_cli.checkpoint import fp8
+
+    x = np.random.default_rng(0).uniform(-448, 448, 100_000).astype(np.float32)
+    fp8._tables.clear()
+    want = {k: v.copy() for k, v in fp8._get_tables().items()}
+    want_codes = fp8.cast_e4m3(x)
+    fp8._tables.clear()
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # import ml_dtypes -> ImportError
+    try:
+        got = fp8._get_tables()
+        top = (np.arange(65536, dtype=np.uint32) << 16).view(np.float32)
+        used = np.isfinite(top) & (np.abs(top) <= 448)
+        for k in ("exact", "above", "tie", "coded"):
+            assert np.array_equal(got[k][used], want[k][used]), k
+        finite = np.isfinite(want["back"])
+        assert np.array_equal(got["back"][finite], want["back"][finite])
+        assert np.array_equal(fp8.cast_e4m3(x), want_codes)
+    finally:
+        fp8._tables.clear()

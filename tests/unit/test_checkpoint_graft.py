@@ -13,7 +13,7 @@ from flash_cli import hfcache
 from flash_cli.checkpoint import graft, hybrid, layout, verify
 from flash_cli.errors import ConfigError, WeightsMissing
 from flash_cli.settings import resolve
-from flash_vllm.ple.header import read_header
+from flash_common.stheader import read_header
 
 DONOR_REV = "d" * 40
 

@@ -18,7 +18,7 @@ from fakes import ckpt
 from flash_cli import hfcache
 from flash_cli.checkpoint import fp8, hybrid, layout, stwriter, verify
 from flash_cli.errors import ConfigError, WeightsMissing
-from flash_vllm.ple.header import read_header
+from flash_common.stheader import read_header
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,5 @@
 """Malformed headers and index files: a clean error naming the file, never a crash or a huge
-allocation; plus a seeded fuzz run over the safetensors header parser (flash_vllm.ple.header)."""
+allocation; plus a seeded fuzz run over the safetensors header parser (flash_common.stheader)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 from fakes import ckpt
 from flash_cli.checkpoint import verify
-from flash_vllm.ple.header import HeaderError, MAX_HEADER_BYTES, parse_header, read_header
+from flash_common.stheader import HeaderError, MAX_HEADER_BYTES, parse_header, read_header
 
 ROOT = Path(__file__).resolve().parents[2]
 FUZZ_ITERS = int(os.environ.get("FLASH_FUZZ_ITERS", "6000"))

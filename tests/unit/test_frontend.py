@@ -12,6 +12,7 @@ import pytest
 from flash_cli import preflight, recipe, state
 from flash_cli.errors import ConfigError, PortInUse, UsageError, WeightsMissing
 from flash_cli.settings import resolve
+from flash_common import releases
 
 
 def test_api_key_generated_once_0600(tmp_path, monkeypatch):
@@ -123,18 +124,14 @@ def test_every_base_served_now_patch1_is_ported():
         assert preflight.recipe(resolve(overrides={"BASE": base})) == [], base
 
 
-def test_base_refused_where_the_registry_says_patch1_is_not_ported(monkeypatch):
-    import dataclasses
+def test_base_refused_where_the_catalogue_says_patch1_is_not_ported(monkeypatch):
+    from fakes.releases import with_cap
 
-    from flash_vllm.patches import ple_mmap
-
-    unported = dataclasses.replace(ple_mmap.PATCH, applies_to=ple_mmap.PATCH.applies_to - {"v0.29"},
-                                   not_ported={"v0.29": "the splitting-op port is missing"})
-    monkeypatch.setattr(ple_mmap, "PATCH", unported)
+    with_cap(monkeypatch, "v0.29", ple_storage=None)
     p = preflight.recipe(resolve(overrides={"BASE": "v0.29"}))
     assert len(p) == 1 and p[0].error is ConfigError
-    assert "patch 1" in p[0].message and "the splitting-op port is missing" in p[0].message
-    assert "BASE=v0.33" in p[0].hint
+    assert "patch 1" in p[0].message and "ple_storage=None" in p[0].message
+    assert f"BASE={releases.CURRENT}" in p[0].hint
     assert preflight.recipe(resolve(overrides={"BASE": "v0.30"})) == []
 
 
@@ -142,6 +139,6 @@ def test_setup_builds_v030_to_v032_from_their_release_image():
     from flash_cli.commands.setup import build_args, dockerfile_for
 
     assert build_args(resolve(overrides={"BASE": "v0.31"}))["BASE_IMAGE"] == "vllm/vllm-openai:v0.31.0"
-    assert "BASE_IMAGE" not in build_args(resolve(overrides={"BASE": "v0.33"}))
+    assert "BASE_IMAGE" not in build_args(resolve(overrides={"BASE": releases.CURRENT}))  # the Dockerfile's default
     assert build_args(resolve(overrides={"BASE": "v0.31", "BASE_IMAGE": "mine:1"}))["BASE_IMAGE"] == "mine:1"
     assert dockerfile_for("v0.29") == "Dockerfile.v0.29" and dockerfile_for("v0.31") == "Dockerfile"

@@ -21,9 +21,10 @@ FAST = ["TEST_PREFILL_TOKENS=1024", "TEST_DECODE_TOKENS=32", "TEST_DET_TOKENS=8"
 
 
 def flash_test(capsys, url: str, *extra: str) -> tuple[int, dict]:
+    profile = [w for w in extra[:1] if "=" not in w and not w.startswith("-")]  # a profile comes first
     words = [w for w in extra if "=" in w and not w.startswith("-")]
-    opts = [w for w in extra if w not in words]
-    rc = main(["test", *FAST, *words, "--url", url, "--json", *opts])
+    opts = [w for w in extra if w not in words and w not in profile]
+    rc = main(["test", *profile, *FAST, *words, "--url", url, "--json", *opts])
     out = capsys.readouterr().out
     return rc, json.loads(out)
 
@@ -37,8 +38,10 @@ def test_faithful_server_passes_every_check(capsys):
         rc, report = flash_test(capsys, s.url)
     assert rc == 0 and report["ok"] is True
     assert [c["name"] for c in report["checks"]] == list(checks.CHECK_NAMES)
-    assert set(statuses(report).values()) == {"pass"}, report
     by = {c["name"]: c for c in report["checks"]}
+    # a URL needs no profile; without one there is no recipe to compare the context with: N/A, visibly
+    assert by.pop("context")["status"] == "skip" and "N/A" in report["checks"][2]["detail"]
+    assert {c["status"] for c in by.values()} == {"pass"}, report
     assert "PLE counters: 8/8" in by["metrics"]["detail"]
     assert by["prefix_cache"]["data"]["method"] == "metrics"
     assert by["prefill"]["data"]["prompt_tokens"] > 900
@@ -59,6 +62,7 @@ def test_each_fault_fails_exactly_its_check(capsys, fault, check):
     assert rc == 1 and report["ok"] is False
     assert [n for n, v in st.items() if v == "fail"] == [check], report
     assert report["summary"]["failed_required"] == [check]
+    assert st.pop("context") == "skip"  # --url without a recipe: N/A
     assert all(v == "pass" for n, v in st.items() if n != check)
 
 
@@ -163,3 +167,105 @@ def test_ple_counters_hidden_in_the_engine_fail_metrics_when_expected(capsys, tm
     with StandIn(faults="ple_engine_only", env={"VLLM_PLE_MMAP": "1", "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}) as s:
         rc, report = flash_test(capsys, s.url, "--only", "metrics", "--expect-ple", "yes")
     assert rc == 0
+
+
+# --- prompts sized to max_model_len; n/a declared, never silent (issue 11) ---------------------
+
+def test_prompts_are_scaled_to_the_servers_max_model_len(capsys):
+    with StandIn("--max-model-len", "2048") as s:
+        rc, report = flash_test(capsys, s.url, "TEST_PREFILL_TOKENS=8192", "TEST_DECODE_TOKENS=4000",
+                                "--only", "prefill", "--only", "prefix_cache", "--only", "decode")
+    by = {c["name"]: c for c in report["checks"]}
+    assert rc == 0, report
+    assert by["model"]["data"]["max_model_len"] == 2048
+    pre = by["prefill"]
+    assert pre["status"] == "pass" and 1000 < pre["data"]["prompt_tokens"] <= 2048
+    assert "scaled from 8,192" in pre["detail"] and "max_model_len 2,048" in pre["detail"]
+    assert pre["data"]["requested_tokens"] == 8192 and pre["data"]["scaled_to_max_model_len"] == 2048
+    assert by["prefix_cache"]["status"] == "pass" and "scaled from 8,192" in by["prefix_cache"]["detail"]
+    assert by["decode"]["status"] == "pass" and "max_tokens scaled from 4000" in by["decode"]["detail"]
+
+
+def test_unsized_prompt_is_what_the_server_refuses():
+    """The control: the same 8,192-token prefill without the max_model_len read is a 400."""
+    from flash_cli.gates.client import Client
+
+    with StandIn("--max-model-len", "2048") as s:
+        ctx = checks.Context(Client(s.url), checks.Thresholds(prefill_tokens=8192))
+        assert checks.check_health(ctx).status == "pass" and checks.check_model(ctx).status == "pass"
+        sized = checks.check_prefill(ctx)
+        ctx.max_model_len, ctx.prefill = None, {}
+        unsized = checks.check_prefill(ctx)
+    assert sized.status == "pass"
+    assert unsized.status == "fail" and "maximum context length" in unsized.detail
+
+
+def test_a_prompt_that_fits_is_not_touched():
+    ctx = checks.Context(client=None, max_model_len=262144)
+    assert checks.fit_tokens(ctx, 8192, 1) == (8192, "")
+    ctx.max_model_len = None
+    assert checks.fit_tokens(ctx, 8192, 1) == (8192, "")
+    ctx.max_model_len = 2048
+    n, note = checks.fit_tokens(ctx, 8192, 1)
+    assert n + 1 + checks.PROMPT_RESERVE <= 2048 * checks.PROMPT_HEADROOM and "2,048" in note
+
+
+def test_untrained_declares_the_trained_model_checks_na_visibly(capsys):
+    # a server whose "model" calls no tool: on a random checkpoint that is expected, not a failure
+    with StandIn(faults="no_tool_calls") as s:
+        rc, report = flash_test(capsys, s.url, "--untrained", "--na=decode=timed separately")
+        assert rc == 0, report
+        st = statuses(report)
+        assert st["coherence"] == st["tool_call"] == st["decode"] == "n/a"
+        assert st["context"] == "skip"  # --url without a recipe: nothing to compare (issue 16)
+        assert all(v == "pass" for n, v in st.items() if n not in ("coherence", "tool_call", "decode", "context"))
+        by = {c["name"]: c for c in report["checks"]}
+        assert by["coherence"]["detail"].startswith("n/a: untrained checkpoint (--untrained)")
+        assert by["decode"]["detail"] == "n/a: timed separately"
+        assert set(report["summary"]["not_applicable"]) == {"coherence", "tool_call", "decode"}
+        # the human report shows them too, with the reason
+        assert main(["test", *FAST, "--url", s.url, "--untrained", "--only", "coherence"]) == 0
+        out = capsys.readouterr().out
+    assert "n/a: untrained checkpoint" in out and "1 n/a (coherence)" in out
+    # without the flag the same server fails tool_call: n/a is what changed the verdict
+    with StandIn(faults="no_tool_calls") as s:
+        rc, report = flash_test(capsys, s.url, "--only", "tool_call")
+    assert rc == 1 and statuses(report)["tool_call"] == "fail"
+
+
+def test_na_refuses_unknown_and_mandatory_checks(capsys):
+    assert main(["test", "--url", "http://127.0.0.1:9", "--na", "nosuch"]) == 2
+    assert "nosuch" in capsys.readouterr().err
+    assert main(["test", "--url", "http://127.0.0.1:9", "--na", "health=down"]) == 2
+    assert "--na accepts" in capsys.readouterr().err
+
+def test_context_matches_the_recipe_given_with_url(capsys):
+    with StandIn("--max-model-len", "262144") as s:
+        rc, report = flash_test(capsys, s.url, "native", "--only", "context")
+    by = {c["name"]: c for c in report["checks"]}
+    assert rc == 0 and by["context"]["status"] == "pass", report
+    assert by["context"]["data"] == {"max_model_len": 262144, "expected": 262144}
+
+
+def test_silent_yarn_fallback_fails_context_naming_both_numbers(capsys):
+    # the recipe asks for 500,000 with YaRN; the server came up at the native 262,144
+    with StandIn("--max-model-len", "262144") as s:
+        rc, report = flash_test(capsys, s.url, "default", "--only", "context")
+    by = {c["name"]: c for c in report["checks"]}
+    assert rc == 1 and report["summary"]["failed_required"] == ["context"]
+    assert "262,144" in by["context"]["detail"] and "500,000" in by["context"]["detail"]
+    assert "YaRN override did not take" in by["context"]["data"]["hint"]
+
+
+def test_a_recipe_setting_with_url_counts_as_a_recipe(capsys):
+    with StandIn("--max-model-len", "131072") as s:
+        rc, report = flash_test(capsys, s.url, "CTX=131072", "YARN=0", "--only", "context")
+        assert rc == 0 and statuses(report)["context"] == "pass", report
+        rc, report = flash_test(capsys, s.url, "CTX=100000", "YARN=0", "--only", "context")
+        assert rc == 1 and statuses(report)["context"] == "fail"
+
+
+def test_standin_yarn_fallback_fault_is_caught_by_context(capsys):
+    with StandIn("--max-model-len", "500000", faults="yarn_ignored") as s:
+        rc, report = flash_test(capsys, s.url, "default", "--only", "context")
+    assert rc == 1 and statuses(report)["context"] == "fail"

@@ -51,7 +51,8 @@ def test_prediction_is_the_plan():
     s = resolve(None, None, {"MODE": "hybrid", "CTX": "500000", "YARN": "1"})
     hw = PRESETS["gb10"]
     plan = build(s, hw)
-    assert prediction(s, hw) == (plan["kv_cache_tokens"], *plan["kv_cache_tokens_range"], "gb10")
+    assert prediction(s, hw) == (plan["kv_cache_tokens"], *plan["kv_cache_tokens_range"], "gb10",
+                                 plan["host"]["page_cache_for_ple_gib"])
     assert status_comparison(s, LINE, hw) == kvline.compare(*prediction(s, hw)[:3], LINE)
 
 

@@ -34,6 +34,7 @@ API = textwrap.dedent(r'''
     def engine(record, hold, ready):
         # what the PLE patch does in the EngineCore: one PLEStats, lookups record into it
         from flash_vllm.ple.stats import PLEStats
+        from flash_vllm import metrics_bridge; metrics_bridge.wire()  # what register() does
         s = PLEStats(stats_sec=0, prometheus=True)
         for _ in range(record.get("ops", 0)):
             s.record(ops=1, op_s=0.004, gpu_wait_s=0.001, dedup_s=0.0002, gather_s=0.002, stage_s=0.0005,
@@ -245,6 +246,7 @@ def test_unusable_directory_falls_back_and_never_breaks_a_lookup(tmp_path):
         import logging, sys
         logging.basicConfig(level=logging.WARNING)
         from flash_vllm.ple.stats import PLEStats
+        from flash_vllm import metrics_bridge; metrics_bridge.wire()  # what register() does
         s = PLEStats(prometheus=True)
         s.record(ops=1, rows=3)
         from prometheus_client import REGISTRY, generate_latest

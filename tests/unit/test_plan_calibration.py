@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from flash_cli.plan import calibration as cal
+from flash_cli.plan import calibration as cal, fitting
 from flash_cli.plan.geometry import REAL
 from flash_cli.plan.hardware import PRESETS
 from flash_cli.plan.kvcache import layout
@@ -18,13 +18,13 @@ MODELED = [f for f in cal.FIGURES if f.tolerance_pct is not None]
 
 def test_stored_overhead_is_the_fit():
     # the constant must be what fit() solves today, or the model and the number drifted apart
-    assert abs(cal.fit() - cal.RUNTIME_OVERHEAD) <= 64 * 1024**2
+    assert abs(fitting.fit() - cal.RUNTIME_OVERHEAD) <= 64 * 1024**2
 
 
 @pytest.mark.parametrize("fig", MODELED, ids=[f.key for f in MODELED])
 def test_published_figure_within_tolerance(fig):
-    predicted = cal.predict(fig)
-    err = cal.error_pct(fig, predicted)
+    predicted = fitting.predict(fig)
+    err = fitting.error_pct(fig, predicted)
     assert abs(err) <= fig.tolerance_pct, f"{fig.key}: published {fig.published}, predicted {predicted:.4g} ({err:+.2f}%)"
 
 
@@ -36,7 +36,7 @@ def test_tolerances_are_tight_where_the_model_claims_them():
 
 def test_draft_vocab_cost_models_the_slice_only():
     fig = next(f for f in cal.FIGURES if f.key == "draft-vocab-cost")
-    delta = cal.predict(fig)
+    delta = fitting.predict(fig)
     slice_bytes = DRAFT_VOCAB_ROWS * REAL.hidden_size * 2
     per_token = layout(REAL, base="v0.29", kv_dtype="auto", mtp=2, prefix_cache=True,
                        max_model_len=500_000).bytes_for_requests(1, 500_000) / 500_000
@@ -45,7 +45,7 @@ def test_draft_vocab_cost_models_the_slice_only():
 
 def test_hardware_changes_the_pool_not_the_layout():
     fig = next(f for f in cal.FIGURES if f.key == cal.FIT_FIGURE)
-    assert cal.predict(fig, PRESETS["h200"]) > cal.predict(fig, PRESETS["gb10"])
+    assert fitting.predict(fig, PRESETS["h200"]) > fitting.predict(fig, PRESETS["gb10"])
 
 
 def test_docs_tables_are_generated_from_the_code():

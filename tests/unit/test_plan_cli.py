@@ -161,3 +161,88 @@ def test_planned_from_headers_when_the_snapshot_is_there(tmp_path, monkeypatch):
     assert p["weights"]["source"] == f"headers:{repo / 'snapshots' / commit}"
     # the synthetic checkpoint is tiny: what is left is the 320 MiB draft-head slice vLLM allocates
     assert p["weights_gib"] == pytest.approx(0.3125, abs=0.001)
+
+
+# --- the H200 and tiny test checkpoints (issue 11: plan vs the KV pool a real H200 boot logs) ---
+
+TINY_TEXT = {"model_type": "qwen4_exp_text", "hidden_size": 256, "num_hidden_layers": 8, "vocab_size": 1024,
+             "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64, "indexer_n_heads": 2,
+             "indexer_head_dim": 64, "indexer_budget": 512, "indexer_compress_ratio": 32,
+             "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
+             "linear_value_head_dim": 64, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+             "shared_expert_intermediate_size": 128, "hc_count": 2, "hc_lowrank": 32, "ple_embed_dim": 256,
+             "mtp_num_hidden_layers": 1,
+             "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2}
+
+
+def tiny_dir(tmp_path):
+    d = tmp_path / "tiny"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["Qwen4ExpForConditionalGeneration"],
+                                               "text_config": TINY_TEXT}))
+    return d
+
+
+def test_h200_preset_is_discrete_with_cudamemgetinfo_total():
+    h = H.PRESETS["h200"]
+    assert not h.unified and 139 * H.GIB < h.device_total < 143 * H.GIB
+    assert h.flashinfer_gdn  # SM90: 0.33 picks FlashInfer GDN prefill on auto
+
+
+def test_plan_h200_tiny_config_dir_with_gpu_mem_and_extra(tmp_path, capsys):
+    d = tiny_dir(tmp_path)
+    extra = "--block-size 256 --gdn-prefill-backend triton"
+    for path in (d, d / "config.json"):  # a checkpoint dir or its config.json
+        rc, obj = run_json(capsys, "default", "GPU_MEM=0.9", "CTX=2048", "MTP=0", f"EXTRA={extra}",
+                           "--hardware", "h200", "--config", str(path))
+        assert rc == 0, obj["findings"]
+        assert obj["hardware"]["name"] == "h200" and obj["hardware"]["unified_memory"] is False
+        b = obj["budget"]
+        assert b["gpu_mem"] == 0.9
+        assert b["requested_gib"] == pytest.approx(0.9 * H.PRESETS["h200"].device_total / H.GIB, abs=0.01)
+        lay = obj["kv_layout"]
+        # vLLM: alignment = max(kernel 16, --block-size); block = alignment × ⌈mamba page / (alignment × attn/token)⌉
+        need = -(-lay["mamba_page_bytes"] // (256 * lay["attention_page_bytes_per_token"]))
+        assert lay["block_size"] == 256 * need, "EXTRA's --block-size is the alignment"
+        text = " | ".join(obj["assumptions"])
+        assert f"geometry from {d / 'config.json'}" in text
+        assert "discrete GPU" in text and "page cache is host RAM" in text
+        assert "--block-size 256" in text and "--gdn-prefill-backend triton" in text
+        assert "139.81 GiB × GPU_MEM 0.9" in text
+        # the plan was made from the tiny geometry, not the published one (which has 12 QSA layers)
+        assert sum(1 for g in obj["kv_layout"]["caches"] if "qsa" in json.dumps(g)) >= 1
+        assert obj["kv_bytes_per_token"] < build(resolve(None, None, {"CTX": "2048", "MTP": "0"}),
+                                                 H.PRESETS["h200"], snapshot=None)["kv_bytes_per_token"]
+        assert obj["kv_cache_tokens"] > 0 and obj["host"]["unified_memory"] is False
+
+
+def test_plan_without_block_size_follows_vllm_alignment(tmp_path):
+    from flash_cli.plan import extra_block_size, flashinfer_gdn
+
+    assert extra_block_size("--block-size 256") == 256 and extra_block_size("--block-size=64 -O3") == 64
+    assert extra_block_size("--enforce-eager") is None and extra_block_size("--block-size x") is None
+    h200 = H.PRESETS["h200"]
+    assert flashinfer_gdn("--gdn-prefill-backend triton", h200) == (False, "triton")
+    assert flashinfer_gdn("", h200) == (True, None)
+    assert flashinfer_gdn("--gdn-prefill-backend=flashinfer", H.PRESETS["gb10"])[0] is True
+    s = resolve(None, None, {"GPU_MEM": "0.9", "CTX": "2048", "MTP": "0", "BASE": "v0.33", "PREFIX_CACHE": "1",
+                             "EXTRA": "--block-size 256"})
+    fi = build(s, h200, snapshot=tiny_dir(tmp_path))
+    s2 = resolve(None, None, {"GPU_MEM": "0.9", "CTX": "2048", "MTP": "0", "BASE": "v0.33", "PREFIX_CACHE": "1",
+                              "EXTRA": "--block-size 96"})
+    assert build(s2, h200, snapshot=tmp_path / "tiny")["kv_layout"]["block_size"] % 96 == 0
+    assert fi["kv_layout"]["block_size"] % 256 == 0
+
+
+def test_plan_config_that_is_not_there_exits_2(tmp_path, capsys):
+    assert main(["plan", "--hardware", "h200", "--config", str(tmp_path / "nope")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_plan_refuses_a_block_the_qsa_ring_does_not_divide(tmp_path, capsys):
+    d = tmp_path / "odd"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"text_config": {**TINY_TEXT, "indexer_compress_ratio": 100}}))
+    assert main(["plan", "GPU_MEM=0.9", "CTX=2048", "MTP=0", "--hardware", "h200", "--config", str(d)]) == 2
+    err = capsys.readouterr().err
+    assert "ring capacity 100 does not divide" in err and "multiple of 400" in err

@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from flash_vllm.ple.header import (
+from flash_common.stheader import (
     MAX_HEADER_BYTES,
     HeaderError,
     parse_header,

@@ -11,7 +11,8 @@ import pytest
 from flash_vllm.ple import native
 from flash_vllm.ple.config import PLEConfig, config_from_env
 from flash_vllm.ple.synth import reference_rows, write_checkpoint
-from flash_vllm.ple.table import PAGE, PLETable, PLETableError
+from flash_vllm.ple.table import PAGE, PLETable
+from ple_io import direct_missing, skip_unless_available
 
 RPS, NSH, LAST = 997, 20, 311
 
@@ -47,10 +48,8 @@ def _resident(t, ids):
 
 
 def _table(ckpt, **kw):
-    try:
-        return PLETable.from_checkpoint(ckpt, config=PLEConfig(workers=4, chunk=512, **kw))
-    except PLETableError as e:
-        pytest.skip(f"not available here: {e}")
+    skip_unless_available(kw.get("io", "auto"), ckpt)  # skips only what the probe says is missing
+    return PLETable.from_checkpoint(ckpt, config=PLEConfig(workers=4, chunk=512, **kw))
 
 
 needs_numba = pytest.mark.skipif(native.load() is None, reason=f"numba: {native.status()}")
@@ -153,8 +152,9 @@ def test_direct_path_and_doorkeeper(ckpt, resident_check):
 def test_auto_times_three_cold_paths(ckpt):
     t = _table(ckpt)
     with t:
-        if not t._direct_ok:
-            pytest.skip("O_DIRECT/io_uring unavailable here")
+        if direct_missing(ckpt):
+            pytest.skip(direct_missing(ckpt))
+        assert t._direct_ok, t.io_note  # the probe says O_DIRECT works: auto must offer it
         assert set(t._ewma[0]) == {"uring", "mmap", "direct"} and set(t._ewma[1]) == {"uring", "mmap"}
         t._ewma[0] = {"uring": 2e-6, "mmap": 3e-6, "direct": 1e-6}
         t._cold_n[0] = 0

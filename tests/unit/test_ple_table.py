@@ -10,6 +10,7 @@ import pytest
 from flash_vllm.ple.config import PLEConfig
 from flash_vllm.ple.synth import write_checkpoint, reference_rows
 from flash_vllm.ple.table import PLETable, PLETableError
+from ple_io import skip_unless_available
 
 RPS, NSH, LAST = 997, 20, 311  # partial last shard
 
@@ -46,10 +47,8 @@ def test_gather_bit_identical(ckpt, io, n):
     cfg = PLEConfig(io=io, workers=4, chunk=512)
     if io == "auto":
         cfg = PLEConfig(workers=4, chunk=512)
-    try:
-        t = PLETable.from_checkpoint(ckpt, config=cfg)
-    except PLETableError as e:
-        pytest.skip(f"io_uring unavailable here: {e}")  # only for io=uring
+    skip_unless_available(io, ckpt)  # only io=uring, only when the probe finds no io_uring
+    t = PLETable.from_checkpoint(ckpt, config=cfg)
     rng = np.random.default_rng(n)
     strategies = set()
     with t:
@@ -168,13 +167,10 @@ def test_prefetch_and_prewarm(ckpt):
 def test_cold_path_choice_and_warm_switch(ckpt):
     """auto keeps the faster timed cold path (retrying the other every 16th cold batch); a batch
     that read nothing from disk switches to the mapping, and a drop of the cache switches back."""
-    try:
-        t = PLETable.from_checkpoint(ckpt)
-    except PLETableError as e:
-        pytest.skip(f"io_uring unavailable here: {e}")
+    skip_unless_available("uring", ckpt)
+    t = PLETable.from_checkpoint(ckpt)
     with t:
-        if t.io != "uring":
-            pytest.skip("io_uring unavailable here")
+        assert t.io == "uring", t.io_note  # the probe says io_uring works: auto must use it
         t._ewma[0] = {"uring": 2e-6, "mmap": 1e-6}
         t._cold_n[0] = 0
         picks = [t._pick(0) for _ in range(32)]

@@ -64,7 +64,9 @@ def test_gather_guard_refuses_a_stream_capture_and_calls_the_stager(monkeypatch)
     out = torch.zeros(2, 4)
     ple_mmap.gather_into(lambda device: FakeStager(), "ids", out, raw=True)
     assert calls == [("ids", True)] and bool((out == 3).all())
-    monkeypatch.setattr(ple_mmap, "_is_capturing", lambda torch: True)
+    from flash_vllm.patches import _ple_guard
+
+    monkeypatch.setattr(_ple_guard, "_is_capturing", lambda torch: True)
     with pytest.raises(RuntimeError, match="PIECEWISE") as e:
         ple_mmap.gather_into(lambda device: FakeStager(), "ids", out)
     assert ple_mmap_v029.SPLIT_OP in str(e.value) and len(calls) == 1

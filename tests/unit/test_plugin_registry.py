@@ -61,10 +61,16 @@ def test_base_resolution(version, env, base):
     assert compat.resolve(version, env).name == base
 
 
+def _next_release(patch: int = 0) -> str:
+    """A release one minor line past the catalogue's newest (what a new vLLM release looks like)."""
+    major, minor, _ = compat.BASES[compat.NEWEST].split(".")
+    return f"{major}.{int(minor) + 1}.{patch}"
+
+
 @pytest.mark.parametrize("version, env, match", [
     ("0.33.0", {"FLASH_VLLM_BASE": "v0.29"}, "rebuild the image"),
     ("0.1.dev20073+g8e685d198", {}, "development build"),
-    ("0.34.0", {}, "check_vllm_release.py 0.34.0"),
+    (_next_release(), {}, f"check_vllm_release.py {_next_release()} --propose"),
     ("0.28.0", {}, "predates"),
     ("0.33.0", {"FLASH_VLLM_BASE": "v0.99"}, "not a supported base"),
 ])
@@ -74,9 +80,9 @@ def test_base_resolution_refuses(version, env, match):
 
 
 def test_newer_release_is_checked_against_newest_base():
-    assert compat.base_for_release("0.34.2") == compat.NEWEST
+    assert compat.base_for_release(_next_release(2)) == compat.NEWEST
     assert compat.base_for_release("0.31.0") == "v0.31"
-    b = compat.resolve("0.34.0", {}, assume=compat.NEWEST)
+    b = compat.resolve(_next_release(), {}, assume=compat.NEWEST)
     assert b.name == compat.NEWEST and b.provisional
 
 

@@ -33,13 +33,13 @@ def test_preflight_serves_fp8_kv_where_the_patch_applies(kv):
         assert preflight.recipe(resolve(overrides={"KV_DTYPE": kv, "BASE": base})) == [], base
 
 
-def test_preflight_still_refuses_a_base_the_registry_marks_unported(monkeypatch):
-    unported = dataclasses.replace(p7.PATCH, applies_to=p7.PATCH.applies_to - {"v0.29"},
-                                   not_ported={"v0.29": "kernel anchors moved"})
-    monkeypatch.setattr(p7, "PATCH", unported)
+def test_preflight_still_refuses_a_base_the_catalogue_marks_unported(monkeypatch):
+    from fakes.releases import with_cap
+
+    with_cap(monkeypatch, "v0.29", qsa_fp8_kv=None)
     p = preflight.recipe(resolve(overrides={"KV_DTYPE": "fp8", "BASE": "v0.29"}))
     assert len(p) == 1 and p[0].error is ConfigError
-    assert "patch 7" in p[0].message and "kernel anchors moved" in p[0].message and "KV_DTYPE=auto" in p[0].hint
+    assert "patch 7" in p[0].message and "qsa_fp8_kv=None" in p[0].message and "KV_DTYPE=auto" in p[0].hint
     assert preflight.recipe(resolve(overrides={"KV_DTYPE": "auto", "BASE": "v0.29"})) == []
     assert preflight.recipe(resolve(overrides={"KV_DTYPE": "fp8", "BASE": "v0.30"})) == []
 

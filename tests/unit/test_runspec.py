@@ -11,6 +11,7 @@ import pytest
 
 from flash_cli import profiles, render, spec
 from flash_cli.settings import resolve
+from flash_common import releases
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "serve"
 SNAP = "0123456789abcdef0123456789abcdef01234567"
@@ -101,7 +102,7 @@ def test_secure_by_default():
 def test_labels_find_and_describe_the_container():
     r = spec_for("speed", PORT="18301")
     assert r.labels["org.flash.name"] == "qwen38-flash" and r.labels["org.flash.profile"] == "speed"
-    assert r.labels["org.flash.port"] == "18301" and r.labels["org.flash.base"] == "v0.33"
+    assert r.labels["org.flash.port"] == "18301" and r.labels["org.flash.base"] == releases.CURRENT
     assert r.labels["org.flash.settings"] != spec_for("speed").labels["org.flash.settings"]
 
 

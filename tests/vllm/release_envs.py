@@ -6,11 +6,11 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from flash_vllm import compat
+from flash_common import releases
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "check_vllm_release.py"
-RELEASES = [compat.BASES[b] for b in compat.ORDER]
+RELEASES = [r.version for r in releases.RELEASES]
 _tool_module = None
 
 

@@ -12,6 +12,7 @@ Per release (environments from tools/check_vllm_release.py, built by tests/suppo
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -46,6 +47,45 @@ def test_check_tool_matrix_matches_registry(release):
     assert proc.returncode == 0
 
 
+@pytest.mark.parametrize("release", RELEASES)
+def test_propose_matches_the_catalogue(release):
+    """`--propose` on each real wheel proposes the entry the catalogue has (capabilities no source
+    marker tells are flagged in the output and left out here)."""
+    from flash_common import releases
+
+    proc = subprocess.run([sys.executable, str(TOOL), release, "--propose", "--json"], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    want = releases.by_version(release)
+    assert got["torch"] == want.torch
+    flagged = set(_tool().NOT_FROM_SOURCE)
+    assert {k: v for k, v in got["caps"].items() if k not in flagged} == \
+        {k: v for k, v in want.caps.items() if k not in flagged}
+
+
+def test_fake_next_release_aliasing_the_newest_checks_clean(tmp_path):
+    """The dry run of adding a release, on real source: a catalogue copy with a 0.34.0 entry that
+    aliases the newest release, and the selfcheck run as that base on the newest release's source.
+    Every patch the new entry classifies as applying must apply; the matrix equals the alias's."""
+    from fakes.releases import fake_catalogue
+    from flash_common import releases
+
+    newest = releases.get(releases.NEWEST)
+    root = fake_catalogue(tmp_path, version="0.34.0", alias=newest.version)
+    rt = _tool().ensure(newest.version)
+    env = dict(rt["env"], PYTHONPATH=os.pathsep.join([str(root), rt["env"]["PYTHONPATH"]]))
+    proc = subprocess.run([rt["python"], "-m", "flash_vllm.selfcheck", "--json", "--assume-base", "v0.34"],
+                          env=env, capture_output=True, text=True, timeout=1800)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert lines, proc.stderr[-3000:]
+    got = json.loads(lines[-1])
+    assert got["base"] == "v0.34" and got["release"] == newest.version
+    assert {p["number"]: p["status"] for p in got["patches"]} == \
+        {p.number: p.expected_status(newest.base) for p in catalogue()}
+    assert proc.returncode == 0
+
+
 @pytest.fixture(scope="module")
 def tiny_hybrids(tmp_path_factory):
     """OUR writer's output (flash prepare hybrid on the TINY fakes, both layouts) for
@@ -65,10 +105,22 @@ def tiny_hybrids(tmp_path_factory):
     return os.pathsep.join(out)
 
 
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """The gpu-e2e tier's tiny model in its three layouts (a, b, c) for check_tiny_model.py."""
+    import os
+
+    from fakes import tiny_model
+
+    snaps = tiny_model.build(tmp_path_factory.mktemp("tiny") / "hf")
+    return os.pathsep.join(str(snaps[k]) for k in "abc")
+
+
 @pytest.mark.parametrize("release", RELEASES)
-def test_patch_logic_in_release(release, tmp_path, tiny_hybrids):
+def test_patch_logic_in_release(release, tmp_path, tiny_hybrids, tiny_models):
     rt = _tool().ensure(release)
-    rt["env"] = dict(rt["env"], FLASH_TEST_TINY_HYBRIDS=tiny_hybrids)
+    rt["env"] = dict(rt["env"], FLASH_TEST_TINY_HYBRIDS=tiny_hybrids, FLASH_TEST_TINY_MODELS=tiny_models,
+                     HF_HUB_OFFLINE="1")
     junit = tmp_path / "junit.xml"
     proc = subprocess.run(
         [rt["python"], "-m", "pytest", str(ROOT / "tests" / "vllm" / "release"), "-q",

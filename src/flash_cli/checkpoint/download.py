@@ -13,6 +13,15 @@ with `Range: bytes=N-`), sha256-checked against the LFS pointer while it streams
 small files. Files the Hub serves through Xet (XET=1 and a xet hash in the listing; the only way
 for files over 50 GB) are left to hf_xet. What `main` resolved to is written to `refs/main`
 (as huggingface_hub does) and recorded in `<repo>/flash-download.json`.
+
+Interrupts and failures: the LFS files are fetched by daemon worker threads that check a stop
+flag between chunks. Ctrl-C or the first failed file sets it: queued files are never started,
+running ones stop at their next chunk (their `.incomplete` stays, resumable), and the command
+returns within STOP_GRACE seconds instead of waiting for every queued download.
+
+Integrity: a blob already in the cache with the right size is not trusted on its size: every
+blob is hash-checked once (while it streams, or before the checkpoint counts as complete) and
+recorded in `<repo>/flash-verified.json` (see verified.py).
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from pathlib import Path
 from .. import hfcache
 from ..errors import ConfigError, FlashError, WeightsMissing
 from ..output import say
+from . import verified
 
 DISK_MARGIN = 2 * 1024**3  # the cache also holds the tree listing, locks, refs
 # Files that must never be excluded (serving needs them); shards are protected by suffix.
@@ -37,6 +47,13 @@ PROTECTED = set(hfcache.ESSENTIAL) | {hfcache.QUANT_FILE}
 
 class DownloadError(FlashError):
     exit_code = 5
+
+
+class _Stopped(Exception):
+    """A worker noticed the stop flag at a chunk boundary (its partial file is kept)."""
+
+
+STOP_GRACE = 0.5  # seconds the running fetches get to reach their next chunk after a stop
 
 
 @dataclass
@@ -189,7 +206,7 @@ def plan(settings, env=None) -> Plan:
     return p
 
 
-def _fetch_lfs(url: str, f: FileInfo, blobs: Path, token: str | None, bar=None) -> None:
+def _fetch_lfs(url: str, f: FileInfo, blobs: Path, token: str | None, bar=None, stop=None) -> None:
     """One LFS file into blobs/<sha256>, resuming blobs/<sha256>.incomplete; sha256-checked."""
     from filelock import FileLock
 
@@ -197,17 +214,22 @@ def _fetch_lfs(url: str, f: FileInfo, blobs: Path, token: str | None, bar=None) 
     # huggingface_hub's own lock for this blob: a parallel `hf download` waits instead of racing
     lock = blobs.parent.parent / ".locks" / blobs.parent.name / f"{f.etag}.lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
+    if stop is not None and stop.is_set():
+        raise _Stopped()
     with FileLock(str(lock)):
-        _fetch_locked(url, f, blob, token, bar)
+        _fetch_locked(url, f, blob, token, bar, stop)
 
 
-def _fetch_locked(url: str, f: FileInfo, blob: Path, token: str | None, bar) -> None:
+def _fetch_locked(url: str, f: FileInfo, blob: Path, token: str | None, bar, stop=None) -> None:
     import hashlib
 
     import requests
 
     if blob.is_file() and blob.stat().st_size == f.size:
-        return
+        if verified.check(blob):  # hashed once (now, or by an earlier run): the size alone proves nothing
+            return
+        say(f"  ! {f.path}: the cached blob has the right size but not the right content; downloading it again")
+        blob.unlink()
     part = blob.with_name(f.etag + ".incomplete")
     h = hashlib.sha256()
     have = part.stat().st_size if part.is_file() else 0
@@ -237,6 +259,8 @@ def _fetch_locked(url: str, f: FileInfo, blob: Path, token: str | None, bar) -> 
                                     hint="a 401/403 needs HF_TOKEN; run again to resume")
             with open(part, mode) as out:
                 for chunk in r.iter_content(chunk_size=1 << 20):
+                    if stop is not None and stop.is_set():
+                        raise _Stopped()  # what was written stays in .incomplete: resumable
                     out.write(chunk)
                     h.update(chunk)
                     if bar is not None:
@@ -252,12 +276,11 @@ def _fetch_locked(url: str, f: FileInfo, blob: Path, token: str | None, bar) -> 
                             hint="run again to download it fresh")
     os.chmod(part, 0o644)
     os.replace(part, blob)
+    verified.record(blob)  # hashed while it streamed
 
 
 def fetch_resumable(p: Plan, settings, env=None, progress: bool = False) -> None:
     """Our resumable, hash-checked HTTP path for the LFS files hf_xet will not handle."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from huggingface_hub import hf_hub_url
 
     env = os.environ if env is None else env
@@ -276,15 +299,68 @@ def fetch_resumable(p: Plan, settings, env=None, progress: bool = False) -> None
 
         bar = tqdm(total=sum(f.size for f in todo), unit="B", unit_scale=True, unit_divisor=1024,
                    desc="download", file=sys.stderr)
+    jobs = [(hf_hub_url(p.model, f.path, revision=p.commit, endpoint=endpoint), f) for f in todo]
     try:
-        with ThreadPoolExecutor(max_workers=settings["MAX_WORKERS"]) as pool:
-            futs = [pool.submit(_fetch_lfs, hf_hub_url(p.model, f.path, revision=p.commit, endpoint=endpoint),
-                                f, blobs, token, bar) for f in todo]
-            for fut in futs:
-                fut.result()
+        run_stoppable(lambda job, stop: _fetch_lfs(job[0], job[1], blobs, token, bar, stop), jobs,
+                      settings["MAX_WORKERS"])
     finally:
         if bar is not None:
             bar.close()
+
+
+def run_stoppable(fn, jobs: list, workers: int, grace: float = STOP_GRACE) -> None:
+    """Run `fn(job, stop)` over `jobs` on `workers` daemon threads, in order.
+
+    The first failure or a KeyboardInterrupt in the caller sets `stop`: no queued job starts,
+    running ones stop where they next check it (`_Stopped`), and this returns (raising the
+    first failure, or the interrupt) after at most `grace` seconds. Daemon threads: a fetch
+    stuck in a socket read cannot hold the process's exit.
+    """
+    import queue
+    import threading
+
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    for job in jobs:
+        q.put(job)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        while not stop.is_set():
+            try:
+                job = q.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fn(job, stop)
+            except _Stopped:
+                return
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                errors.append(exc)
+                stop.set()
+                return
+
+    threads = [threading.Thread(target=worker, daemon=True, name=f"flash-fetch-{i}")
+               for i in range(max(1, min(workers, len(jobs))))]
+    for t in threads:
+        t.start()
+    stopped_at = None
+    try:
+        while any(t.is_alive() for t in threads):
+            if stop.is_set():
+                stopped_at = stopped_at or time.monotonic()
+                if time.monotonic() - stopped_at > grace:
+                    break
+            for t in threads:
+                t.join(0.05)
+    except BaseException:  # KeyboardInterrupt (SIGINT lands in this thread) or SystemExit
+        stop.set()
+        deadline = time.monotonic() + grace
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        raise
+    if errors:
+        raise errors[0]
 
 
 def execute(p: Plan, settings, env=None, progress: bool | None = None) -> Path:
@@ -314,6 +390,11 @@ def execute(p: Plan, settings, env=None, progress: bool | None = None) -> Path:
         try:
             fetch_resumable(p, settings, env, progress=tty)
             snapshot = Path(snapshot_download(**kwargs))
+            # before it counts as complete: hash what no run of ours has hashed (cached blobs,
+            # Xet's and snapshot_download's); a corrupt one is removed and fetched again
+            bad = verified.check_snapshot(snapshot)
+            if bad:
+                raise DownloadError(bad[0], hint="run flash download again: it fetches the removed blobs")
             break
         except KeyboardInterrupt:
             raise
@@ -348,12 +429,22 @@ def execute(p: Plan, settings, env=None, progress: bool | None = None) -> Path:
 def is_done(settings) -> bool:
     """Local only (setup must not need the network to see that nothing is to do)."""
     snap = hfcache.resolve_snapshot(settings["HF_CACHE"], settings["MODEL"], settings["REVISION"])
-    return snap is not None and not hfcache.missing_files(snap)
+    return snap is not None and not hfcache.missing_files(snap) and not verified.unverified(snap)
 
 
 def run_step(settings, dry_run: bool) -> dict:
     from . import verify
 
+    snap = hfcache.resolve_snapshot(settings["HF_CACHE"], settings["MODEL"], settings["REVISION"])
+    if not dry_run and snap is not None and not hfcache.missing_files(snap):
+        # complete on disk but not every blob hashed yet (fetched by another tool, or before
+        # flash-verified.json existed): hash them here, no network needed unless one is corrupt
+        bad = verified.check_snapshot(snap)
+        if not bad:
+            say(f"  ✔ {snap}: every blob hash-verified")
+            return {"action": "verified", "snapshot": str(snap)}
+        for line in bad:
+            say(f"  ! {line}")
     p = plan(settings)
     if dry_run:
         say(f"  would download {p.model}@{p.commit[:12]}: {p.bytes_to_get / 1e9:.2f} GB of {p.bytes_total / 1e9:.2f} GB")

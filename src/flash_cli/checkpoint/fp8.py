@@ -31,15 +31,41 @@ _tables: dict[str, object] = {}
 _local = threading.local()
 
 
+def _e4m3_codes(x):
+    """float32 → e4m3fn codes through ml_dtypes; through torch (the same RNE cast) where ml_dtypes is
+    absent (the GPU device's vLLM environment has torch, not ml_dtypes). Only |x| ≤ 448 is ever used."""
+    import numpy as np
+
+    try:
+        import ml_dtypes
+    except ImportError:
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(x)).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    with np.errstate(all="ignore"):
+        return x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+
+def _e4m3_values():
+    import numpy as np
+
+    codes = np.arange(256, dtype=np.uint8)
+    try:
+        import ml_dtypes
+    except ImportError:
+        import torch
+
+        return torch.from_numpy(codes).view(torch.float8_e4m3fn).float().numpy()
+    return codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
 def _get_tables():
     if not _tables:
-        import ml_dtypes
         import numpy as np
 
         top = np.arange(65536, dtype=np.uint32) << 16
-        with np.errstate(all="ignore"):
-            exact = top.view(np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-            above = (top | 1).view(np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        exact = _e4m3_codes(top.view(np.float32))
+        above = _e4m3_codes((top | 1).view(np.float32))
         tie = exact != above
         _tables.update(
             above=above,
@@ -47,7 +73,7 @@ def _get_tables():
             tie=tie,
             # one gather gives the code (low byte) and whether it may be an exact tie (high byte)
             coded=(above.astype(np.uint16) | (tie.astype(np.uint16) << 8)),
-            back=np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32),
+            back=_e4m3_values(),
         )
     return _tables
 

@@ -12,7 +12,7 @@ BF16 because `mtp.*` is ignored). The graft (model-and-checkpoints.md §3.4):
    the hybrid's, which dropped the three side-layer globs);
    under MIXED_PRECISION (the hybrid's configs, docs/decisions/hybrid-convention.md) the donor
    experts are also listed in `quantized_layers` as NVFP4: there an unlisted layer is unquantized;
-4. a static gate before `.prepared`. Built in a `.partial` sibling and renamed, like the hybrid.
+4. a static gate before `.prepared`. Built by the variant transaction (variant.py), like the hybrid.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ from pathlib import Path
 
 from .. import hfcache
 from ..errors import ConfigError, WeightsMissing
-from ..output import say
-from . import hybrid, layout, marker, stwriter
+from . import layout, stwriter, variant
 from .layout import CheckpointError
 
 
@@ -48,7 +47,7 @@ DONOR_EXPERTS = 6144  # 512 experts × {gate,up,down} × {weight, weight_scale, 
 DONOR_SHARED = 29
 _EXPERT = re.compile(r"mtp\.layers\.0\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\."
                      r"(weight|weight_scale|weight_scale_2|input_scale)")
-PARTIAL = ".partial"
+PARTIAL = variant.PARTIAL
 CONFIGS = ("config.json", "hf_quant_config.json")
 NOT_LINKED = {layout.INDEX, *CONFIGS, hfcache.MARKER, "fp8_convert.log"}
 
@@ -70,7 +69,7 @@ def sha256_file(path: Path, desc: str = "sha256") -> str:
     return h.hexdigest()
 
 
-def fetch_donor(hf_cache, donor: Donor = DONOR, env=None) -> Path:
+def fetch_donor(hf_cache, donor: Donor = DONOR, env=None, progress=None) -> Path:
     """The donor file in the HF cache (downloaded once at the pinned revision), sha256-checked."""
     snap = hfcache.repo_dir(hf_cache, donor.repo) / "snapshots" / donor.revision
     path = snap / donor.filename
@@ -81,7 +80,8 @@ def fetch_donor(hf_cache, donor: Donor = DONOR, env=None) -> Path:
         from huggingface_hub import hf_hub_download
 
         env = os.environ if env is None else env
-        say(f"  fetching the MTP donor {donor.repo}@{donor.revision[:12]}/{donor.filename} (~1.5 GiB, once)")
+        if progress is not None:
+            progress(f"  fetching the MTP donor {donor.repo}@{donor.revision[:12]}/{donor.filename} (~1.5 GiB, once)")
         try:
             path = Path(hf_hub_download(donor.repo, donor.filename, revision=donor.revision,
                                         cache_dir=str(hfcache.cache_root(hf_cache) / "hub"),
@@ -101,7 +101,7 @@ def fetch_donor(hf_cache, donor: Donor = DONOR, env=None) -> Path:
 
 def check_donor(path: Path, expected: int = DONOR_EXPERTS) -> tuple[list[str], list[str]]:
     """→ (6,144 expert keys, 29 shared module names) or a CheckpointError naming the mismatch."""
-    from flash_vllm.ple.header import HeaderError, read_header
+    from flash_common.stheader import HeaderError, read_header
 
     try:
         h = read_header(path)
@@ -208,13 +208,13 @@ def gate(directory: Path, donor_keys: list[str], donor_file: str, excludes_expec
     return problems
 
 
-def build(snapshot: Path, donor_path: Path, donor: Donor = DONOR) -> dict:
-    from flash_vllm.ple.header import read_header
+def build(snapshot: Path, donor_path: Path, donor: Donor = DONOR, progress=None) -> dict:
+    """Plan the graft, then run it through the variant transaction (variant.py)."""
+    from flash_common.stheader import read_header
 
     snapshot = Path(snapshot)
     hyb = hfcache.variant_dir(snapshot, "hybrid")
     dest = hfcache.variant_dir(snapshot, "hybrid-mtp")
-    partial = dest.with_name(dest.name + PARTIAL)
     cfg0 = json.loads((hyb / "config.json").read_text())
     n_experts = int((cfg0.get("text_config") or cfg0).get("num_experts", 512))
     donor_keys, shared = check_donor(donor_path, n_experts * 12)
@@ -233,22 +233,16 @@ def build(snapshot: Path, donor_path: Path, donor: Donor = DONOR) -> dict:
         keep = [t for t in sorted(h.tensors.values(), key=lambda t: t.begin) if t.name not in FUSED]
         entries = [stwriter.Entry(t.name, t.dtype, t.shape, t.nbytes) for t in keep]
         plans.append((fname, h, keep, entries, stwriter.file_size(entries, h.metadata)))
-    need = sum(p[4] for p in plans) + (hyb / layout.INDEX).stat().st_size * 2
-    free = shutil.disk_usage(snapshot.parent).free
-    if need + 512 * 1024**2 > free:
-        raise CheckpointError(f"not enough disk for the graft: need {need / 1e9:.2f} GB, {free / 1e9:.2f} GB free")
-    if partial.exists():
-        shutil.rmtree(partial)
-    partial.mkdir()
-    try:
-        skip = NOT_LINKED | set(fused_files)
-        for p in sorted(hyb.iterdir()):
-            if p.name in skip or p.name.startswith("."):
-                continue
-            layout.link_relative(p, partial / p.name)
-        layout.link_relative(donor_path, partial / donor.filename)
+    new_wm = {k: v for k, v in wm.items() if k not in FUSED}
+    for k in donor_keys:
+        new_wm[k] = donor.filename
+    skip = NOT_LINKED | set(fused_files)
+    links = [(p, p.name) for p in sorted(hyb.iterdir()) if p.name not in skip and not p.name.startswith(".")]
+
+    def write(partial: Path) -> None:
         for fname, h, keep, entries, _ in plans:
-            say(f"  rewriting {fname} without {', '.join(FUSED)}")
+            if progress is not None:
+                progress(f"  rewriting {fname} without {', '.join(FUSED)}")
             src = os.open(hyb / fname, os.O_RDONLY)
             w = stwriter.Writer(partial / fname, entries, h.metadata)
             try:
@@ -261,37 +255,25 @@ def build(snapshot: Path, donor_path: Path, donor: Donor = DONOR) -> dict:
             finally:
                 os.close(src)
             os.chmod(partial / fname, 0o644)
-        new_wm = {k: v for k, v in wm.items() if k not in FUSED}
-        for k in donor_keys:
-            new_wm[k] = donor.filename
-        sizes = {}
-        for fname in set(new_wm.values()):
-            sizes[fname] = (partial / fname).stat().st_size
-        meta = dict(idx.get("metadata") or {})
-        meta["total_size"] = sum(sizes.values())
-        layout.write_json_atomic(partial / layout.INDEX, {"metadata": meta, "weight_map": new_wm})
-        layout.write_json_atomic(partial / "config.json", cfg)
-        layout.write_json_atomic(partial / "hf_quant_config.json", hq)
-        for name in (layout.INDEX, *CONFIGS):
-            os.chmod(partial / name, 0o644)
-        problems = gate(partial, donor_keys, donor.filename, len(excludes))
-        if problems:
-            raise CheckpointError(f"the graft failed its verification gate: {problems[0]}"
-                                  + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
-        hm = hfcache.read_marker(hyb) or {}
-        data = marker.write(partial, "hybrid-mtp", snapshot, donor=f"{donor.repo}@{donor.revision}",
-                            donor_sha256=donor.sha256, hybrid_build=hm.get("build_id"),
-                            removed=list(FUSED), added_keys=len(donor_keys), excludes=len(excludes),
-                            rewritten=fused_files)
-        layout.fsync_dir(partial)
-        hybrid._swap_into_place(partial, dest)  # the one rename-into-place both variants use
-        return data
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+
+    hm = hfcache.read_marker(hyb) or {}
+    return variant.build(variant.Build(
+        kind="hybrid-mtp", what="graft", source=snapshot, dest=dest,
+        links=links + [(Path(donor_path), donor.filename)],
+        configs={"config.json": cfg, "hf_quant_config.json": hq},
+        rewritten=fused_files, weight_map=new_wm, index_metadata=idx.get("metadata") or {},
+        write=write,
+        gate=lambda partial, _: gate(partial, donor_keys, donor.filename, len(excludes)),
+        gate_message="the graft failed its verification gate",
+        marker=lambda _: dict(donor=f"{donor.repo}@{donor.revision}", donor_sha256=donor.sha256,
+                              hybrid_build=hm.get("build_id"), removed=list(FUSED), added_keys=len(donor_keys),
+                              excludes=len(excludes), rewritten=fused_files),
+        bytes_needed=sum(p[4] for p in plans) + (hyb / layout.INDEX).stat().st_size * 2,
+        bytes_free=shutil.disk_usage(snapshot.parent).free))
 
 
-def prepare(snapshot: Path, settings, dry_run: bool = False, force: bool = False, donor: Donor = DONOR) -> dict:
+def prepare(snapshot: Path, settings, dry_run: bool = False, force: bool = False, donor: Donor = DONOR,
+            progress=None) -> dict:
     model = settings["MODEL"]
     if not model.startswith("RadixArk/"):
         raise ConfigError(f"the MTP graft is for RadixArk/* checkpoints, not {model}",
@@ -305,31 +287,6 @@ def prepare(snapshot: Path, settings, dry_run: bool = False, force: bool = False
                              hint="flash prepare hybrid first (flash setup does both)")
     if dry_run:
         return {"action": "build", "state": state, "dest": str(dest), "donor": f"{donor.repo}@{donor.revision}"}
-    path = fetch_donor(settings["HF_CACHE"], donor)
-    data = build(snapshot, path, donor)
+    path = fetch_donor(settings["HF_CACHE"], donor, progress=progress)
+    data = build(snapshot, path, donor, progress=progress)
     return {"action": "built", "state": "ready", "dest": str(dest), "marker": data}
-
-
-def is_done(settings) -> bool:
-    snap = hfcache.resolve_snapshot(settings["HF_CACHE"], settings["MODEL"], settings["REVISION"])
-    return snap is not None and hfcache.variant_state(snap, "hybrid-mtp") == "ready"
-
-
-def run_step(settings, dry_run: bool) -> dict:
-    snap = hfcache.resolve_snapshot(settings["HF_CACHE"], settings["MODEL"], settings["REVISION"])
-    if snap is None:
-        raise WeightsMissing(f"no snapshot of {settings['MODEL']}", hint="flash download")
-    out = prepare(snap, settings, dry_run=dry_run)
-    _report(out)
-    return out
-
-
-def _report(out: dict) -> None:
-    if out["action"] == "none":
-        say(f"  ✔ graft already prepared: {out['dest']}")
-    elif out["action"] == "build":
-        say(f"  would build {out['dest']} with the NVFP4 MTP experts of {out['donor']}")
-    else:
-        m = out["marker"]
-        say(f"  ✔ built {out['dest']}: −{len(m['removed'])} fused tensors, +{m['added_keys']} donor keys, "
-            f"{m['excludes']} exclude entries")

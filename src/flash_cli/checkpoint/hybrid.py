@@ -4,8 +4,8 @@ Convention: docs/decisions/hybrid-convention.md, ModelOpt FP8_PB_WO served nativ
 (`X.weight` F8_E4M3 + `X.weight_scale` F32 4-D [N/128, 1, K/128, 1]; config.json and
 hf_quant_config.json become MIXED_PRECISION with the module in `quantized_layers` and out of
 the exclude lists, see quantcfg.py). Plan first (pure data: which files are rewritten, their
-exact new sizes, the disk check), then build in `<snapshot>-fp8hybrid.partial/`, verify, write
-`.prepared`, and rename into place. Streaming and out of order: worker threads convert row
+exact new sizes, the disk check), then build through the variant transaction (variant.py: in
+`<snapshot>-fp8hybrid.partial/`, verify, write `.prepared`, rename into place). Streaming and out of order: worker threads convert row
 strips of the side layers and `pwrite` them at their known places while the main thread copies
 the untouched tensors kernel-side, so CPU and disk overlap and memory stays a few strips.
 `tools/fp8_convert.py` calls `build()` directly.
@@ -23,14 +23,12 @@ from pathlib import Path
 
 from .. import hfcache
 from ..errors import ConfigError, WeightsMissing
-from ..output import say
-from . import fp8, layout, marker, quantcfg, stwriter
+from . import fp8, layout, quantcfg, stwriter, variant
 from .layout import CheckpointError
 
 CONVENTION = "FP8_PB_WO"
 CONFIGS = ("config.json", "hf_quant_config.json")  # rewritten (real files), never linked
-PARTIAL = ".partial"
-DISK_MARGIN = 512 * 1024 * 1024
+PARTIAL = variant.PARTIAL
 
 
 @dataclass
@@ -80,7 +78,7 @@ class Plan:
 
 def plan(source: Path, dest: Path) -> Plan:
     """Decide everything from the index and the headers; read no tensor data."""
-    from flash_vllm.ple.header import HeaderError, read_header
+    from flash_common.stheader import HeaderError, read_header
 
     source = Path(source)
     missing = hfcache.missing_files(source)
@@ -333,38 +331,27 @@ def check_built(p: Plan, directory: Path, known_headers: dict | None = None) -> 
     return problems
 
 
-def build(p: Plan, on_write=None, workers: int | None = None) -> dict:
-    """Execute a plan: partial dir → verify → `.prepared` → rename. Returns the marker."""
-    dest = Path(p.dest)
-    partial = dest.with_name(dest.name + PARTIAL)
-    if partial.exists():
-        shutil.rmtree(partial)  # an interrupted earlier run: never trusted, rebuilt
-    if p.bytes_needed + DISK_MARGIN > p.bytes_free:
-        raise CheckpointError(f"not enough disk for the hybrid: need {p.bytes_needed / 1e9:.2f} GB "
-                              f"(+{DISK_MARGIN / 1e9:.1f} GB margin), {p.bytes_free / 1e9:.2f} GB free on {dest.parent}",
-                              hint="free space there, or move HF_CACHE")
+def build(p: Plan, on_write=None, workers: int | None = None, progress=None) -> dict:
+    """Execute a plan through the variant transaction (variant.py): link the untouched files,
+    write the edited configs, rewrite the shards (fp8), index, gate, `.prepared`, rename.
+    Returns the marker. `progress(text)` gets one line per shard when no TTY bar is shown."""
     cfg, hq, qsummary = edited_configs(p)  # before any work: a config we cannot edit stops here
-    partial.mkdir()
     t0 = time.monotonic()
-    try:
-        for name in p.linked:
-            layout.link_relative(p.source / name, partial / name)
-        layout.write_json_atomic(partial / "config.json", cfg)
-        if hq is not None:
-            layout.write_json_atomic(partial / "hf_quant_config.json", hq)
-        for name in CONFIGS:
-            if (partial / name).exists():
-                os.chmod(partial / name, 0o644)
+    weight_map = dict(p.weight_map)
+    for name in p.targets:
+        weight_map[name + layout.SCALE_SUFFIX] = weight_map[name]
+    modules = [n[: -len(".weight")] for n in p.targets]
+
+    def write(partial: Path) -> dict:
         worst = 0.0
         log = []
-        total = sum(f.new_size for f in p.files)
-        bar = _progress(total, "fp8 hybrid")
-        n_workers = workers or workers_default()
-        with ThreadPoolExecutor(max_workers=1) as side, ThreadPoolExecutor(max_workers=n_workers) as pool:
+        bar = _progress(sum(f.new_size for f in p.files), "fp8 hybrid")
+        with ThreadPoolExecutor(max_workers=1) as side, \
+                ThreadPoolExecutor(max_workers=workers or workers_default()) as pool:
             known = side.submit(linked_headers, p)
             for i, fp in enumerate(p.files, 1):
-                if bar is None:
-                    say(f"  [{i}/{len(p.files)}] {fp.name}: {fp.targets} tensors → fp8 ({fp.new_size / 1e9:.2f} GB)")
+                if bar is None and progress is not None:
+                    progress(f"  [{i}/{len(p.files)}] {fp.name}: {fp.targets} tensors → fp8 ({fp.new_size / 1e9:.2f} GB)")
                 w, per = write_file(fp, p.source / fp.name, partial / fp.name, pool, bar, on_write)
                 worst = max(worst, w)
                 log.extend(per)
@@ -374,52 +361,24 @@ def build(p: Plan, on_write=None, workers: int | None = None) -> dict:
         if worst > fp8.REL_ERR_BOUND * (1 + 1e-5):
             raise CheckpointError(f"worst per-block relative error {worst:.4f} exceeds the e4m3 bound "
                                   f"{fp8.REL_ERR_BOUND:.4f}: the conversion is wrong, nothing was marked prepared")
-        weight_map = dict(p.weight_map)
-        for name in p.targets:
-            weight_map[name + layout.SCALE_SUFFIX] = weight_map[name]
-        sizes = {fp.name: fp.new_size for fp in p.files}
-        total_size = 0
-        for fname in set(weight_map.values()):
-            total_size += sizes[fname] if fname in sizes else (p.source / fname).stat().st_size
-        meta = dict(p.index_metadata)
-        meta["total_size"] = total_size
-        layout.write_json_atomic(partial / layout.INDEX, {"metadata": meta, "weight_map": weight_map})
-        os.chmod(partial / layout.INDEX, 0o644)
         with open(partial / "fp8_convert.log", "w") as f:
             for name, err in log:
                 f.write(f"{name}\tworst_block_rel_err={err:.6f}\n")
             f.write(f"tensors={len(log)} worst={worst:.6f} bound={fp8.REL_ERR_BOUND:.6f}\n")
-        problems = check_built(p, partial, known_headers)
-        if problems:
-            raise CheckpointError(f"the built hybrid failed verification: {problems[0]}"
-                                  + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
-        for fp in p.files:  # durable before the marker claims them
-            fd = os.open(partial / fp.name, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
-        data = marker.write(partial, "hybrid", p.source, convention=CONVENTION, block=[fp8.BLOCK, fp8.BLOCK],
-                            tensors=len(p.targets), worst_block_rel_err=round(worst, 6),
-                            rewritten=[fp.name for fp in p.files], quant_config=qsummary, modules=[n[: -len(".weight")] for n in p.targets],
-                            seconds=round(time.monotonic() - t0, 1))
-        layout.fsync_dir(partial)
-        _swap_into_place(partial, dest)
-        return data
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+        return {"worst": worst, "known_headers": known_headers}
 
-
-def _swap_into_place(partial: Path, dest: Path) -> None:
-    old = dest.with_name(dest.name + ".old")
-    if dest.exists() or dest.is_symlink():
-        if old.exists():
-            shutil.rmtree(old)
-        os.rename(dest, old)
-    os.rename(partial, dest)
-    layout.fsync_dir(dest.parent)
-    # Also the .old a process killed between the two renames left behind (a whole variant's
-    # rewritten shards: gigabytes nobody would otherwise reclaim).
-    shutil.rmtree(old, ignore_errors=True)
+    return variant.build(variant.Build(
+        kind="hybrid", what="hybrid", source=p.source, dest=Path(p.dest),
+        links=[(p.source / name, name) for name in p.linked],
+        configs={"config.json": cfg, **({"hf_quant_config.json": hq} if hq is not None else {})},
+        rewritten=[fp.name for fp in p.files], weight_map=weight_map, index_metadata=p.index_metadata,
+        write=write,
+        gate=lambda partial, written: check_built(p, partial, written["known_headers"]),
+        marker=lambda written: dict(
+            convention=CONVENTION, block=[fp8.BLOCK, fp8.BLOCK], tensors=len(p.targets),
+            worst_block_rel_err=round(written["worst"], 6), rewritten=[fp.name for fp in p.files],
+            quant_config=qsummary, modules=modules, seconds=round(time.monotonic() - t0, 1)),
+        bytes_needed=p.bytes_needed, bytes_free=p.bytes_free))
 
 
 def repair_links(source: Path, dest: Path) -> list[str]:
@@ -435,7 +394,7 @@ def repair_links(source: Path, dest: Path) -> list[str]:
     return added
 
 
-def prepare(source: Path, dry_run: bool = False, force: bool = False) -> dict:
+def prepare(source: Path, dry_run: bool = False, force: bool = False, progress=None) -> dict:
     """Idempotent entry point for a snapshot dir: ready → nothing; repairable → links; else build."""
     source = Path(source)
     dest = hfcache.variant_dir(source, "hybrid")
@@ -454,42 +413,5 @@ def prepare(source: Path, dry_run: bool = False, force: bool = False) -> dict:
     p = plan(source, dest)
     if dry_run:
         return {"action": "build", "state": state, "plan": p.as_dict()}
-    data = build(p)
+    data = build(p, progress=progress)
     return {"action": "built", "state": "ready", "dest": str(dest), "marker": data}
-
-
-# --- flash setup interface ------------------------------------------------------------------
-
-def _snapshot(settings) -> Path:
-    snap = hfcache.resolve_snapshot(settings["HF_CACHE"], settings["MODEL"], settings["REVISION"])
-    if snap is None:
-        raise WeightsMissing(f"no snapshot of {settings['MODEL']} under {hfcache.repo_dir(settings['HF_CACHE'], settings['MODEL'])}",
-                             hint="download it first: flash download")
-    return snap
-
-
-def is_done(settings) -> bool:
-    snap = hfcache.resolve_snapshot(settings["HF_CACHE"], settings["MODEL"], settings["REVISION"])
-    return snap is not None and hfcache.variant_state(snap, "hybrid") == "ready"
-
-
-def run_step(settings, dry_run: bool) -> dict:
-    out = prepare(_snapshot(settings), dry_run=dry_run)
-    _report(out)
-    return out
-
-
-def _report(out: dict) -> None:
-    action = out["action"]
-    if action == "none":
-        say(f"  ✔ hybrid already prepared: {out['dest']}")
-    elif action in ("repair", "repaired"):
-        say(f"  ✔ hybrid {action}: {out['dest']}" + (f" (linked {', '.join(out.get('added', []))})" if out.get("added") else ""))
-    elif action == "build":
-        p = out["plan"]
-        say(f"  would build {p['dest']}: {p['tensors']} tensors in {len(p['rewrite'])} files, "
-            f"{p['bytes_needed'] / 1e9:.2f} GB needed, {p['bytes_free'] / 1e9:.2f} GB free")
-    else:
-        m = out["marker"]
-        say(f"  ✔ built {out['dest']}: {m['tensors']} tensors, worst block rel err {m['worst_block_rel_err']:.4f}, "
-            f"{m['seconds']} s")

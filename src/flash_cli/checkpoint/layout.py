@@ -36,7 +36,7 @@ class CheckpointError(FlashError):
 
 def load_index(directory: Path) -> dict:
     """The index JSON (metadata + weight_map), with a clear error when it is not usable."""
-    from flash_vllm.ple.header import HeaderError, read_index
+    from flash_common.stheader import HeaderError, read_index
 
     path = Path(directory) / INDEX
     try:

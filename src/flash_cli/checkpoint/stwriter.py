@@ -2,7 +2,7 @@
 
 safetensors' own `save_file` needs every tensor in memory at once; a 10.7 GB shard must be
 written tensor by tensor. The header is the same format the Rust writer emits (JSON, padded
-with spaces to a multiple of 8, contiguous data offsets), and `flash_vllm.ple.header` plus
+with spaces to a multiple of 8, contiguous data offsets), and `flash_common.stheader` plus
 `safetensors.safe_open` read it back in the tests.
 """
 
@@ -176,7 +176,9 @@ class Writer:
                 chunk = os.pread(src_fd, n, offset)
                 if len(chunk) != n:
                     raise OSError(f"short read at {offset} in the source of {self.current}")
-                os.write(self.fd, chunk)
+                view = memoryview(chunk)
+                while view:  # os.write may take fewer bytes than asked (signal, pipe, quota)
+                    view = view[os.write(self.fd, view):]
                 done = n
             offset += done
 

@@ -40,7 +40,7 @@ class Result:
 def structure(directory: Path, index_required: bool = True, known_headers: dict | None = None) -> Result:
     """`known_headers`: file name → Header already read and validated from the very same file
     (the hybrid reads its linked shards' headers while it writes, not after)."""
-    from flash_vllm.ple.header import HeaderError, read_header, read_index
+    from flash_common.stheader import HeaderError, read_header, read_index
 
     directory = Path(directory)
     res = Result(directory)

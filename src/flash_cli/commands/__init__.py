@@ -29,6 +29,7 @@ COMMANDS: tuple[str, ...] = (
     "bench",
     "plan",
     "patches",
+    "service",
 )
 
 
@@ -53,6 +54,7 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "profiles": ("profiles", "list the recipes (profiles/*.env); `show NAME` for one", ()),
     "plan": ("plan", "predict the KV pool, concurrency and host headroom before a boot", ()),
     "patches": ("patches", "the vLLM patch matrix of an image (selfcheck inside it)", ()),
+    "service": ("service", "run the recipe as a systemd service at boot (install|status|uninstall)", ()),
 }
 
 

@@ -20,6 +20,7 @@ SPARK_MEM_GIB = 115  # a Spark reports ~119 GiB; anything well below cannot hold
 DOWNLOAD_GB = 140  # the checkpoint (124-135 GB) plus headroom
 VARIANT_GB = 15  # fp8 side-layer shards written next to the snapshot
 BF16_KV_CEILING = 500_000  # validated bf16-KV context; 1M needs fp8 KV
+PROC = "/proc"  # tests point this at synthetic files
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -37,7 +38,7 @@ def check_host(s, rep: Report) -> None:
         f"architecture {arch}" + ("" if arch in ("aarch64", "arm64") else ": the recipe targets the DGX Spark (aarch64); untested here"), sec)
     from ..plan import hardware  # the planner's host readers: one implementation
 
-    mem = hardware.read_meminfo()
+    mem = hardware.read_meminfo(f"{PROC}/meminfo")
     total, avail = mem.get("MemTotal", 0), mem.get("MemAvailable", 0)
     if total >= SPARK_MEM_GIB * GIB:
         rep.ok(f"memory {total / GIB:.0f} GiB", sec)
@@ -52,10 +53,11 @@ def check_host(s, rep: Report) -> None:
     else:
         rep.fail(f"only {avail / GIB:.0f} GiB available; GPU_MEM={s['GPU_MEM']:.2f} needs {need / GIB:.0f} GiB: "
                  "stop other programs or lower GPU_MEM", sec)
-    swappiness = _read_int("/proc/sys/vm/swappiness")
-    if swappiness is not None and swappiness > 10 and mem.get("SwapTotal", 0) > 0:
-        rep.warn(f"vm.swappiness={swappiness} with swap on: under memory pressure the engine pages out; "
-                 "sudo sysctl vm.swappiness=1", sec)
+    from .. import mempressure
+
+    for level, text in mempressure.findings(mempressure.read(PROC), warn_pct=s["MEM_PRESSURE_WARN"]):
+        if not (level == "info" and text.startswith("MemAvailable")):  # said above, against the plan
+            getattr(rep, level)(text, sec)
     rows = hardware.query_gpus()
     gpus = None if rows is None else [r[0] for r in rows]
     if gpus is None:
@@ -66,13 +68,6 @@ def check_host(s, rep: Report) -> None:
         rep.ok(f"GPU {gpus[0]}", sec)
     else:
         rep.warn(f"GPU {gpus[0]}: the patches are built and measured for GB10 (sm_121)", sec)
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        return int(Path(path).read_text().strip())
-    except (OSError, ValueError):
-        return None
 
 
 def check_docker(s, rep: Report):

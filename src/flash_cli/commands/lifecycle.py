@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
-from .. import api, engine, recipe, running
+from .. import engine, recipe, running
+from ..running import drain  # running.py owns it (serve and deploy drain too)
 from ..output import say
 from ..spec import LABEL
 
@@ -42,28 +42,6 @@ def _deployment(args: argparse.Namespace):
 
     r = recipe.load(args.recipe)
     return r.settings, deploy.locate(r.settings)
-
-
-def in_flight(ep: running.Endpoint) -> float | None:
-    reply = api.get(f"{ep.url}/metrics", timeout=3)
-    if reply.status != 200:
-        return None
-    sums = api.metric_sums(reply.body.decode("utf-8", "replace"), ("vllm:num_requests_running",))
-    return sums.get("vllm:num_requests_running", 0.0)
-
-
-def drain(ep: running.Endpoint, timeout: float, interval: float = 1.0) -> tuple[float | None, float]:
-    """Wait until no request runs (or the bound passes); returns (still running, seconds waited)."""
-    start = time.monotonic()
-    n = in_flight(ep)
-    announced = False
-    while n and time.monotonic() - start < timeout:
-        if not announced:
-            say(f"  · waiting for {n:.0f} running request(s) to finish (at most {timeout:.0f} s)")
-            announced = True
-        time.sleep(interval)
-        n = in_flight(ep)
-    return n, time.monotonic() - start
 
 
 def stop(args: argparse.Namespace) -> int:

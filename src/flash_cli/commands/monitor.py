@@ -13,8 +13,9 @@ from ..output import print_json, say
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("monitor", help="Prometheus + Grafana + node-exporter next to the server (up|down|status)",
                        description="Start (up), remove (down) or list (status) the monitoring containers of the "
-                       "recipe's server. Ports: MONITOR_PROM_PORT, MONITOR_GRAFANA_PORT, MONITOR_NODE_PORT; all "
-                       "listen on BIND. Images are pinned by tag and digest.")
+                       "recipe's server. Ports: MONITOR_PROM_PORT, MONITOR_NODE_PORT (always 127.0.0.1: no "
+                       "authentication) and MONITOR_GRAFANA_PORT (on MONITOR_BIND; beyond loopback it requires a "
+                       "login). Images are pinned by tag and digest.")
     p.add_argument("action", choices=("up", "down", "status"))
     recipe.add_arguments(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan (docker run lines, files), change nothing")
@@ -84,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
         client.containers.run(**c.kwargs())
     for k, v in plan.urls.items():
         print(f"{k}: {v}")
-    say(f"Grafana admin password: {plan.config_dir / 'grafana-admin'} (anonymous users can view)")
+    say(f"Grafana admin password: {plan.config_dir / 'grafana-admin'} "
+        + ("(login required: Grafana listens beyond loopback)" if plan.exposed else "(anonymous users can view)"))
     return 0
 
 

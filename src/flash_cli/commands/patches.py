@@ -26,11 +26,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _base(args: argparse.Namespace) -> str:
-    from ..settings import BASES, CURRENT_BASE
+    from flash_common import releases
 
-    base = args.base or os.environ.get("BASE") or CURRENT_BASE
-    if base not in BASES:
-        raise UsageError(f"--base {base!r} is not a supported base", hint=f"one of: {', '.join(BASES)}")
+    base = args.base or os.environ.get("BASE") or releases.CURRENT
+    if base not in releases.ORDER:
+        raise UsageError(f"--base {base!r} is not a supported base", hint=f"one of: {', '.join(releases.newest_first())}")
     return base
 
 

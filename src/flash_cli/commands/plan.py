@@ -1,4 +1,4 @@
-"""`flash plan [PROFILE] [K=V…] [--hardware gb10|…] [--json]`: the memory budget before a boot.
+"""`flash plan [PROFILE] [K=V…] [--hardware gb10|h200|…] [--config PATH] [--json]`: the memory budget before a boot.
 
 Weights by component (checkpoint headers when the snapshot is on disk), the KV pool as vLLM's
 hybrid allocator will lay it out, the tokens the boot log will print, the concurrency at CTX and
@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 
+from pathlib import Path
+
 from .. import recipe
+from ..errors import UsageError
 from ..output import print_json
 
 
@@ -21,6 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hardware", metavar="NAME", help="plan for a preset (gb10, h200, rtx-pro-6000) instead of "
                    "detecting this machine")
     p.add_argument("--no-snapshot", action="store_true", help="ignore the checkpoint on disk; plan from the geometry")
+    p.add_argument("--config", metavar="PATH", help="plan for this checkpoint directory (or its config.json) instead "
+                   "of MODEL's snapshot under HF_CACHE, e.g. a tiny test checkpoint")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -34,7 +39,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         hw, how = hardware.detect()
     r = recipe.load(args.recipe)
-    result = planner.build(r.settings, hw, snapshot=None if args.no_snapshot else True, hw_how=how)
+    snapshot: Path | bool | None = None if args.no_snapshot else True
+    if args.config:
+        snapshot = Path(args.config).expanduser()
+        if not (snapshot / "config.json" if snapshot.is_dir() else snapshot).is_file():
+            raise UsageError(f"--config {args.config}: no config.json there",
+                             hint="give a checkpoint directory holding config.json, or the config.json itself")
+    result = planner.build(r.settings, hw, snapshot=snapshot, hw_how=how)
     result["profile"] = r.profile.name
     if r.settings["PARALLEL"] != "none":  # two boxes: each rank's share and the deployment's pool(s)
         from ..plan import parallel

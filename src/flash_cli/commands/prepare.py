@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 from .. import hfcache, recipe
 from ..errors import WeightsMissing
-from ..output import print_json
+from ..output import print_json, say
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,24 +26,85 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     s = recipe.load(args.recipe, use_profile=not args.no_profile).settings
-    snap = hfcache.resolve_snapshot(s["HF_CACHE"], s["MODEL"], s["REVISION"])
-    if snap is None:
-        raise WeightsMissing(f"no snapshot of {s['MODEL']} under {hfcache.repo_dir(s['HF_CACHE'], s['MODEL'])}",
-                             hint="flash download")
-    if args.what == "hybrid":
-        from ..checkpoint import hybrid
-
-        out = hybrid.prepare(snap, dry_run=args.dry_run, force=args.force)
-        report = hybrid._report
-    else:
-        from ..checkpoint import graft
-
-        out = graft.prepare(snap, s, dry_run=args.dry_run, force=args.force)
-        report = graft._report
+    snap = _snapshot(s)
+    out = STEPS[args.what].prepare(snap, s, dry_run=args.dry_run, force=args.force)
     if args.json:
         print_json(out)
     else:
-        report(out)
+        STEPS[args.what].report(out)
         if out.get("dest"):
             print(out["dest"])
     return 0
+
+
+def _snapshot(s) -> Path:
+    snap = hfcache.resolve_snapshot(s["HF_CACHE"], s["MODEL"], s["REVISION"])
+    if snap is None:
+        raise WeightsMissing(f"no snapshot of {s['MODEL']} under {hfcache.repo_dir(s['HF_CACHE'], s['MODEL'])}",
+                             hint="download it first: flash download")
+    return snap
+
+
+# --- the two variant builders, as `flash prepare` and `flash setup` run and report them ---------
+
+def _prepare_hybrid(snap: Path, s, dry_run: bool, force: bool = False) -> dict:
+    from ..checkpoint import hybrid
+
+    return hybrid.prepare(snap, dry_run=dry_run, force=force, progress=say)
+
+
+def _prepare_graft(snap: Path, s, dry_run: bool, force: bool = False) -> dict:
+    from ..checkpoint import graft
+
+    return graft.prepare(snap, s, dry_run=dry_run, force=force, progress=say)
+
+
+def _report_hybrid(out: dict) -> None:
+    action = out["action"]
+    if action == "none":
+        say(f"  ✔ hybrid already prepared: {out['dest']}")
+    elif action in ("repair", "repaired"):
+        say(f"  ✔ hybrid {action}: {out['dest']}" + (f" (linked {', '.join(out.get('added', []))})" if out.get("added") else ""))
+    elif action == "build":
+        p = out["plan"]
+        say(f"  would build {p['dest']}: {p['tensors']} tensors in {len(p['rewrite'])} files, "
+            f"{p['bytes_needed'] / 1e9:.2f} GB needed, {p['bytes_free'] / 1e9:.2f} GB free")
+    else:
+        m = out["marker"]
+        say(f"  ✔ built {out['dest']}: {m['tensors']} tensors, worst block rel err {m['worst_block_rel_err']:.4f}, "
+            f"{m['seconds']} s")
+
+
+def _report_graft(out: dict) -> None:
+    if out["action"] == "none":
+        say(f"  ✔ graft already prepared: {out['dest']}")
+    elif out["action"] == "build":
+        say(f"  would build {out['dest']} with the NVFP4 MTP experts of {out['donor']}")
+    else:
+        m = out["marker"]
+        say(f"  ✔ built {out['dest']}: −{len(m['removed'])} fused tensors, +{m['added_keys']} donor keys, "
+            f"{m['excludes']} exclude entries")
+
+
+@dataclass(frozen=True)
+class VariantStep:
+    """A variant as a `flash setup` step (is_done/run_step) and a `flash prepare` target."""
+
+    mode: str  # hfcache variant mode: "hybrid" | "hybrid-mtp"
+    prepare: Callable[..., dict]
+    report: Callable[[dict], None]
+
+    def is_done(self, settings) -> bool:
+        snap = hfcache.resolve_snapshot(settings["HF_CACHE"], settings["MODEL"], settings["REVISION"])
+        return snap is not None and hfcache.variant_state(snap, self.mode) == "ready"
+
+    def run_step(self, settings, dry_run: bool) -> dict:
+        out = self.prepare(_snapshot(settings), settings, dry_run=dry_run)
+        self.report(out)
+        return out
+
+
+STEPS = {
+    "hybrid": VariantStep("hybrid", _prepare_hybrid, _report_hybrid),
+    "graft": VariantStep("hybrid-mtp", _prepare_graft, _report_graft),
+}

@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
                   "(--force replaces it: a full reboot)")
             return 0
         if held:
-            from .lifecycle import drain
+            from ..running import drain
 
             left, _ = drain(running.endpoint(existing), s["DRAIN_TIMEOUT"])
             if left:

@@ -12,17 +12,20 @@ import json
 from dataclasses import dataclass
 from typing import Callable
 
+from flash_common import releases
+
 from .. import recipe
 from ..errors import FlashError, NotAvailable
 from ..output import say
 from ..profiles import REPO
 from ..spec import default_image
 
-# The checkpoint tools (the pipeline issue) expose is_done(settings) and run_step(settings, dry_run).
+# Each checkpoint step exposes is_done(settings) and run_step(settings, dry_run): the download
+# module, and the variant steps of `flash prepare` (commands/prepare.py STEPS, which print).
 CHECKPOINT_STEPS = {
     "weights": "flash_cli.checkpoint.download",
-    "hybrid": "flash_cli.checkpoint.hybrid",
-    "graft": "flash_cli.checkpoint.graft",
+    "hybrid": "flash_cli.commands.prepare:hybrid",
+    "graft": "flash_cli.commands.prepare:graft",
 }
 
 
@@ -42,15 +45,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def dockerfile_for(base: str) -> str:
-    return "Dockerfile.v0.29" if base == "v0.29" else "Dockerfile"
+    return str(releases.cap(base, "dockerfile"))
 
 
 def build_args(s) -> dict[str, str]:
     args = {"SELFCHECK": "1" if s["SELFCHECK"] else "0", "FLASH_VLLM_BASE": s["BASE"]}
     if s["BASE_IMAGE"]:
         args["BASE_IMAGE"] = s["BASE_IMAGE"]
-    elif s["BASE"] not in ("v0.33", "v0.29"):  # Dockerfile serves v0.30-v0.32 too, FROM their release image
-        args["BASE_IMAGE"] = f"vllm/vllm-openai:{s['BASE']}.0"
+    else:  # one Dockerfile serves several releases: FROM the catalogued image where its default differs
+        image = releases.get(s["BASE"]).image
+        if image != dockerfile_base(dockerfile_for(s["BASE"])):
+            args["BASE_IMAGE"] = image
     return args
 
 
@@ -127,7 +132,10 @@ def image_step(r: recipe.Recipe) -> Step:
 
 def checkpoint_step(name: str, r: recipe.Recipe) -> Step:
     try:
-        mod = importlib.import_module(CHECKPOINT_STEPS[name])
+        module, _, step = CHECKPOINT_STEPS[name].partition(":")
+        mod = importlib.import_module(module)
+        if step:
+            mod = mod.STEPS[step]
         is_done, run_step = mod.is_done, mod.run_step
     except (ImportError, AttributeError):
         def unavailable() -> None:

@@ -47,7 +47,18 @@ def plan_comparison(labels: dict, kv_line: str | None) -> str | None:
         return f"KV pool prediction unavailable: {exc}"
 
 
-def collect(name: str) -> dict:
+def _planned_page_cache(labels: dict) -> int | None:
+    """Bytes the plan left to the page cache (stored by serve in the kv-plan label), if known."""
+    import json
+
+    try:
+        gib = json.loads(labels.get(f"{LABEL}.kv-plan") or "{}").get("page_cache_gib")
+    except ValueError:
+        return None
+    return int(float(gib) * 1024**3) if gib is not None else None
+
+
+def collect(name: str, mem_warn_pct: float = 10.0) -> dict:
     from .. import engine, engine_read
 
     try:
@@ -74,6 +85,14 @@ def collect(name: str) -> dict:
     out["kv_cache_line"] = kv[-1].strip() if kv else None
     out["kv_cache_plan"] = plan_comparison(labels, out["kv_cache_line"])
     out["patch_lines"] = list(dict.fromkeys(ln.strip() for ln in logs if PATCH_LINE.search(ln)))[-8:]
+    from .. import bootlog, mempressure
+
+    verdict = bootlog.verdict_for_labels(labels, logs)
+    out["context"] = {"level": verdict[0], "text": verdict[1]} if verdict else None
+    mem = mempressure.read()
+    out["memory"] = mem.as_dict()
+    out["memory_findings"] = [{"level": lv, "text": tx} for lv, tx in mempressure.findings(
+        mem, warn_pct=mem_warn_pct, plan_page_cache=_planned_page_cache(labels), running=st.status == "running")]
     out["api"] = "down"
     if st.status == "running":
         health = api.get(f"{ep.url}/health", timeout=2)
@@ -140,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     r = recipe.load(args.recipe)
     if is_deployment(r.settings):
         return run_deployment(args, r.settings)
-    info = collect(r.settings["NAME"])
+    info = collect(r.settings["NAME"], r.settings["MEM_PRESSURE_WARN"])
     if args.json:
         print_json(info)
         return 0
@@ -163,6 +182,10 @@ def run(args: argparse.Namespace) -> int:
         rep.info(info["kv_cache_line"][-120:])
     if info.get("kv_cache_plan"):
         rep.info(info["kv_cache_plan"])
+    if info.get("context"):
+        {"ok": rep.ok, "warn": rep.warn, "fail": rep.fail}[info["context"]["level"]](info["context"]["text"])
+    for f in info.get("memory_findings") or []:
+        getattr(rep, f["level"])(f["text"])
     for ln in info["patch_lines"]:
         rep.info(ln[-140:])
     if "requests_running" in info:

@@ -1,8 +1,13 @@
 """`flash test`: the checks, each a function of a shared context that passes, fails or skips.
 
-Check names are an interface (scripts and CI grep them): health, model, coherence, effort,
-tool_call, prefill, prefix_cache, determinism, decode, metrics. They run in that order; a
+Check names are an interface (scripts and CI grep them): health, model, context, coherence,
+effort, tool_call, prefill, prefix_cache, determinism, decode, metrics. They run in that order; a
 later check may use what an earlier one measured (prefix_cache repeats prefill's prompt).
+
+Prompts are sized to the server: the model check reads max_model_len from /v1/models and the
+prefill (and so prefix_cache) and decode checks scale their token counts down to fit it, saying
+so in their detail. A check can be declared not applicable (`n/a`, e.g. coherence on an
+untrained checkpoint): it is reported as "n/a: REASON", counted apart, never silently dropped.
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ from . import metrics as M
 from . import prompts as P
 from .client import Client, Reply
 
-PASS, FAIL, SKIP = "pass", "fail", "skip"
-CHECK_NAMES: tuple[str, ...] = ("health", "model", "coherence", "effort", "tool_call", "prefill",
+PASS, FAIL, SKIP, NA = "pass", "fail", "skip", "n/a"
+CHECK_NAMES: tuple[str, ...] = ("health", "model", "context", "coherence", "effort", "tool_call", "prefill",
                                 "prefix_cache", "determinism", "decode", "metrics")
 
 
@@ -62,11 +67,40 @@ class Context:
     thresholds: Thresholds = field(default_factory=Thresholds)
     expect_model: str | None = None
     expect_ple: str = "auto"  # auto | yes | no
+    expect_ctx: int | None = None  # the recipe's max_model_len (None: no recipe known, context is N/A)
+    ctx_source: str = ""
     model: str | None = None
+    max_model_len: int | None = None  # what /v1/models reports (the model check fills it in)
     # filled in as checks run
     prefill: dict = field(default_factory=dict)
     healthy: bool = False
     generated: bool = False  # a generating check ran, so the token/request counters must have moved
+    max_model_len: int | None = None  # from /v1/models (model check); prompts are sized to it
+    not_applicable: dict[str, str] = field(default_factory=dict)  # check name -> why it does not apply
+
+
+# Checks whose pass criterion needs a trained model (a random-weight test checkpoint cannot
+# answer "Paris" nor call a tool on purpose); `flash test --untrained` declares them n/a.
+NEEDS_TRAINED: dict[str, str] = {
+    "coherence": "expects a trained model's answer ('Paris')",
+    "tool_call": "expects a trained model to call the tool and use its result",
+}
+
+# Tokens kept free of the prompt: the completion, the prompt's question and the estimate's error
+# (ledger_prompt sizes by a words-per-token ratio, not the server's tokenizer).
+PROMPT_HEADROOM = 0.8
+PROMPT_RESERVE = 64
+
+
+def fit_tokens(ctx: Context, want: int, completion: int) -> tuple[int, str]:
+    """(prompt tokens to send, a note when they were scaled down to the server's max_model_len)."""
+    mml = ctx.max_model_len
+    if not mml or want + completion + PROMPT_RESERVE <= mml * PROMPT_HEADROOM:
+        return want, ""
+    fitted = max(16, int(mml * PROMPT_HEADROOM) - completion - PROMPT_RESERVE)
+    if fitted >= want:
+        return want, ""
+    return fitted, f"scaled from {want:,} to ~{fitted:,} tokens to fit max_model_len {mml:,}"
 
 
 def _first_logprobs(body: dict) -> dict[str, float] | None:
@@ -126,8 +160,29 @@ def check_model(ctx: Context) -> Result:
         return Result("model", FAIL, f"expected model {ctx.expect_model!r}, server lists {ids}")
     ctx.model = ctx.expect_model or ids[0]
     mml = next((m.get("max_model_len") for m in reply.body["data"] if m.get("id") == ctx.model), None)
+    ctx.max_model_len = mml if isinstance(mml, int) and not isinstance(mml, bool) and mml > 0 else None
     return Result("model", PASS, f"{ctx.model}" + (f" (max_model_len {mml:,})" if isinstance(mml, int) else ""),
                   data={"models": ids, "max_model_len": mml})
+
+
+def check_context(ctx: Context) -> Result:
+    """The silent context fallback: a YaRN override that does not take leaves the server at the
+    native 262,144 tokens while the recipe asked for more (seen only in the boot log)."""
+    from ..bootlog import context_mismatch_hint
+
+    if ctx.expect_ctx is None:
+        return Result("context", SKIP, "N/A: no recipe to compare with (give one: flash test PROFILE [K=V…] --url URL; "
+                      "the local container's labels carry it)")
+    got = ctx.max_model_len
+    if got is None:
+        return Result("context", FAIL, f"/v1/models reports no max_model_len for {ctx.model!r} "
+                      f"(the recipe asks for {ctx.expect_ctx:,})")
+    if got != ctx.expect_ctx:
+        return Result("context", FAIL, f"server max_model_len {got:,}, the recipe ({ctx.ctx_source}) asks for "
+                      f"{ctx.expect_ctx:,}", data={"max_model_len": got, "expected": ctx.expect_ctx,
+                                                   "hint": context_mismatch_hint(ctx.expect_ctx, got)})
+    return Result("context", PASS, f"max_model_len {got:,} as the recipe ({ctx.ctx_source}) asks",
+                  data={"max_model_len": got, "expected": ctx.expect_ctx})
 
 
 def check_coherence(ctx: Context) -> Result:
@@ -209,20 +264,24 @@ def check_tool_call(ctx: Context) -> Result:
 
 def check_prefill(ctx: Context) -> Result:
     th = ctx.thresholds
-    prompt = P.ledger_prompt(th.prefill_tokens, nonce=uuid.uuid4().hex[:12])
+    tokens, scaled = fit_tokens(ctx, th.prefill_tokens, completion=1)
+    prompt = P.ledger_prompt(tokens, nonce=uuid.uuid4().hex[:12])
     body = {"model": ctx.model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 3}
     reply = ctx.client.post("/v1/completions", body)
     if not reply.ok:
-        return Result("prefill", FAIL, f"/v1/completions ({th.prefill_tokens}-token prompt): {reply.why()}")
+        return Result("prefill", FAIL, f"/v1/completions ({tokens}-token prompt{'; ' + scaled if scaled else ''}): "
+                      f"{reply.why()}")
     n = int((reply.body.get("usage") or {}).get("prompt_tokens") or 0)
     tps = n / reply.seconds if reply.seconds > 0 else 0.0
     ctx.prefill = {"body": body, "seconds": reply.seconds, "tokens": n, "first_logprobs": _first_logprobs(reply.body),
-                   "text": _text(reply.body)}
+                   "text": _text(reply.body), "scaled": scaled}
     ok = tps >= th.min_prefill_tps
     return Result("prefill", PASS if ok else FAIL,
                   f"{n:,} tok in {reply.seconds:.2f} s => {tps:,.0f} tok/s prefill (cold; includes one decoded token)"
+                  + (f"; prompt {scaled}" if scaled else "")
                   + ("" if ok else f", below TEST_MIN_PREFILL_TPS={th.min_prefill_tps:g}"),
-                  data={"prompt_tokens": n, "seconds": reply.seconds, "tok_s": tps})
+                  data={"prompt_tokens": n, "seconds": reply.seconds, "tok_s": tps, "requested_tokens": th.prefill_tokens,
+                        **({"scaled_to_max_model_len": ctx.max_model_len} if scaled else {})})
 
 
 def check_prefix_cache(ctx: Context) -> Result:
@@ -252,7 +311,8 @@ def check_prefix_cache(ctx: Context) -> Result:
         need = th.min_prefix_hit * n
         ok = gained >= need
         detail = (f"hits {h0:,.0f} -> {h1:,.0f} (+{gained:,.0f} of {n:,} prompt tokens) in vllm:prefix_cache_hits_total; "
-                  f"repeat {reply.seconds:.2f} s vs cold {ctx.prefill['seconds']:.2f} s")
+                  f"repeat {reply.seconds:.2f} s vs cold {ctx.prefill['seconds']:.2f} s"
+                  + (f"; prompt {ctx.prefill['scaled']}" if ctx.prefill.get("scaled") else ""))
         if not ok:
             detail = "NO prefix-cache hit: " + detail + f" (need {need:,.0f}; serve with PREFIX_CACHE=1?)"
         return Result("prefix_cache", PASS if ok else FAIL, detail,
@@ -304,9 +364,15 @@ def check_determinism(ctx: Context) -> Result:
 
 def check_decode(ctx: Context) -> Result:
     th = ctx.thresholds
+    # the prompt (~40 tokens with the chat template) stays; the answer's length gives way
+    max_tokens = th.decode_tokens
+    scaled = ""
+    if ctx.max_model_len and th.decode_tokens + PROMPT_RESERVE > ctx.max_model_len * PROMPT_HEADROOM:
+        max_tokens = max(16, int(ctx.max_model_len * PROMPT_HEADROOM) - PROMPT_RESERVE)
+        scaled = f"; max_tokens scaled from {th.decode_tokens} to {max_tokens} to fit max_model_len {ctx.max_model_len:,}"
     s = ctx.client.stream("/v1/chat/completions", {
         "model": ctx.model, "messages": [{"role": "user", "content": P.DECODE_PROMPT}],
-        "max_tokens": th.decode_tokens, "temperature": 0})
+        "max_tokens": max_tokens, "temperature": 0})
     if s.status != 200 or s.error:
         return Result("decode", FAIL, f"streamed chat completion: HTTP {s.status} {s.error}".strip())
     n = s.completion_tokens
@@ -318,7 +384,7 @@ def check_decode(ctx: Context) -> Result:
     ok = tps >= th.min_decode_tps
     return Result("decode", PASS if ok else FAIL,
                   f"{n} tok in {s.end - s.sent:.2f} s => {tps:.1f} tok/s decode, {e2e:.1f} tok/s end-to-end "
-                  f"(TTFT {s.ttft:.2f} s, finish {s.finish_reason})"
+                  f"(TTFT {s.ttft:.2f} s, finish {s.finish_reason}){scaled}"
                   + ("" if ok else f", below TEST_MIN_DECODE_TPS={th.min_decode_tps:g}"),
                   data={"tokens": n, "tok_s": tps, "e2e_tok_s": e2e, "ttft_s": s.ttft})
 
@@ -364,7 +430,7 @@ def check_metrics(ctx: Context) -> Result:
 
 
 CHECKS: dict[str, Callable[[Context], Result]] = {
-    "health": check_health, "model": check_model, "coherence": check_coherence, "effort": check_effort,
+    "health": check_health, "model": check_model, "context": check_context, "coherence": check_coherence, "effort": check_effort,
     "tool_call": check_tool_call, "prefill": check_prefill, "prefix_cache": check_prefix_cache,
     "determinism": check_determinism, "decode": check_decode, "metrics": check_metrics,
 }
@@ -380,6 +446,8 @@ def run(ctx: Context, only: set[str] | None = None, skip: set[str] | None = None
         start = time.perf_counter()
         if name not in ("health", "model") and (only and name not in only or skip and name in skip):
             res = Result(name, SKIP, "not selected (--only/--skip)", required=False)
+        elif name in ctx.not_applicable:
+            res = Result(name, NA, f"n/a: {ctx.not_applicable[name]}", required=False)
         elif name != "health" and not ctx.healthy:
             res = Result(name, SKIP, "server not healthy")
         elif name not in ("health", "model") and ctx.model is None:
@@ -390,7 +458,7 @@ def run(ctx: Context, only: set[str] | None = None, skip: set[str] | None = None
             except Exception as exc:  # a bug or a malformed reply must fail this check, not hide the rest
                 res = Result(name, FAIL, f"{type(exc).__name__}: {exc}")
         res.seconds = time.perf_counter() - start
-        if name not in ("health", "model", "metrics") and res.status != SKIP:
+        if name not in ("health", "model", "context", "metrics") and res.status != SKIP:
             ctx.generated = True
         results.append(res)
         if on_result:
@@ -399,7 +467,8 @@ def run(ctx: Context, only: set[str] | None = None, skip: set[str] | None = None
 
 
 def summary(results: list[Result]) -> dict:
-    counts = {s: sum(r.status == s for r in results) for s in (PASS, FAIL, SKIP)}
+    counts = {s: sum(r.status == s for r in results) for s in (PASS, FAIL, SKIP, NA)}
     failed = [r.name for r in results if r.status == FAIL and r.required]
     return {"passed": counts[PASS], "failed": counts[FAIL], "skipped": counts[SKIP],
+            "not_applicable": {r.name: r.detail[len("n/a: "):] for r in results if r.status == NA},
             "failed_required": failed, "ok": not failed}

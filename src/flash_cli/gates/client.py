@@ -49,11 +49,70 @@ class Stream:
 
     @property
     def completion_tokens(self) -> int:
-        return int(self.usage.get("completion_tokens") or len(self.pieces))
+        n = self.usage.get("completion_tokens")
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else len(self.pieces)
 
     @property
     def ttft(self) -> float | None:
         return None if self.first is None else self.first - self.sent
+
+
+class StreamError(ValueError):
+    """A server-sent event that is not an OpenAI completion chunk (names the offending line)."""
+
+
+def _bad(line: str, why: str) -> StreamError:
+    return StreamError(f"bad SSE line {line[:120]!r}{'…' if len(line) > 120 else ''}: {why}")
+
+
+def feed_sse_line(line: str, out: Stream, now: float | None = None) -> bool:
+    """Apply one line of an OpenAI-style SSE stream to `out`; True at `data: [DONE]`.
+
+    Lines other than `data:` ones (comments, `event:`, blank keep-alives) are ignored. A `data:`
+    payload must be a JSON object whose `choices` is a list of objects with string `text` /
+    `delta.content` / `delta.reasoning_content` pieces; anything else raises StreamError.
+    """
+    if not line or not line.startswith("data:"):
+        return False
+    data = line[5:].strip()
+    if data == "[DONE]":
+        return True
+    try:
+        chunk = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise _bad(line, f"not JSON ({exc})") from None
+    if not isinstance(chunk, dict):
+        raise _bad(line, f"a JSON {type(chunk).__name__}, expected an object")
+    usage = chunk.get("usage")
+    if usage:
+        if not isinstance(usage, dict):
+            raise _bad(line, "usage is not an object")
+        out.usage = usage
+    choices = chunk.get("choices") or []
+    if not isinstance(choices, list):
+        raise _bad(line, "choices is not a list")
+    for choice in choices:
+        if not isinstance(choice, dict):
+            raise _bad(line, "a choice is not an object")
+        piece = choice.get("text")
+        if piece is None:
+            delta = choice.get("delta") or {}
+            if not isinstance(delta, dict):
+                raise _bad(line, "delta is not an object")
+            parts = (delta.get("content"), delta.get("reasoning_content") or delta.get("reasoning"))
+            if any(p is not None and not isinstance(p, str) for p in parts):
+                raise _bad(line, "delta content is not text")
+            piece = "".join(p for p in parts if p)
+        elif not isinstance(piece, str):
+            raise _bad(line, "text is not a string")
+        if piece:
+            if out.first is None:
+                out.first = time.perf_counter() if now is None else now
+            out.pieces.append(piece)
+        reason = choice.get("finish_reason")
+        if reason:
+            out.finish_reason = str(reason)
+    return False
 
 
 def describe(exc: Exception, timeout: float) -> str:
@@ -119,25 +178,8 @@ class Client:
                     out.end = time.perf_counter()
                     return out
                 for line in resp.iter_lines(decode_unicode=True):
-                    if not line or not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                    if feed_sse_line(line, out):
                         break
-                    chunk = json.loads(data)
-                    if chunk.get("usage"):
-                        out.usage = chunk["usage"]
-                    for choice in chunk.get("choices") or []:
-                        piece = choice.get("text")
-                        if piece is None:
-                            delta = choice.get("delta") or {}
-                            piece = (delta.get("content") or "") + (delta.get("reasoning_content") or delta.get("reasoning") or "")
-                        if piece:
-                            if out.first is None:
-                                out.first = time.perf_counter()
-                            out.pieces.append(piece)
-                        if choice.get("finish_reason"):
-                            out.finish_reason = choice["finish_reason"]
         except (requests.RequestException, ValueError) as exc:
             out.error = describe(exc, timeout or self.timeout)
         out.end = time.perf_counter()

@@ -80,11 +80,34 @@ def parse(text: str) -> Snapshot:
     types: dict[str, str] = {}
     try:
         for fam in text_string_to_metric_families(text):
-            families.setdefault(fam.name, []).extend((s.name, dict(s.labels), float(s.value)) for s in fam.samples)
+            families.setdefault(fam.name, []).extend((s.name, dict(s.labels), _num(s.value)) for s in fam.samples)
             types[fam.name] = fam.type
     except (ValueError, TypeError, KeyError, IndexError) as exc:
-        raise MetricsError(f"not Prometheus text format: {exc}") from None
+        raise MetricsError(f"not Prometheus text format: {exc} ({_where(text)})") from None
     return Snapshot(families, types)
+
+
+def _num(v) -> float:
+    """A sample value as float; prometheus_client hands 400-digit integers back as int, which
+    float() refuses: Prometheus itself reads them as ±Inf."""
+    try:
+        return float(v)
+    except OverflowError:
+        return float("inf") if v > 0 else float("-inf")
+
+
+def _where(text: str) -> str:
+    """Name the bad input: the first line prometheus_client refuses on its own, else the start."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for n, line in enumerate(text.split("\n"), 1):
+        try:
+            for fam in text_string_to_metric_families(line + "\n"):
+                for s in fam.samples:
+                    _num(s.value)
+        except (ValueError, TypeError, KeyError, IndexError):
+            return f"line {n}: {line[:120]!r}"
+    return f"in {text[:120]!r}"
 
 
 def family_names(text: str) -> set[str]:

@@ -16,10 +16,13 @@ Public API (doctor and status use these): `build(settings, hardware, snapshot=..
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 from pathlib import Path
 from typing import Any
+
+from flash_common import releases
 
 from . import geometry as geometry_mod
 from . import hardware as hardware_mod
@@ -53,12 +56,44 @@ def topk_buffer_bytes(g: geometry_mod.Geometry, batched_tokens: int, qsa_layers:
     return qsa_layers * batched_tokens * (g.indexer_budget + g.indexer_compress_ratio) * 4
 
 
-def _vision_loaded(extra: str | None) -> bool:
+def _extra_words(extra: str | None) -> list[str]:
     try:
-        words = shlex.split(extra or "")
+        return shlex.split(extra or "")
     except ValueError:
-        words = []
-    return "--language-model-only" not in words
+        return []
+
+
+def _vision_loaded(extra: str | None) -> bool:
+    return "--language-model-only" not in _extra_words(extra)
+
+
+def _extra_value(extra: str | None, flag: str) -> str | None:
+    """The value of `FLAG V` or `FLAG=V` in EXTRA (the last one wins, as in argparse)."""
+    words, out = _extra_words(extra), None
+    for i, w in enumerate(words):
+        if w == flag and i + 1 < len(words):
+            out = words[i + 1]
+        elif w.startswith(flag + "="):
+            out = w.split("=", 1)[1]
+    return out
+
+
+def extra_block_size(extra: str | None) -> int | None:
+    """`--block-size N` in EXTRA: vLLM takes it as the floor and alignment of the hybrid block
+    size (`Platform._align_hybrid_block_size`)."""
+    val = _extra_value(extra, "--block-size")
+    return int(val) if val and val.isdigit() and int(val) > 0 else None
+
+
+def flashinfer_gdn(extra: str | None, hw: Hardware) -> tuple[bool, str | None]:
+    """(whether the GDN prefill runs on FlashInfer, the EXTRA value that decided it): 0.33's
+    `_resolve_gdn_prefill_backend` picks FlashInfer on `auto` where the hardware has it; any
+    other named backend (`--gdn-prefill-backend triton`, offline without cubins) exports no
+    prefill checkpoints, so the block is not aligned to 64."""
+    val = _extra_value(extra, "--gdn-prefill-backend")
+    if val is None or val.lower() == "auto":
+        return hw.flashinfer_gdn, val
+    return val.lower() == "flashinfer", val
 
 
 def served_dir(settings, snapshot: Path | None) -> tuple[Path | None, bool]:
@@ -69,6 +104,8 @@ def served_dir(settings, snapshot: Path | None) -> tuple[Path | None, bool]:
 
     mode = settings["MODE"]
     if mode == "nvfp4":
+        return snapshot, True
+    if (snapshot / hfcache.MARKER).exists():  # given a prepared variant directory itself (--config)
         return snapshot, True
     if hfcache.variant_state(snapshot, mode) == "ready":
         return hfcache.variant_dir(snapshot, mode), True
@@ -85,12 +122,14 @@ def resolve_snapshot(settings) -> Path | None:
 def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how: str = "",
           live_checks: bool = True) -> dict[str, Any]:
     """The plan as plain data. `snapshot=True` looks the checkpoint up in HF_CACHE, a Path uses
-    it, None/False plans from the known geometry."""
+    it (a checkpoint directory, or its config.json), None/False plans from the known geometry."""
     s = settings
     assumptions: list[str] = []
     if snapshot is True:
         snapshot = resolve_snapshot(s)
     snapshot = snapshot or None
+    if snapshot is not None and Path(snapshot).is_file():
+        snapshot = Path(snapshot).parent
     geom = geometry_mod.REAL
     if snapshot is not None and (snapshot / "config.json").is_file():
         try:
@@ -124,9 +163,25 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
     if mtp and draft_vocab:
         assumptions.append("reduced draft head: a private 65,536-row bf16 slice of lm_head (320 MiB)")
 
-    lay = kvcache.layout(geom, base=base, kv_dtype=s["KV_DTYPE"], mtp=mtp, prefix_cache=s["PREFIX_CACHE"],
-                         max_model_len=s["CTX"], flashinfer_gdn=hw.flashinfer_gdn)
+    user_block = extra_block_size(s["EXTRA"])
+    fi_gdn, gdn_flag = flashinfer_gdn(s["EXTRA"], hw)
+    if gdn_flag is not None:
+        assumptions.append(f"--gdn-prefill-backend {gdn_flag} in EXTRA: GDN prefill on "
+                           f"{'FlashInfer' if fi_gdn else 'a non-FlashInfer kernel (no prefill checkpoints)'}")
+    try:
+        lay = kvcache.layout(geom, base=base, kv_dtype=s["KV_DTYPE"], mtp=mtp, prefix_cache=s["PREFIX_CACHE"],
+                             max_model_len=s["CTX"], flashinfer_gdn=fi_gdn, user_block_size=user_block)
+    except ValueError as exc:  # vLLM refuses the same geometry at boot
+        from ..errors import ConfigError
+
+        ring = -(-(geom.indexer_compress_ratio + mtp) // geom.indexer_compress_ratio) * geom.indexer_compress_ratio
+        raise ConfigError(f"vLLM would refuse this KV layout: {exc}",
+                          hint=f"add --block-size N to EXTRA with N a multiple of {math.lcm(ring, kvcache.KERNEL_BLOCK)} "
+                               "(the QSA ring capacity and the kernel block)") from None
     assumptions += lay.notes
+    if user_block:
+        assumptions.append(f"--block-size {user_block} in EXTRA: vLLM aligns the hybrid block size to it "
+                           f"(block {lay.block_size})")
     qsa_layers = geom.qsa_layers + (geom.mtp_num_hidden_layers if mtp else 0)
     batched = s["BATCHED_TOKENS"]
     act = activation_bytes(geom, batched)
@@ -159,12 +214,20 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
         host.update(host_total_gib=_gib(hw.host_total), note="discrete GPU: the host pool is separate from vLLM's budget")
     host.update(page_cache_for_ple_gib=_gib(page_cache), ple_table_gib=_gib(table),
                 ple_table_cached_fraction=None if page_cache is None else round(max(page_cache, 0) / table, 3))
+    assumptions.append(f"device total {_gib(hw.device_total)} GiB × GPU_MEM {s['GPU_MEM']} = the budget"
+                       + (f" ({'; '.join(hw.evidence)})" if hw.evidence else ""))
+    if not hw.unified:
+        assumptions.append("discrete GPU: vLLM's budget is device memory only; the PLE table's page cache is host "
+                           "RAM, separate from it" + ("" if hw.host_total else " (host RAM unknown for a preset: "
+                                                      "plan on the machine itself to see it)"))
+        assumptions.append("runtime overhead: the GB10 fit (next) is used as is on this GPU (it includes what a "
+                           "unified-memory engine process adds; a discrete GPU may need less)")
     if hw.unified:
         assumptions.append(f"host: OS + Docker reserve {_gib(hw.host_reserve)} GiB and vLLM's processes before its "
                            f"first memory snapshot {_gib(hw.vllm_baseline)} GiB are outside GPU_MEM (assumed)")
     assumptions.append(f"runtime overhead {_gib(overhead)} GiB (CUDA context, graphs, non-torch buffers): fitted on the "
                        f"published default-recipe pool; boot-to-boot spread ±{_gib(OVERHEAD_BAND)} GiB")
-    if base in ("v0.30", "v0.31", "v0.32", "v0.33"):
+    if not releases.has(base, "overhead_fitted"):
         assumptions.append(f"accounting of {base}: same allocator path as 0.29 except where noted; the overhead "
                            "was fitted on pools measured with the 0.29-era image")
 
@@ -254,10 +317,11 @@ def status_comparison(settings, kv_log_line: str, hw: Hardware | None = None) ->
     return compare(*prediction(settings, hw)[:3], kv_log_line)
 
 
-def prediction(settings, hw: Hardware | None = None) -> tuple[int, int, int, str]:
-    """(predicted tokens, low, high, hardware name): what `flash serve` stores in a label."""
+def prediction(settings, hw: Hardware | None = None) -> tuple[int, int, int, str, float | None]:
+    """(predicted tokens, low, high, hardware name, GiB left to the page cache): what `flash
+    serve` stores in a label (status compares MemAvailable with the last one)."""
     if hw is None:
         hw, _ = hardware_mod.detect()
     plan = build(settings, hw)
     lo, hi = plan["kv_cache_tokens_range"]
-    return plan["kv_cache_tokens"], lo, hi, hw.name
+    return plan["kv_cache_tokens"], lo, hi, hw.name, plan["host"].get("page_cache_for_ple_gib")

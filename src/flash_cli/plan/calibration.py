@@ -4,7 +4,8 @@ RUNTIME_OVERHEAD is what vLLM's profiler counts as non-KV memory beyond the weig
 buffers and the estimated activations (CUDA context and graphs, non-torch buffers, the engine
 process growth on unified memory). It is solved by `fit()` on ONE figure (FIT_FIGURE); a unit
 test re-solves it and fails if this constant drifts from the model. Every other figure in
-FIGURES is a prediction, with the tolerance we achieve written next to it.
+FIGURES is a prediction, with the tolerance we achieve written next to it. Data only: the
+planner imports it; `fitting.py` plans the figures (predict, fit) on top of both.
 """
 
 from __future__ import annotations
@@ -78,51 +79,3 @@ FIGURES: tuple[Figure, ...] = (
            ratio_of={**DEFAULT, "MODEL": NV},
            note="we model the 320 MiB slice only (~10.6k tokens); the per-draft-step logits buffer is not in the model"),
 )
-
-
-def predict(fig: Figure, hw=None) -> float:
-    """The model's value for one figure (tokens, ratio, GiB or token delta), planned from geometry."""
-    from . import build
-    from .hardware import PRESETS
-    from ..settings import resolve
-
-    hw = hw or PRESETS["gb10"]
-
-    def plan(values: dict) -> dict:
-        return build(resolve(None, None, values), hw, snapshot=None)
-
-    top = plan(fig.settings)
-    if fig.unit == "tokens":
-        return top["kv_cache_tokens"]
-    if fig.unit == "gib":
-        return top["one_request_at_ctx_gib"]
-    bottom = plan(fig.ratio_of or {})
-    if fig.unit == "delta":
-        return top["kv_cache_tokens"] - bottom["kv_cache_tokens"]
-    return top["kv_cache_tokens"] / bottom["kv_cache_tokens"]
-
-
-def error_pct(fig: Figure, predicted: float) -> float:
-    return (predicted - fig.published) / fig.published * 100
-
-
-def fit(hw=None) -> int:
-    """Solve RUNTIME_OVERHEAD so FIT_FIGURE is met (bisection on bytes; monotone in the overhead)."""
-    from . import calibration as me
-
-    fig = next(f for f in FIGURES if f.key == FIT_FIGURE)
-    saved = me.RUNTIME_OVERHEAD
-    import flash_cli.plan as plan_pkg
-
-    lo, hi = 0, 20 * GIB
-    try:
-        while hi - lo > 1024**2:
-            mid = (lo + hi) // 2
-            plan_pkg.RUNTIME_OVERHEAD = mid
-            if predict(fig, hw) > fig.published:
-                lo = mid
-            else:
-                hi = mid
-    finally:
-        plan_pkg.RUNTIME_OVERHEAD = saved
-    return (lo + hi) // 2

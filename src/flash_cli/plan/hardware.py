@@ -49,9 +49,12 @@ PRESETS: dict[str, Hardware] = {
         evidence=("device total 121.69 GiB: cudaMemGetInfo on a Spark (MiaAI-Lab/GLM-5.3-Flash-EXL3-2x-DGX-Sparks#47)",
                   "MemTotal 128,501,256,192 B = 119.68 GiB (leptonai/gpud#1170, sysinfo on GB10)")),
     "h200": Hardware(
-        "h200", "NVIDIA H200 (141 GB HBM3e, sm_90, discrete)", device_total=143_771 * 1024**2, unified=False,
-        host_total=None, sm="9.0", host_reserve=0, vllm_baseline=int(0.5 * GIB),
-        evidence=("143,771 MiB: nvidia-smi memory.total on an H200",)),
+        "h200", "NVIDIA H200 (141 GB HBM3e, sm_90, discrete: the PLE table's page cache is host RAM, separate)",
+        device_total=int(139.81 * GIB), unified=False, host_total=None, sm="9.0", host_reserve=0,
+        vllm_baseline=int(0.5 * GIB),
+        evidence=("139.81 GiB: cudaMemGetInfo total on an H200 (torch OOM messages 'GPU 0 has a total capacity of "
+                  "139.81 GiB'; 139.72-139.81 GiB seen across H200 boards); nvidia-smi says 143,771 MiB = 140.4 GiB, "
+                  "which counts memory the driver keeps",)),
     "rtx-pro-6000": Hardware(
         "rtx-pro-6000", "NVIDIA RTX PRO 6000 Blackwell (96 GB GDDR7, sm_120, discrete)",
         device_total=97_887 * 1024**2, unified=False, host_total=None, sm="12.0", host_reserve=0,
@@ -68,17 +71,9 @@ def preset(name: str) -> Hardware:
 
 
 def read_meminfo(path: str | Path = "/proc/meminfo") -> dict[str, int]:
-    out: dict[str, int] = {}
-    try:
-        text = Path(path).read_text()
-    except OSError:
-        return out
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts and parts[0].isdigit():
-            out[key.strip()] = int(parts[0]) * (1024 if parts[1:2] == ["kB"] else 1)
-    return out
+    from ..mempressure import read_meminfo as _read  # one parser, importable without the planner
+
+    return _read(path)
 
 
 def query_gpus(runner=subprocess.run) -> list[tuple[str, str, str]] | None:

@@ -37,6 +37,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from flash_common import releases
+
 from .geometry import Geometry
 
 KERNEL_BLOCK = 16  # Qwen4ExpQSAFlashAttentionBackend.get_supported_kernel_block_sizes → [MultipleOf(16)]
@@ -240,15 +242,10 @@ class KVLayout:
         return per_block_tokens * self.bytes_per_block / self.block_size
 
 
-def base_minor(base: str) -> int:
-    return int(base.split(".")[1])
-
-
 def layout(geom: Geometry, *, base: str, kv_dtype: str, mtp: int, prefix_cache: bool, max_model_len: int,
-           flashinfer_gdn: bool = True) -> KVLayout:
+           flashinfer_gdn: bool = True, user_block_size: int | None = None) -> KVLayout:
     """Specs → block size → groups → per-block bytes and per-request blocks, for one release line."""
     notes: list[str] = []
-    minor = base_minor(base)
     kv_bytes = 1 if kv_dtype.startswith("fp8") else BF16
     k = mtp
 
@@ -261,8 +258,10 @@ def layout(geom: Geometry, *, base: str, kv_dtype: str, mtp: int, prefix_cache: 
 
     # 2. Platform._align_hybrid_block_size
     attn_page_1 = geom.num_key_value_heads * 2 * geom.head_dim * kv_bytes
-    align = KERNEL_BLOCK
-    checkpoints = minor >= 33 and prefix_cache and flashinfer_gdn
+    # kernel_block_alignment_size = max(kernel minimum, cache_config.block_size): a user's
+    # --block-size is both the floor and the alignment
+    align = max(KERNEL_BLOCK, user_block_size or 0)
+    checkpoints = releases.has(base, "mamba_prefill_checkpoints") and prefix_cache and flashinfer_gdn
     if checkpoints:
         # get_mamba_prefill_checkpoint_alignment: lcm(GDN 64 (FlashInfer prefill), PLE 1)
         align = math.lcm(align, FLASHINFER_GDN_CHECKPOINT_ALIGNMENT)
@@ -305,7 +304,7 @@ def layout(geom: Geometry, *, base: str, kv_dtype: str, mtp: int, prefix_cache: 
             qsa(f"mtp.layers.{geom.num_hidden_layers + j}.self_attn")
 
     # 3. grouping (0.30+ also treats the ring bucket as a state bucket; same result here)
-    groups = packed_groups(specs, state_buckets_include_ring=minor >= 30)
+    groups = packed_groups(specs, state_buckets_include_ring=releases.has(base, "ring_state_bucket"))
     # 4. bytes per block
     bytes_per_block = max(g.bytes for g in groups)
     per_request = sum(g.blocks_per_request(max_model_len) for g in groups)

@@ -183,7 +183,7 @@ def _header_sums(model_dir: Path) -> tuple[dict[str, int], list[tuple[int, int]]
     import json
     import os
 
-    from flash_vllm.ple.header import read_header, read_index
+    from flash_common.stheader import read_header, read_index
 
     index = read_index(model_dir)
     files = sorted(set(index.values()))

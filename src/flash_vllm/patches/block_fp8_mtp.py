@@ -15,6 +15,8 @@ prefixes. vllm#55513 fixed both in 0.30; this is its behaviour, by delegation:
 
 from __future__ import annotations
 
+from flash_common import releases
+
 from ..registry import Context, Gate, Patch, TargetMissing, expect_absent, expect_installed, \
     expect_source, install
 
@@ -134,7 +136,7 @@ PATCH = Patch(
     upstream="vllm#55513 (merged 2026-09-08, in 0.30.0)",
     gate=Gate.always("always on for v0.29"),
     targets=tuple(f"{m}:{q}" for m, q in (INIT, GQM, DRAFT)),
-    applies_to=frozenset({"v0.29"}),
-    upstream_in=frozenset({"v0.30", "v0.31", "v0.32", "v0.33"}),
+    applies_to=releases.span("0.29.0", until="0.30.0"),
+    upstream_in=releases.upstream_from("0.30.0"),
     check=check, apply=apply, verify=verify, upstream_check=upstream_check,
 )

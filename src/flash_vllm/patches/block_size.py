@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import logging
 
+from flash_common import releases
+
 from ..registry import Context, Gate, Patch, TargetMissing, expect_installed, expect_source, install
 
 NUMBER = 4
 SCHED = ("vllm.v1.core.sched.scheduler", "Scheduler._mamba_block_aligned_split")
 STATE = ("vllm.v1.worker.gpu.model_states.mamba_hybrid", "MambaHybridModelState.add_request")
 CORE = ("vllm.v1.engine.core", "EngineCore._initialize_kv_caches")
-SEED_FIXED_IN = frozenset({"v0.32", "v0.33"})  # add_request uses mamba_block_size upstream
+SEED_FIXED_IN = releases.upstream_from("0.32.0")  # add_request uses mamba_block_size upstream
 log = logging.getLogger("vllm.flash")
 
 
@@ -113,7 +115,7 @@ PATCH = Patch(
     upstream="0.30 core.py (min over prefix-cacheable groups); 0.32 mamba_hybrid.add_request",
     gate=Gate.always("always on (identity when block sizes agree)"),
     targets=tuple(f"{m}:{q}" for m, q in (SCHED, STATE, CORE)),
-    applies_to=frozenset({"v0.29", "v0.30", "v0.31", "v0.32", "v0.33"}),
+    applies_to=releases.since("0.29.0"),
     check=check, apply=apply, verify=verify,
     notes="The model-state half is installed on v0.29-v0.31 only (fixed upstream in 0.32).",
 )

@@ -25,6 +25,8 @@ import logging
 import os
 from pathlib import Path
 
+from flash_common import releases
+
 from ..registry import Context, Gate, Patch, TargetMissing, expect_installed, expect_source, install
 
 NUMBER = 10
@@ -173,6 +175,6 @@ PATCH = Patch(
     gate=Gate(ENV, f"{ENV}=default|/abs/ids.npy",
               lambda e: e.get(ENV, "").strip().lower() not in ("", "0", "false", "no", "off")),
     targets=(":".join(TARGET),),
-    applies_to=frozenset({"v0.29", "v0.30", "v0.31", "v0.32", "v0.33"}),
+    applies_to=releases.since("0.29.0"),
     check=check, apply=apply, verify=verify,
 )

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 
-from ..effort import EFFORT_MAP
+from flash_common.effort import EFFORT_MAP
+from flash_common import releases
+
 from ..registry import Context, Gate, Patch, expect_installed, expect_source, install
 
 NUMBER = 12
@@ -60,8 +62,8 @@ PATCH = Patch(
     upstream="--reasoning-effort-map (in 0.33.0; the run spec passes it there)",
     gate=Gate.flag("FLASH_EFFORT_ALIAS"),
     targets=(":".join(TARGET),),
-    applies_to=frozenset({"v0.29", "v0.30", "v0.31", "v0.32"}),
-    upstream_in=frozenset({"v0.33"}),
+    applies_to=releases.where("reasoning_effort_map", False),
+    upstream_in=releases.where("reasoning_effort_map", True),
     check=check, apply=apply, verify=verify, upstream_check=upstream_check,
     notes=f"v0.33: `--reasoning-effort-map '{REASONING_EFFORT_MAP_ARG}'`.",
 )

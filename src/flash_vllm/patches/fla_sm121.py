@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 import sys
 
+from flash_common import releases
+
 from ..registry import Context, Gate, Patch, TargetMissing, expect_installed, expect_source, install
 
 NUMBER = 2
@@ -99,6 +101,6 @@ PATCH = Patch(
     upstream="fla#953; no vLLM PR (unfixed through 0.33.0)",
     gate=Gate.always("always on (the gate only changes where shared memory is 99 KiB)"),
     targets=(f"{UTILS}:check_shared_mem", f"{DELTA_H}:{KERNEL}"),
-    applies_to=frozenset({"v0.29", "v0.30", "v0.31", "v0.32", "v0.33"}),
+    applies_to=releases.since("0.29.0"),
     check=check, apply=apply, verify=verify,
 )

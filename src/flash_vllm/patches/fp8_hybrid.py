@@ -18,6 +18,8 @@ of in_proj_qkvz, qkv_proj, gate_up_proj), in_features % 128 == 0, and a `modelop
 QSA qkv unquantized for it. The `weight_scale_inv` (DeepSeek) convention is not served.
 """
 
+from flash_common import releases
+
 from ..registry import Context, Gate, Patch, TargetMissing, expect_source, source_of
 
 GQM = ("vllm.model_executor.layers.quantization.modelopt", "ModelOptMixedPrecisionConfig.get_quant_method")
@@ -45,6 +47,6 @@ PATCH = Patch(
     upstream="native ModelOpt MIXED_PRECISION FP8_PB_WO dispatch (0.29.0+)",
     gate=Gate("VLLM_FP8_HYBRID", "VLLM_FP8_HYBRID=1 (informational; nothing to switch)"),
     targets=(":".join(GQM),),
-    upstream_in=frozenset({"v0.29", "v0.30", "v0.31", "v0.32", "v0.33"}),
+    upstream_in=releases.upstream_from("0.29.0"),
     upstream_check=upstream_check,
 )

@@ -7,6 +7,8 @@ can, and `upstream_check` reads it from the installed release. `PAD_M4` in the s
 accepted for compatibility and does nothing.
 """
 
+from flash_common import releases
+
 from ..registry import Context, Gate, Patch, expect_source
 
 TARGET = ("vllm.model_executor.kernels.linear.scaled_mm.pytorch",
@@ -26,6 +28,6 @@ PATCH = Patch(
     upstream="vllm#52775 (C++ dispatch, in 0.29.0), vllm#49932 (Python M%4 pad)",
     gate=Gate.always("nothing to gate"),
     targets=(":".join(TARGET),),
-    upstream_in=frozenset({"v0.29", "v0.30", "v0.31", "v0.32", "v0.33"}),
+    upstream_in=releases.upstream_from("0.29.0"),
     upstream_check=upstream_check,
 )

@@ -43,6 +43,8 @@ import threading
 import time
 from typing import Any
 
+from flash_common import releases
+
 from ..registry import (Context, Gate, Patch, TargetMissing, expect_installed, import_target,
                         install, is_ours, original, resolve)
 
@@ -334,7 +336,7 @@ PATCH = Patch(
               "drop-in also carried, is in 0.29.0+ and asserted by check())"),
     gate=Gate.always("always on, like upstream (only an out-of-bounds copy is ever skipped)"),
     targets=tuple(f"{m}:{q}" for m, q in targets()),
-    applies_to=frozenset({"v0.29", "v0.30", "v0.31", "v0.32", "v0.33"}),
+    applies_to=releases.since("0.29.0"),
     check=check, apply=apply, verify=verify,
     notes=("No Prometheus family yet: the counter lives in the GPU worker and the metrics bridge "
            "carries only the PLE families; the log line is the report."),

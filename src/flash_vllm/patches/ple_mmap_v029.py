@@ -18,7 +18,7 @@ followed by `F.embedding` inside the next piecewise CUDA graph. With the gate on
   (`Stager.lookup(raw=True)`) into a persistent per-layer buffer and copies them into the op's
   output. The op is appended to `CompilationConfig._attention_ops` (0.29's splitting ops), so under
   PIECEWISE it runs eagerly between graph segments, like the ids op it replaces.
-- The gather itself is the same guarded call as on 0.30+ (`ple_mmap.gather_into`): an eager break
+- The gather itself is the same guarded call as on 0.30+ (`_ple_guard.gather_into`): an eager break
   when breakable graphs are on, zeros during a breakable capture, a loud error inside a plain
   stream capture (a FULL graph, or splitting ops given without our op).
 
@@ -151,7 +151,7 @@ def make_storage(upstream_cls):
     import torch
     from vllm.config import get_current_vllm_config
 
-    from . import ple_mmap
+    from . import _ple_guard as ple_mmap
 
     class FlashMmapPLEVocabParallelEmbedding(upstream_cls):
         """0.29's PLE table, served from the checkpoint's mmapped shards by flash's PLE engine."""

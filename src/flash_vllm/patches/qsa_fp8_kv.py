@@ -39,6 +39,8 @@ import inspect
 import itertools
 import linecache
 
+from flash_common import releases
+
 from ..registry import (Context, Gate, Patch, TargetMissing, expect_installed, import_target,
                         install, is_ours, resolve)
 
@@ -51,7 +53,7 @@ BACKEND = (QSA, "Qwen4ExpQSAFlashAttentionBackend.supported_kv_cache_dtypes")
 KERNEL = "_qsa_sparse_paged_gqa_splitk_kernel"
 ATTENTION = "qsa_sparse_paged_attention"
 WARMUP = "warmup_qsa_sparse_paged_attention"          # 0.30 only (0.29 has no warm-up)
-PORTED = ("v0.29", "v0.30")
+PORTED = tuple(sorted(releases.where("qsa_fp8_kv", "patch")))
 
 # --- the anchored edits (old, new); each `old` must occur exactly once in its function --------
 
@@ -329,7 +331,9 @@ PATCH = Patch(
              f"{QSA}:Qwen4ExpQSAFlashAttentionImpl.forward_qsa", f"{QSA}:Qwen4ExpQSAAttention.__init__",
              f"{OPS}:{ATTENTION}", f"{OPS}:{KERNEL}", f"{OPS}:{WARMUP} (0.30)"),
     applies_to=frozenset(PORTED),
-    upstream_in=frozenset({"v0.31", "v0.32", "v0.33"}),
+    upstream_in=releases.where("qsa_fp8_kv", "native"),
+    not_ported={b: "no port of patch 7 to this release (catalogue: qsa_fp8_kv=None)"
+                for b in releases.where("qsa_fp8_kv", None)},
     check=check,
     apply=apply,
     verify=verify,

@@ -1,9 +1,11 @@
 """Patch 5: exact QSA block top-k (modes of the upstream recipe's `VLLM_QSA_EXACT_TOPK`)."""
 
+from flash_common import releases
+
 from ..registry import Gate, Patch
 from . import _qsa_topk
 
-ALL = frozenset({"v0.29", "v0.30", "v0.31", "v0.32", "v0.33"})
+ALL = releases.since("0.29.0")
 
 PATCH = Patch(
     number=5,

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import re
 
+from flash_common import releases
+
 from ..registry import Context, Gate, Patch, expect_installed, expect_source, install
 
 NUMBER = 13
@@ -153,6 +155,6 @@ PATCH = Patch(
     upstream="none in 0.29.0-0.33.0 (no fence awareness or validate_tool_preamble in the engine)",
     gate=Gate.always("always on (FLASH_DISABLE_PATCHES=13 turns it off)"),
     targets=tuple(f"{m}:{q}" for m, q in (ON_TERMINAL, EMIT, RESET)),
-    applies_to=frozenset({"v0.29", "v0.30", "v0.31", "v0.32", "v0.33"}),
+    applies_to=releases.since("0.29.0"),
     check=check, apply=apply, verify=verify,
 )

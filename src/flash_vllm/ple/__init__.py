@@ -68,12 +68,12 @@ Observability (``stats.py``)::
 Synthetic checkpoints (``synth.py``, tests/bench): ``write_checkpoint(dir, layout="radixark"|"nvidia", ...)``.
 io_uring (``uring.py``): ``Ring(depth).read_batch(fds, offsets, addrs, lengths)``.
 
-Safetensors headers (``header.py``): ``read_header``, ``read_index``, ``HeaderError``.
+Safetensors headers (``flash_common.stheader``, re-exported): ``read_header``, ``read_index``, ``HeaderError``.
 """
 
 from __future__ import annotations
 
-from .header import Header, HeaderError, TensorInfo, read_header, read_index
+from flash_common.stheader import Header, HeaderError, TensorInfo, read_header, read_index
 
 # Lazy re-exports: `import flash_vllm.ple` stays free of numpy/torch until a name is used.
 _LAZY = {

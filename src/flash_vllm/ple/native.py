@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import ctypes
 
-PAGE = 4096
-SCRATCH = 2 * PAGE  # O_DIRECT scratch per row: a row spans at most two 4 KiB pages (rows <= 4 KiB)
+from .consts import PAGE, SCRATCH
 
 _libc = ctypes.CDLL(None, use_errno=True)
 # Pointers typed as size_t: numba calls ctypes functions with integer arguments only (same LP64 ABI).
@@ -120,7 +119,7 @@ _native_err = ""
 
 def _compile():
     """The numba versions (``native_nb.py``), compiled on first call, cached on disk where writable."""
-    from . import native_nb
+    from . import native_nb  # imports only .consts: no circle
 
     return native_nb
 

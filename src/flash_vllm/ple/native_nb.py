@@ -12,7 +12,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .native import PAGE, SCRATCH
+from .consts import PAGE, SCRATCH
 
 
 def _jit_options() -> dict:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Callable
 
 LOGGER_NAME = "vllm.ple_mmap"
 _log = logging.getLogger(LOGGER_NAME)
@@ -69,6 +70,17 @@ def _make(registry):
     return out
 
 
+# Who publishes a PLEStats' totals for the /metrics process: injected by `flash_vllm.register()`
+# (`metrics_bridge.wire()`), so this module never imports the bridge back. None: native counters.
+_publisher: Callable[["PLEStats"], object] | None = None
+
+
+def set_publisher(publisher: Callable[["PLEStats"], object] | None) -> None:
+    """Inject the publisher every later PLEStats attaches to (None: native counters only)."""
+    global _publisher
+    _publisher = publisher
+
+
 class PLEStats:
     """Accumulates per-op phase times; thread-safe; never raises from ``record``."""
 
@@ -87,12 +99,11 @@ class PLEStats:
         self._bridge = None
         if prometheus:
             try:
-                if registry is None:
+                if registry is None and _publisher is not None:
                     # single-process /metrics: publish the totals for the API server's collector
-                    # (flash_vllm.metrics_bridge); None in multiprocess mode -> native counters
-                    from .. import metrics_bridge
-
-                    self._bridge = metrics_bridge.attach(self)
+                    # (the injected flash_vllm.metrics_bridge.attach); None in multiprocess mode
+                    # -> native counters
+                    self._bridge = _publisher(self)
                 if self._bridge is None:
                     self._prom = _prom_metrics(registry) or None
             except Exception as e:

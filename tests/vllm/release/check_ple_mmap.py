@@ -483,6 +483,8 @@ def test_v029_capture_zero_fills_replays_and_refuses_full(v029, monkeypatch):
     want = synth.reference_rows(v029.ckpt, ids.numpy()).reshape(4, 2, V029_WIDTH)
     assert np.array_equal(emb._flash_out[:4].view(torch.uint8).numpy(), want)
     # inside a plain stream capture (FULL graph, or splitting ops without ours): refuse, loudly
-    monkeypatch.setattr(ple_mmap, "_is_capturing", lambda torch: True)
+    from flash_vllm.patches import _ple_guard
+
+    monkeypatch.setattr(_ple_guard, "_is_capturing", lambda torch: True)
     with pytest.raises(RuntimeError, match="PIECEWISE"):
         emb.flash_lookup(ids, out)

@@ -1,0 +1,54 @@
+"""The planner against the published figures (calibration.py's data): predict each figure, and
+re-solve the one fitted constant. Above both the planner and its data, so neither imports back."""
+
+from __future__ import annotations
+
+from . import calibration
+from .calibration import FIGURES, FIT_FIGURE, GIB, Figure
+
+
+def predict(fig: Figure, hw=None) -> float:
+    """The model's value for one figure (tokens, ratio, GiB or token delta), planned from geometry."""
+    from ..settings import resolve
+    from . import build
+    from .hardware import PRESETS
+
+    hw = hw or PRESETS["gb10"]
+
+    def plan(values: dict) -> dict:
+        return build(resolve(None, None, values), hw, snapshot=None)
+
+    top = plan(fig.settings)
+    if fig.unit == "tokens":
+        return top["kv_cache_tokens"]
+    if fig.unit == "gib":
+        return top["one_request_at_ctx_gib"]
+    bottom = plan(fig.ratio_of or {})
+    if fig.unit == "delta":
+        return top["kv_cache_tokens"] - bottom["kv_cache_tokens"]
+    return top["kv_cache_tokens"] / bottom["kv_cache_tokens"]
+
+
+def error_pct(fig: Figure, predicted: float) -> float:
+    return (predicted - fig.published) / fig.published * 100
+
+
+def fit(hw=None) -> int:
+    """Solve RUNTIME_OVERHEAD so FIT_FIGURE is met (bisection on bytes; monotone in the overhead)."""
+    import flash_cli.plan as plan_pkg
+
+    fig = next(f for f in FIGURES if f.key == FIT_FIGURE)
+    saved = calibration.RUNTIME_OVERHEAD
+
+    lo, hi = 0, 20 * GIB
+    try:
+        while hi - lo > 1024**2:
+            mid = (lo + hi) // 2
+            plan_pkg.RUNTIME_OVERHEAD = mid
+            if predict(fig, hw) > fig.published:
+                lo = mid
+            else:
+                hi = mid
+    finally:
+        plan_pkg.RUNTIME_OVERHEAD = saved
+    return (lo + hi) // 2

@@ -1,0 +1,115 @@
+"""Issue 16 against real containers: the silent context fallback seen by wait/status/test, a
+boot stalled in KV allocation named by `flash wait`, and the start/stop commands of the systemd
+unit `flash service install` writes, run as systemd would run them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.docker, pytest.mark.timeout(600)]
+
+
+def test_silent_yarn_fallback_fails_wait_status_and_test(flash):
+    # the recipe asks for 500,000 with YaRN; the stand-in falls back to 262,144 like a YaRN
+    # override that did not take ("Using max model len" twice)
+    res = flash("serve", "published", "--start-check", "1", "CONTAINER_ENV=STANDIN_FAULTS=yarn_ignored")
+    assert res.returncode == 0, res.stderr
+    res = flash("wait", "--timeout", "120", "--interval", "0.5")
+    assert res.returncode == 11, res.stdout + res.stderr
+    assert "500,000, 262,144" in res.stdout and "YaRN override did not take" in res.stderr
+    st = json.loads(flash("status", "--json").stdout)
+    assert st["context"]["level"] == "fail" and "262,144" in st["context"]["text"]
+    res = flash("test", "--json", "--only", "context")
+    report = json.loads(res.stdout)
+    assert res.returncode == 1 and report["summary"]["failed_required"] == ["context"], report
+    by = {c["name"]: c for c in report["checks"]}
+    assert by["context"]["data"] == {"max_model_len": 262144, "expected": 500000,
+                                     "hint": by["context"]["data"]["hint"]}
+
+
+def test_wait_names_a_boot_stalled_in_kv_allocation(flash):
+    res = flash("serve", "published", "--start-check", "1",
+                "CONTAINER_ENV=STANDIN_KV_ALLOC_SECONDS=8 STANDIN_BOOT_SECONDS=0.3")
+    assert res.returncode == 0, res.stderr
+    res = flash("wait", "--timeout", "120", "--interval", "0.5", "BOOT_STALL=3")
+    assert res.returncode == 0, res.stderr  # a stall is reported, the wait goes on
+    assert "in phase 'KV allocation'" in res.stderr
+    assert "PYTORCH_ALLOC_CONF=expandable_segments:True" in res.stderr
+    # a stall past TIMEOUT ends the wait with the phase and its remedy
+    flash("rm")
+    assert flash("serve", "published", "--start-check", "1",
+                 "CONTAINER_ENV=STANDIN_KV_ALLOC_SECONDS=60 STANDIN_BOOT_SECONDS=0.3").returncode == 0
+    res = flash("wait", "--timeout", "8", "--interval", "0.5", "BOOT_STALL=3")
+    assert res.returncode == 8 and "in phase 'KV allocation'" in res.stderr and "expandable_segments" in res.stderr
+
+
+def unit_commands(flash, *words: str) -> tuple[list[str], list[str]]:
+    """The ExecStart and ExecStop argv of the unit `flash service install` writes for this recipe."""
+    res = flash("service", "install", "--user", *words, "--dry-run")
+    assert res.returncode == 0, res.stderr
+    out = {}
+    for line in res.stdout.splitlines():
+        key, _, value = line.partition("=")
+        if key in ("ExecStart", "ExecStop"):
+            out[key] = [w.replace("$$", "$").replace("%%", "%") for w in shlex.split(value)]
+    return out["ExecStart"], out["ExecStop"]
+
+
+def service_env(flash) -> dict[str, str]:
+    # what systemd gives a unit: no login shell, so none of the recipe's environment (the unit
+    # carries it as K=V words); HOME from the unit's Environment= line
+    keep = {k: os.environ[k] for k in ("PATH", "DOCKER_HOST", "FLASH_VENV") if k in os.environ}
+    return {**keep, "HOME": str(flash.home), "PYTHONUNBUFFERED": "1"}
+
+
+def health(url: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status
+    except OSError:
+        return 0
+
+
+def test_service_start_and_stop_commands_against_docker(flash, docker_client):
+    start, stop = unit_commands(flash, "published", "CONTAINER_ENV=STANDIN_BOOT_SECONDS=0.3")
+    assert start[1:3] == ["service", "run"] and stop[1] == "stop"
+    assert f"NAME={flash.name}" in start and f"PORT={flash.port}" in start  # env → words
+    env = service_env(flash)
+    run = subprocess.Popen(start, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while health(flash.url) != 200 and time.monotonic() < deadline and run.poll() is None:
+            time.sleep(0.5)
+        assert health(flash.url) == 200, run.stderr.read() if run.poll() is not None else "not up"
+        c = docker_client.containers.list(filters={"label": f"org.flash.name={flash.name}"})[0]
+        assert c.attrs["HostConfig"]["RestartPolicy"]["Name"] == "no"  # systemd restarts, not Docker
+        time.sleep(2 * 5 + 1)  # run notices /health and resets the failure count
+        res = subprocess.run(stop, env=env, capture_output=True, text=True, timeout=300)  # ExecStop
+        assert res.returncode == 0, res.stderr
+        assert run.wait(60) == 0  # a clean stop: systemd does not restart (Restart=on-failure)
+    finally:
+        if run.poll() is None:
+            run.send_signal(signal.SIGTERM)
+            run.wait(30)
+    assert "is up" in run.stderr.read()
+    c.reload()
+    assert c.status == "exited"
+    record = json.loads((flash.home / ".local" / "state" / "flash" / f"service-{flash.name}.json").read_text())
+    assert record["failures"] == 0
+
+
+def test_service_run_fails_for_systemd_and_counts_towards_backoff(flash):
+    start, _ = unit_commands(flash, "published", "CONTAINER_ENV=STANDIN_DIE_AT_BOOT=3 STANDIN_BOOT_SECONDS=0.3")
+    res = subprocess.run(start, env=service_env(flash), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 7, res.stderr  # non-zero: Restart=on-failure restarts it
+    record = json.loads((flash.home / ".local" / "state" / "flash" / f"service-{flash.name}.json").read_text())
+    assert record["failures"] == 1  # the next run waits 10 s first (service.backoff_delay)

@@ -1,0 +1,871 @@
+"""The gpu-e2e tier: real `vllm serve` boots of the tiny model with our plugin, several at once on one GPU.
+
+Every server's argv and environment come from the RunSpec `flash serve` renders for the default
+profile (src/flash_cli/spec.py, through commands/serve.plan): the tiny model's sizes are substituted
+through settings (TINY_WORDS: CTX, SEQS, GPU_MEM, ports, EXTRA for --block-size/--gdn-prefill-backend,
+CONTAINER_ENV for the FlashInfer sampler), never by editing the argv. The container is then mapped
+onto plain processes: bind-mount targets are replaced by their host sources (the HF cache), the
+entrypoint's `python3` by this Python, `vllm` by `python -m vllm.entrypoints.cli.main`. Harness
+additions (printed apart in the dry run): PYTHONPATH (a dist-info that declares our
+`vllm.general_plugins` entry point + src/), a per-server VLLM_CACHE_ROOT (a patch changes the
+traced code, so servers must not share a compile cache), and for the broken-patch boot the
+breaker's sitecustomize.
+
+    python tests/gpu_e2e/fleet.py run  [-k EXPR]   # boots, scenarios, results under $FLASH_E2E_OUT
+    python tests/gpu_e2e/fleet.py plan [-k EXPR]   # the dry run: every server's argv + env, the scenario plan
+    FLASH_E2E_DRY=1 makes `run` a `plan`.
+
+Environment: FLASH_E2E_VLLM_ENV (the device payload's env.sh, sourced for every server), FLASH_E2E_OUT
+(results; default a new tmp dir), FLASH_E2E_WORK (fixtures, caches; default a tmp dir),
+FLASH_E2E_EXTRA (more `vllm serve` words for every server, appended to EXTRA, e.g.
+--language-model-only if the vision tower gets in the way), FLASH_E2E_GPU_MEM (one server's share, default 0.07: 12 servers fit), FLASH_E2E_PORT (first port, 18400),
+FLASH_E2E_BOOT_TIMEOUT (s, 420), FLASH_E2E_DEADLINE (s after start when unfinished scenarios are
+cut, servers stopped and results packed; 540, inside a 10-minute device call), FLASH_E2E_TEST_ARGS (how `flash test` declares the checks a random
+model cannot pass; default TEST_NA_ARGS), FLASH_E2E_COMMIT (the commit, when .git is absent).
+Results: at most 8 flat files: results.json, summary.txt, logs.tar.gz (every server's full log and
+each scenario's artefacts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+for p in (ROOT / "src", ROOT / "tests"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+NEUTRAL = (1, 3, 4, 5, 8, 13)   # output-neutral patches: greedy output must not change
+ALL_PATCHES = tuple(range(1, 14))
+# Checks a random model cannot pass, declared not applicable (visibly: `flash test --untrained`
+# reports them as "n/a: untrained checkpoint" and the result JSON lists them).
+TEST_NA = ("coherence", "tool_call")
+TEST_NA_ARGS = ("--untrained",)
+# The tiny model's sizes, as settings (the H200 traps: block size 256 for the QSA ring of 32;
+# no FlashInfer cubins offline: triton GDN prefill, no FlashInfer sampler).
+TINY_WORDS = ("YARN=0", "CTX=2048", "SEQS=4", "BATCHED_TOKENS=2048", "NETWORK=host", "BIND=127.0.0.1",
+              "API_KEY=off", "COMPILE_CACHE=", "TEST_PREFILL_TOKENS=1024", "TEST_TIMEOUT=120")
+TINY_EXTRA = "--block-size 256 --gdn-prefill-backend triton"
+TINY_CONTAINER_ENV = ("VLLM_USE_FLASHINFER_SAMPLER=0",)
+# patch 1's anchor in 0.33's ngram_embedding.py, moved to an equivalent spelling: the plugin must refuse
+BREAK = {"module": "vllm.models.qwen4_exp.nvidia.ngram_embedding", "old": "embedding(ngram_ids).flatten(-2)",
+         "new": "embedding(ngram_ids).flatten(start_dim=-2)", "patch": 1, "name": "ple-mmap"}
+PROBE_TOKENS = 48
+
+
+# --- servers -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Server:
+    name: str
+    fixture: str                      # a | b | c (tests/fakes/tiny_model.py)
+    words: tuple[str, ...] = ()       # extra settings K=V
+    container_env: tuple[str, ...] = ()
+    expect: str = "healthy"           # healthy | refuse
+    breaks: bool = False
+
+
+def _disable_all_but(keep: int | None) -> str:
+    return "FLASH_DISABLE_PATCHES=" + ",".join(str(n) for n in ALL_PATCHES if n != keep)
+
+
+def _servers() -> dict[str, Server]:
+    out = {f"{x}-default": Server(f"{x}-default", x) for x in "abc"}
+    out["a-nople"] = Server("a-nople", "a", container_env=("VLLM_PLE_MMAP=0",))
+    # greedy neutrality: all patches off vs exactly one on, same graph mode (the default PIECEWISE)
+    out["probe-off"] = Server("probe-off", "a", words=("EXACT_TOPK=0", "DET_TOPK=0"),
+                              container_env=(_disable_all_but(None), "VLLM_PLE_MMAP=0"))
+    for n in NEUTRAL:
+        gate = {5: ("EXACT_TOPK=1", "DET_TOPK=0"), 8: ("EXACT_TOPK=0", "DET_TOPK=1")}.get(n, ("EXACT_TOPK=0", "DET_TOPK=0"))
+        env = (_disable_all_but(n),) + (() if n == 1 else ("VLLM_PLE_MMAP=0",))
+        out[f"probe-p{n}"] = Server(f"probe-p{n}", "a", words=gate, container_env=env)
+    out["broken-p1"] = Server("broken-p1", "a", expect="refuse", breaks=True)
+    # diagnosis of patch 1's ids (VLLM_PLE_MMAP_DEBUG) and the stock device-table class on the same ids
+    out["diag-p1"] = Server("diag-p1", "a", container_env=("VLLM_PLE_MMAP_DEBUG=1",))
+    out["diag-stockdev"] = Server("diag-stockdev", "a", words=(
+        "EXACT_TOPK=0", "DET_TOPK=0", f"EXTRA={TINY_EXTRA} --engram-config '{{\"cpu_offload\":false}}'"),
+        container_env=(_disable_all_but(None), "VLLM_PLE_MMAP=0"))
+    return out
+
+
+SERVERS = _servers()
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    servers: tuple[str, ...]
+    doc: str
+    run: Callable = field(compare=False, repr=False)
+    solo: bool = False  # its servers must boot alone (memory profiling sees the whole GPU's usage)
+
+
+def _scenarios() -> dict[str, Scenario]:
+    sc: list[Scenario] = []
+    for x in "abc":
+        sc.append(Scenario(f"boot_{x}", (f"{x}-default",), f"({x}) reaches /health with the default recipe, "
+                           "the plugin banner lists patch 1", lambda ctx, x=x: check_boot(ctx, f"{x}-default")))
+        sc.append(Scenario(f"flash_test_{x}", (f"{x}-default",), f"`flash test --url` on ({x}); "
+                           f"{', '.join(TEST_NA)} declared n/a", lambda ctx, x=x: check_flash_test(ctx, f"{x}-default")))
+        sc.append(Scenario(f"kv_plan_{x}", (f"{x}-default",), f"({x}) KV pool in the boot log vs "
+                           "`flash plan --hardware h200` within 2%", lambda ctx, x=x: check_kv_plan(ctx, f"{x}-default"),
+                           solo=True))
+    for n in NEUTRAL:
+        sc.append(Scenario(f"probe_p{n}", ("probe-off", f"probe-p{n}"), f"greedy probe, only patch {n} on vs all "
+                           "off: byte-identical", lambda ctx, n=n: check_probe(ctx, "probe-off", f"probe-p{n}")))
+    sc.append(Scenario("prefix_hit_a", ("a-default",), "greedy probe twice: the prefix-cache hit run equals the cold one",
+                       lambda ctx: check_prefix_hit(ctx, "a-default")))
+    sc.append(Scenario("ple_memory", ("a-default", "a-nople"), "GPU memory and pinned bytes with/without patch 1; "
+                       "vllm:ple_mmap_* counters move", lambda ctx: check_ple_memory(ctx, "a-default", "a-nople")))
+    sc.append(Scenario("diag_ple_ids", ("diag-p1", "diag-stockdev"), "patch 1 with VLLM_PLE_MMAP_DEBUG and "
+                       "stock vLLM with the PLE table on the GPU: records the id checks and how each boot ended",
+                       lambda ctx: check_diag(ctx, ("diag-p1", "diag-stockdev"))))
+    sc.append(Scenario("broken_patch_p1", ("broken-p1",), f"patch 1's anchor moved in {BREAK['module']}: the boot "
+                       "refuses, naming the patch", lambda ctx: check_broken(ctx, "broken-p1")))
+    return {s.name: s for s in sc}
+
+
+SCENARIOS = _scenarios()
+
+
+def select(expr: str | None) -> list[Scenario]:
+    """Scenarios whose name matches a pytest-style -k expression (and/or/not/parentheses, substrings)."""
+    if not expr:
+        return list(SCENARIOS.values())
+    tokens = re.findall(r"\(|\)|[^\s()]+", expr)
+    out = []
+    for s in SCENARIOS.values():
+        py = []
+        for t in tokens:
+            py.append(t if t in ("(", ")", "and", "or", "not") else repr(t in s.name))
+        try:
+            hit = eval(" ".join(py), {"__builtins__": {}}, {})  # noqa: S307 - only True/False/and/or/not
+        except SyntaxError:
+            raise SystemExit(f"gpu-e2e: bad -k expression {expr!r}") from None
+        if hit:
+            out.append(s)
+    return out
+
+
+# --- rendering from the RunSpec --------------------------------------------------------------------
+
+@dataclass
+class Context:
+    work: Path
+    out: Path
+    python: str
+    base_env: dict[str, str]
+    snaps: dict[str, Path]
+    port0: int = 18400
+    gpu_mem: float = 0.07
+    dry: bool = False
+    procs: dict = field(default_factory=dict)
+    artefacts: list[Path] = field(default_factory=list)
+
+    @property
+    def cache(self) -> Path:
+        return self.work / "hf"
+
+
+def draft_vocab(ctx: Context) -> Path:
+    """Patch 10's id list for the tiny vocabulary (the shipped one is for 248,320 ids)."""
+    import numpy as np
+
+    from fakes import tiny_model
+
+    path = ctx.work / "draft-vocab.npy"
+    if not path.exists() and not ctx.dry:
+        ids = sorted(set(range(1024)) | set(tiny_model.added_tokens().values()))
+        np.save(path, np.asarray(ids, dtype=np.int64))
+    return path
+
+
+def words_for(ctx: Context, server: Server, index: int) -> list[str]:
+    from fakes import tiny_model
+
+    fx = tiny_model.recipe_for(server.fixture, ctx.snaps) if ctx.snaps else {
+        "MODEL": {"a": "nvidia/Qwen3.8-Flash-Next-NVFP4", "b": "nvidia/Qwen3.8-Flash-Next-NVFP4",
+                  "c": "RadixArk/Qwen3.8-Flash-Next-NVFP4"}[server.fixture],
+        "MODE": {"a": "nvfp4", "b": "hybrid", "c": "hybrid-mtp"}[server.fixture]}
+    words = list(TINY_WORDS) + [f"{k}={v}" for k, v in fx.items()]
+    words += [f"HF_CACHE={ctx.cache}", f"PORT={ctx.port0 + index}", f"NAME=e2e-{server.name}",
+              f"GPU_MEM={ctx.gpu_mem:.2f}", f"DRAFT_VOCAB={draft_vocab(ctx)}",
+              f"EXTRA={TINY_EXTRA} {os.environ.get('FLASH_E2E_EXTRA', '')}".rstrip(),
+              "CONTAINER_ENV=" + " ".join(TINY_CONTAINER_ENV + server.container_env)]
+    return words + list(server.words)
+
+
+def _translate(value: str, binds: list[tuple[str, str]]) -> str:
+    for target, source in binds:
+        if value == target or value.startswith(target + "/"):
+            return source + value[len(target):]
+        value = value.replace("=" + target + "/", "=" + source + "/")
+    return value
+
+
+def render(ctx: Context, server: Server, index: int) -> dict:
+    """RunSpec (what `flash serve` would run in a container) → one plain process."""
+    from flash_cli import preflight, recipe
+    from flash_cli.commands import serve
+
+    words = words_for(ctx, server, index)
+    r = recipe.load(["default", *words], env={})
+    snap = r.snapshot()
+    spec = serve.plan(r, snap.name if snap else "<SNAPSHOT>")
+    binds = sorted(((m.target, m.source) for m in spec.mounts if m.kind == "bind"), key=lambda t: -len(t[0]))
+    unmapped = [m for m in spec.mounts if m.kind != "bind"]
+    cmd = [_translate(a, binds) for a in spec.command]
+    if cmd[0] != "vllm":
+        raise ValueError(f"RunSpec command does not start with vllm: {cmd[:3]}")
+    entry = list(spec.entrypoint)
+    if entry[:3] != ["python3", "-m", "flash_vllm.launch"]:
+        raise ValueError(f"unexpected RunSpec entrypoint {entry}")
+    argv = [ctx.python, "-m", "flash_vllm.launch", ctx.python, "-m", "vllm.entrypoints.cli.main", *cmd[1:]]
+    spec_env = {k: _translate(v, binds) for k, v in spec.env.items()}
+    harness = {
+        "PYTHONPATH": os.pathsep.join([*([str(ROOT / "tests" / "gpu_e2e" / "breaker")] if server.breaks else []),
+                                       str(ctx.work / "plugin-site"), str(ROOT / "src")]
+                                      + ([ctx.base_env["PYTHONPATH"]] if ctx.base_env.get("PYTHONPATH") else [])),
+        "VLLM_CACHE_ROOT": str(ctx.work / "vllm-cache" / server.name),
+    }
+    if server.breaks:
+        harness.update({"FLASH_E2E_BREAK": json.dumps({k: BREAK[k] for k in ("module", "old", "new")}),
+                        "FLASH_E2E_BREAK_DIR": str(ctx.work / "broken-src")})
+    port = r.settings["PORT"]
+    return {"server": server.name, "fixture": server.fixture, "expect": server.expect, "solo": False,
+            "words": words, "argv": argv, "spec_env": spec_env, "harness_env": harness,
+            "url": f"http://127.0.0.1:{port}", "port": port, "model": r.settings["SERVED_MODEL_NAME"],
+            "unmapped_mounts": [f"{m.kind}:{m.target}" for m in unmapped],
+            "preflight": [str(p) for p in preflight.recipe(r.settings)], "warnings": list(spec.warnings)}
+
+
+def plugin_site(ctx: Context) -> Path:
+    """A dist-info declaring our vllm.general_plugins entry point (vLLM finds plugins only that way)."""
+    from flash_cli import __version__
+
+    site = ctx.work / "plugin-site"
+    info = site / f"flash_recipe-{__version__}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: flash-recipe\nVersion: {__version__}\n")
+    (info / "entry_points.txt").write_text("[vllm.general_plugins]\nflash = flash_vllm:register\n")
+    (info / "top_level.txt").write_text("flash_cli\nflash_vllm\n")
+    return site
+
+
+# --- processes -------------------------------------------------------------------------------------
+
+@dataclass
+class Proc:
+    spec: dict
+    popen: subprocess.Popen
+    log: Path
+    started: float
+    healthy_at: float | None = None
+    exited: int | None = None
+    ended_at: float | None = None
+
+
+def _health(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=3) as r:
+            return r.status == 200
+    except Exception:  # noqa: BLE001 - not up yet
+        return False
+
+
+def launch(ctx: Context, spec: dict) -> Proc:
+    log = ctx.work / "logs" / f"{spec['server']}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = {**ctx.base_env, **spec["spec_env"], **spec["harness_env"]}
+    fh = open(log, "wb")  # noqa: SIM115 - the child owns it
+    fh.write(("# " + shlex.join(spec["argv"]) + "\n").encode())
+    fh.flush()
+    popen = subprocess.Popen(spec["argv"], env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=str(ctx.work),
+                             start_new_session=True)
+    return Proc(spec, popen, log, time.monotonic())
+
+
+def poll(p: Proc) -> str:
+    if p.exited is None:
+        rc = p.popen.poll()
+        if rc is not None:
+            p.exited, p.ended_at = rc, time.monotonic()
+    if p.exited is not None:
+        return "exited"
+    if p.healthy_at is None and _health(p.spec["url"]):
+        p.healthy_at = time.monotonic()
+    return "healthy" if p.healthy_at else "booting"
+
+
+def wait(procs: list[Proc], timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        states = [poll(p) for p in procs]
+        if all(s != "booting" for s in states):
+            return
+        time.sleep(2)
+
+
+def stop_all(procs: list[Proc], grace: float = 20) -> None:
+    """SIGTERM to every process group this harness started, one shared grace period, then SIGKILL."""
+    live = [p for p in procs if p.popen.poll() is None]
+    for p in live:
+        try:
+            os.killpg(p.popen.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    end = time.monotonic() + grace
+    for p in live:
+        try:
+            p.popen.wait(max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.popen.wait(10)
+    for p in procs:
+        if p.exited is None:
+            p.exited, p.ended_at = p.popen.returncode, time.monotonic()
+
+
+def stop(p: Proc, grace: float = 30) -> None:
+    """SIGTERM to the process group this harness started (vLLM's engine/worker children too), then SIGKILL."""
+    if p.popen.poll() is None:
+        try:
+            os.killpg(p.popen.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            p.popen.wait(grace)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.popen.wait(10)
+    if p.exited is None:
+        p.exited, p.ended_at = p.popen.returncode, time.monotonic()
+
+
+def boot(ctx: Context, specs: list[dict], timeout: float, deadline: float) -> dict[str, Proc]:
+    """Every non-solo server at once (staggered by 2 s), then, once those are up and idle, the solo
+    servers one at a time: vLLM sizes its KV pool from the whole GPU's used memory (mem_get_info), so
+    a server profiling while another allocates gets a smaller pool; a solo server's pool is clean
+    and comparable with the plan."""
+    procs: dict[str, Proc] = {}
+    rest = [s for s in specs if not s["solo"]]
+    for spec in rest:
+        procs[spec["server"]] = launch(ctx, spec)
+        time.sleep(2)
+    group = [procs[s["server"]] for s in rest]
+    wait(group, min(timeout, deadline - time.monotonic() - 90))
+    for p in group:
+        say(f"  {p.spec['server']}: {poll(p)} after {time.monotonic() - p.started:.0f}s")
+    for spec in [s for s in specs if s["solo"]]:
+        p = launch(ctx, spec)
+        procs[spec["server"]] = p
+        wait([p], min(timeout, deadline - time.monotonic() - 90))
+        say(f"  {spec['server']}: {poll(p)} after {time.monotonic() - p.started:.0f}s (alone)")
+    return procs
+
+
+# --- helpers the scenarios use -----------------------------------------------------------------------
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def log_text(p: Proc) -> str:
+    return p.log.read_text(errors="replace") if p.log.exists() else ""
+
+
+def flash(ctx: Context, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**ctx.base_env, "PYTHONPATH": os.pathsep.join([str(ROOT / "src")] + (
+        [ctx.base_env["PYTHONPATH"]] if ctx.base_env.get("PYTHONPATH") else [])),
+        "XDG_STATE_HOME": str(ctx.work / "state"), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([ctx.python, "-m", "flash_cli", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=str(ROOT))
+
+
+def keep(ctx: Context, name: str, text: str) -> Path:
+    path = ctx.work / "artefacts" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    ctx.artefacts.append(path)
+    return path
+
+
+def need_up(ctx: Context, name: str) -> Proc:
+    p = ctx.procs[name]
+    if poll(p) != "healthy":
+        tail = "\n".join(log_text(p).splitlines()[-25:])
+        raise AssertionError(f"server {name} is not healthy ({'exited ' + str(p.exited) if p.exited is not None else 'booting'}); "
+                             f"log tail:\n{tail}")
+    return p
+
+
+def metrics(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def _chat(url: str, model: str, text: str, max_tokens: int = 16) -> dict:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def gpu_memory_by_server(ctx: Context) -> dict[str, int]:
+    """MiB of GPU memory per server: nvidia-smi's compute apps, mapped to our process groups."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    groups = {p.popen.pid: name for name, p in ctx.procs.items()}
+    res: dict[str, int] = {}
+    for line in out.splitlines():
+        try:
+            pid, mib = (int(x.strip()) for x in line.split(","))
+            name = groups.get(os.getpgid(pid))
+        except (ValueError, ProcessLookupError, PermissionError):
+            continue
+        if name:
+            res[name] = res.get(name, 0) + mib
+    return res
+
+
+def pinned_kib(p: Proc) -> dict[str, int]:
+    """VmPin/VmLck (kB) summed over the server's process group, from /proc."""
+    tot = {"VmPin": 0, "VmLck": 0}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(d.name)) != p.popen.pid:
+                continue
+            for line in (d / "status").read_text().splitlines():
+                key, _, val = line.partition(":")
+                if key in tot:
+                    tot[key] += int(val.split()[0])
+        except (OSError, ProcessLookupError, ValueError):
+            continue
+    return tot
+
+
+PLE_INIT = re.compile(r"Initialized PLE embedding .*?weight_dtype=(\S+), weight_device=(\S+), pinned=(\w+)")
+BANNER = re.compile(r"flash_vllm: base (\S+) \(vLLM ([^)]+)\), pid \d+, applied \[([\d,]*)\], not applied \[([^\]]*)\]")
+PATCH1_TABLE = re.compile(r"flash_vllm patch 1: (PLE mmap: [^\n]*)")
+MOE_BACKEND = re.compile(r"Using '([^']+)' NvFp4 MoE backend")
+
+
+# --- scenarios ---------------------------------------------------------------------------------------
+
+def check_boot(ctx: Context, name: str) -> dict:
+    p = need_up(ctx, name)
+    text = log_text(p)
+    banners = BANNER.findall(text)
+    assert banners, "no flash_vllm banner in the log: the plugin did not load (entry point / PYTHONPATH?)"
+    applied = {int(n) for n in banners[0][2].split(",") if n}
+    assert 1 in applied, f"patch 1 not applied: {banners[0]}"
+    return {"boot_s": round(p.healthy_at - p.started, 1), "banner": banners[0], "applied": sorted(applied),
+            "ple_init": PLE_INIT.findall(text), "nvfp4_moe_backend": sorted(set(MOE_BACKEND.findall(text)))}
+
+
+def flash_test_args() -> list[str]:
+    raw = os.environ.get("FLASH_E2E_TEST_ARGS")
+    return shlex.split(raw) if raw is not None else list(TEST_NA_ARGS)
+
+
+def check_flash_test(ctx: Context, name: str) -> dict:
+    p = need_up(ctx, name)
+    s = p.spec
+    # the recipe words flash test needs to know what it tests (the context check compares CTX/YARN)
+    words = [w for w in s["words"] if w.startswith(("TEST_", "MODEL=", "HF_CACHE=", "MODE=", "REVISION=", "CTX=", "YARN="))]
+    proc = flash(ctx, "test", "--url", s["url"], "--model", s["model"], "--json", *flash_test_args(), "default", *words,
+                 timeout=540)
+    keep(ctx, f"flash-test-{name}.json", proc.stdout + ("\n# stderr\n" + proc.stderr if proc.stderr else ""))
+    try:
+        body = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        body = None
+    assert proc.returncode == 0, f"flash test exit {proc.returncode}: {proc.stdout[-1500:]} {proc.stderr[-1500:]}"
+    return {"declared_na": list(TEST_NA), "args": flash_test_args(), "checks": (body or {}).get("checks")}
+
+
+def _probe(ctx: Context, name: str, label: str) -> Path:
+    p = need_up(ctx, name)
+    out = ctx.work / "artefacts" / f"probe-{label}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc = flash(ctx, "probe", label, "--url", p.spec["url"], "--model", p.spec["model"], "--out", str(out),
+                 "--max-tokens", str(PROBE_TOKENS), timeout=300)
+    assert proc.returncode == 0, f"flash probe {label} exit {proc.returncode}: {proc.stderr[-1500:]}"
+    ctx.artefacts.append(out)
+    return out
+
+
+def _diff(ctx: Context, a: Path, b: Path) -> dict:
+    proc = flash(ctx, "probe", "--diff", str(a), str(b), "--json", timeout=60)
+    verdict = json.loads(proc.stdout) if proc.stdout.strip().startswith("{") else {"raw": proc.stdout}
+    keep(ctx, f"diff-{a.stem}-{b.stem}.json", json.dumps(verdict, indent=2))
+    texts_a = [r["text"] for r in json.loads(a.read_text())["results"]]
+    texts_b = [r["text"] for r in json.loads(b.read_text())["results"]]
+    same_bytes = [x.encode() == y.encode() for x, y in zip(texts_a, texts_b)]
+    assert proc.returncode == 0 and all(same_bytes), f"probes differ: {verdict.get('lines', verdict)}"
+    return {"identical": True, "prompts": len(same_bytes), "lines": verdict.get("lines", [])}
+
+
+_PROBE_LOCK = threading.Lock()
+_PROBES: dict[str, Path] = {}
+
+
+def check_probe(ctx: Context, off: str, on: str) -> dict:
+    with _PROBE_LOCK:  # the all-off probe is taken once and shared by every patch's comparison
+        if off not in _PROBES:
+            _PROBES[off] = _probe(ctx, off, off)
+        a = _PROBES[off]
+    b = _probe(ctx, on, on)
+    return _diff(ctx, a, b)
+
+
+def check_prefix_hit(ctx: Context, name: str) -> dict:
+    p = need_up(ctx, name)
+    before = metrics(p.spec["url"])
+    cold = _probe(ctx, name, f"{name}-cold")
+    warm = _probe(ctx, name, f"{name}-warm")
+    after = metrics(p.spec["url"])
+    hits = sum(v for k, v in after.items() if k.startswith("vllm:prefix_cache_hits")) - sum(
+        v for k, v in before.items() if k.startswith("vllm:prefix_cache_hits"))
+    res = _diff(ctx, cold, warm)
+    assert hits > 0, "the second probe registered no prefix-cache hits"
+    return {**res, "prefix_cache_hit_tokens": hits}
+
+
+def check_ple_memory(ctx: Context, on: str, off: str) -> dict:
+    p_on, p_off = need_up(ctx, on), need_up(ctx, off)
+    m0 = metrics(p_on.spec["url"])
+    _chat(p_on.spec["url"], p_on.spec["model"], "invoice ledger balance credit debit account " * 20, 16)
+    m1 = metrics(p_on.spec["url"])
+    ple = {k: m1[k] - m0.get(k, 0.0) for k in m1 if k.startswith("vllm:ple_mmap")}
+    moved = {k: v for k, v in ple.items() if v}
+    gpu = gpu_memory_by_server(ctx)
+    init_on, init_off = PLE_INIT.findall(log_text(p_on)), PLE_INIT.findall(log_text(p_off))
+    mmap_on, mmap_off = PATCH1_TABLE.findall(log_text(p_on)), PATCH1_TABLE.findall(log_text(p_off))
+    kv = {n: (lambda m: m.group(0) if m else None)(re.search(r"Available KV cache memory:[^\n]*", log_text(p)))
+          for n, p in ((on, p_on), (off, p_off))}
+    res = {"patch1_table": {on: mmap_on, off: mmap_off}, "kv_memory": kv,
+           "gpu_mib": {on: gpu.get(on), off: gpu.get(off)},
+           "pinned_kib": {on: pinned_kib(p_on), off: pinned_kib(p_off)},
+           "ple_init": {on: init_on, off: init_off}, "ple_mmap_deltas": ple}
+    assert mmap_on, f"{on}: no 'flash_vllm patch 1: PLE mmap' line: the table was not opened from disk"
+    assert not mmap_off, f"{off}: patch 1 is off but its table line is in the log"
+    assert ple, "no vllm:ple_mmap_* series on /metrics"
+    assert moved, f"vllm:ple_mmap_* did not move after a request: {ple}"
+    for dtype, device, pinned in init_on:
+        assert device != "cuda" and not device.startswith("cuda:") and pinned == "False", \
+            f"patch 1 on, but the PLE table is on {device} (pinned={pinned})"
+    return res
+
+
+def check_kv_plan(ctx: Context, name: str) -> dict:
+    from flash_cli.kvline import KV_LINE
+
+    p = need_up(ctx, name)
+    m = KV_LINE.search(log_text(p))
+    assert m, "no 'GPU KV cache size: N tokens' line in the boot log"
+    measured = int(m.group(1).replace(",", ""))
+    words = [w for w in p.spec["words"]]
+    proc = flash(ctx, "plan", "--hardware", "h200", "--json", "default", *words, timeout=120)
+    keep(ctx, f"plan-{name}.json", proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"flash plan exit {proc.returncode}: {proc.stderr[-800:]}"
+    predicted = _find(json.loads(proc.stdout), "kv_cache_tokens")
+    assert isinstance(predicted, int), "flash plan --json has no kv_cache_tokens"
+    err = (predicted - measured) / measured
+    res = {"measured_tokens": measured, "predicted_tokens": predicted, "error": round(err, 4)}
+    assert abs(err) <= 0.02, f"plan {predicted:,} vs vLLM {measured:,} tokens: {err:+.2%} (limit 2%)"
+    return res
+
+
+def _find(obj, key):
+    if isinstance(obj, dict):
+        if key in obj:
+            return obj[key]
+        for v in obj.values():
+            hit = _find(v, key)
+            if hit is not None:
+                return hit
+    return None
+
+
+def check_diag(ctx: Context, names: tuple[str, ...]) -> dict:
+    """What each diagnosis boot said: its state, patch 1's id checks, the first error lines."""
+    out = {}
+    for name in names:
+        p = ctx.procs[name]
+        lines = log_text(p).splitlines()
+        out[name] = {"state": poll(p), "exit": p.exited,
+                     "debug": [ln.split("patch 1 debug: ", 1)[1][:3000] for ln in lines if "patch 1 debug: " in ln][:8],
+                     "errors": [ln[:600] for ln in lines if re.search(r"Error|error:|Traceback", ln)][:12],
+                     "tail": lines[-15:] if p.exited is not None else []}
+    return out
+
+
+def check_broken(ctx: Context, name: str) -> dict:
+    p = ctx.procs[name]
+    text = log_text(p)
+    assert p.exited is not None and p.exited != 0, f"the broken boot did not fail (state {poll(p)})"
+    want = f"flash_vllm patch {BREAK['patch']} ({BREAK['name']}) cannot apply"
+    assert want in text, f"exit {p.exited} but the log does not name the patch ({want!r}); tail: {text[-1500:]}"
+    assert "FLASH_E2E_BREAK applied" in text, "the breaker's sitecustomize did not run"
+    return {"exit": p.exited, "refused_after_s": round((p.ended_at or time.monotonic()) - p.started, 1),
+            "line": next(line for line in text.splitlines() if want in line)[:400]}
+
+
+# --- driver ------------------------------------------------------------------------------------------
+
+def device_env() -> dict[str, str]:
+    env_sh = os.environ.get("FLASH_E2E_VLLM_ENV")
+    if not env_sh:
+        return dict(os.environ)
+    if not Path(env_sh).is_file():
+        raise SystemExit(f"gpu-e2e: FLASH_E2E_VLLM_ENV={env_sh} is not a file (the device payload's env.sh)")
+    out = subprocess.run(["bash", "-c", f"set -a; source {shlex.quote(env_sh)} >/dev/null; env -0"],
+                         capture_output=True, check=True).stdout.decode()
+    return dict(kv.split("=", 1) for kv in out.split("\0") if "=" in kv)
+
+
+def cuda_problem(env: dict[str, str], python: str) -> str | None:
+    if not shutil.which("nvidia-smi"):
+        return "nvidia-smi not found"
+    code = "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 3)"
+    r = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"torch.cuda.is_available() is false in {python} ({r.stderr.strip()[-300:]})"
+    r = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"vLLM does not import in {python} (set FLASH_E2E_VLLM_ENV to the payload's env.sh): {r.stderr.strip()[-300:]}"
+    return None
+
+
+def fixture_problem(env: dict[str, str], python: str) -> str | None:
+    r = subprocess.run([python, "-c", "import numpy, safetensors, torch, requests, prometheus_client"], env=env,
+                       capture_output=True, text=True)
+    return None if r.returncode == 0 else ("the fixture writer and the flash CLI need numpy, safetensors, torch, requests, "
+                                           f"prometheus_client: {r.stderr.strip()[-300:]}")
+
+
+def commit() -> str:
+    if os.environ.get("FLASH_E2E_COMMIT"):
+        return os.environ["FLASH_E2E_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (set FLASH_E2E_COMMIT)"
+
+
+def make_context(dry: bool) -> Context:
+    work = Path(os.environ.get("FLASH_E2E_WORK") or tempfile.mkdtemp(prefix="flash-e2e-work-"))
+    out = Path(os.environ.get("FLASH_E2E_OUT") or tempfile.mkdtemp(prefix="flash-e2e-out-"))
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {} if dry else device_env()
+    python = os.environ.get("FLASH_E2E_PYTHON") or (shutil.which("python3", path=env.get("PATH")) if env else None) or sys.executable
+    return Context(work=work, out=out, python=python, base_env=env, snaps={},
+                   port0=int(os.environ.get("FLASH_E2E_PORT", "18400")),
+                   gpu_mem=float(os.environ.get("FLASH_E2E_GPU_MEM", "0.07")), dry=dry)
+
+
+def plan(ctx: Context, chosen: list[Scenario]) -> list[dict]:
+    names = [n for n in SERVERS if any(n in s.servers for s in chosen)]
+    specs = [render(ctx, SERVERS[n], i) for i, n in enumerate(names)]
+    for spec in specs:
+        spec["solo"] = any(s.solo and spec["server"] in s.servers for s in chosen)
+    return specs
+
+
+def print_plan(specs: list[dict], chosen: list[Scenario]) -> None:
+    say(f"gpu-e2e plan: {len(chosen)} scenario(s), {len(specs)} server(s)")
+    for s in chosen:
+        say(f"  scenario {s.name}: servers {', '.join(s.servers)} — {s.doc}")
+    for spec in specs:
+        say(f"\n== server {spec['server']} (fixture {spec['fixture']}, expect {spec['expect']}"
+            f"{', boots alone' if spec['solo'] else ''}) {spec['url']}")
+        say("   settings: " + shlex.join(spec["words"]))
+        say("   argv: " + shlex.join(spec["argv"]))
+        say("   env (from the RunSpec): " + " ".join(f"{k}={shlex.quote(v)}" for k, v in spec["spec_env"].items()))
+        say("   env (harness): " + " ".join(f"{k}={shlex.quote(v)}" for k, v in spec["harness_env"].items()))
+        for w in spec["preflight"] + spec["warnings"]:
+            say(f"   ! {w}")
+        if spec["unmapped_mounts"]:
+            say(f"   (container-only mounts not mapped: {', '.join(spec['unmapped_mounts'])})")
+
+
+def pack(ctx: Context, results: dict) -> None:
+    """≤ 8 flat files: results.json, summary.txt, logs.tar.gz (logs + artefacts, each capped at 4 MiB)."""
+    (ctx.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    lines = [f"gpu-e2e at commit {results['commit']} on {results.get('device', '?')}: "
+             f"{sum(r['ok'] for r in results['scenarios'].values())}/{len(results['scenarios'])} scenarios passed"]
+    for name, r in results["scenarios"].items():
+        lines.append(f"{'PASS' if r['ok'] else 'FAIL'} {name}: " + (r.get("error") or json.dumps(r.get("result"), default=str))[:600])
+    for name, s in results["servers"].items():
+        lines.append(f"server {name}: {s}")
+    (ctx.out / "summary.txt").write_text("\n".join(lines) + "\n")
+    cap = 4 << 20
+    with tarfile.open(ctx.out / "logs.tar.gz", "w:gz") as tar:
+        for path in sorted((ctx.work / "logs").glob("*.log")) + ctx.artefacts:
+            data = path.read_bytes() if path.exists() else b""
+            if len(data) > cap:
+                data = data[: cap // 4] + b"\n...[cut]...\n" + data[-(cap - cap // 4):]
+            info = tarfile.TarInfo(f"gpu-e2e/{path.parent.name}/{path.name}")
+            info.size = len(data)
+            import io
+            tar.addfile(info, io.BytesIO(data))
+
+
+def run(chosen: list[Scenario], dry: bool) -> int:
+    res = run_selected(chosen, dry)
+    if "exit" in res:
+        print(res["error"], file=sys.stderr)
+        return res["exit"]
+    return 0 if all(r["ok"] for r in res["scenarios"].values()) else 1
+
+
+def run_selected(chosen: list[Scenario], dry: bool = False) -> dict:
+    """The whole run → results (with "exit"/"error" when it could not start); pytest and the CLI share it."""
+    ctx = make_context(dry)
+    if dry:
+        from fakes import tiny_model  # on CPU: the real fixtures, so the argv names real snapshots
+
+        ctx.snaps = tiny_model.build(ctx.cache)
+        plugin_site(ctx)
+        print_plan(plan(ctx, chosen), chosen)
+        say("\n(dry run: nothing started; FLASH_E2E_DRY unset and a GPU give the real run)")
+        return {"dry": True, "scenarios": {}}
+    # FLASH_E2E_CUDA_CHECK=0: a CPU rehearsal against a stand-in `vllm` (tests/unit/test_gpu_e2e_dry.py)
+    problem = cuda_problem(ctx.base_env, ctx.python) if os.environ.get("FLASH_E2E_CUDA_CHECK") != "0" else None
+    if problem:
+        return {"exit": 3, "error": f"gpu-e2e: needs an NVIDIA GPU with CUDA and vLLM: {problem}"}
+    problem = fixture_problem(ctx.base_env, ctx.python)
+    if problem:
+        return {"exit": 3, "error": f"gpu-e2e: {problem}"}
+    t0 = time.monotonic()
+    deadline = t0 + float(os.environ.get("FLASH_E2E_DEADLINE", "540"))
+    say(f"gpu-e2e: building the tiny fixtures under {ctx.work}")
+    fx = subprocess.run([ctx.python, str(ROOT / "tests" / "fakes" / "tiny_model.py"), str(ctx.cache), "--json"],
+                        env={**ctx.base_env, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), ctx.base_env.get("PYTHONPATH", "")])},
+                        capture_output=True, text=True)
+    if fx.returncode != 0:
+        return {"exit": 4, "error": f"gpu-e2e: the fixture build failed:\n{fx.stderr[-3000:]}"}
+    ctx.snaps = {k: Path(v["path"]) for k, v in json.loads(fx.stdout).items()}
+    plugin_site(ctx)
+    specs = plan(ctx, chosen)
+    print_plan(specs, chosen)
+    timeout = float(os.environ.get("FLASH_E2E_BOOT_TIMEOUT", "420"))
+    results: dict = {"commit": commit(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                     "fixtures": json.loads(fx.stdout), "scenarios": {}, "servers": {}}
+    try:
+        try:
+            results["device"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                                                "--format=csv,noheader"], capture_output=True, text=True,
+                                               timeout=30).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            results["device"] = f"unknown ({exc})"
+        say(f"gpu-e2e: booting {len(specs)} server(s)")
+        ctx.procs = boot(ctx, specs, timeout, deadline)
+        (ctx.out / "results.json").write_text(json.dumps({**results, "phase": "booted"}, indent=2, default=str))
+
+        def one(s: Scenario) -> tuple[str, dict]:
+            t = time.monotonic()
+            try:
+                r = {"ok": True, "result": s.run(ctx)}
+            except Exception as exc:  # noqa: BLE001 - every scenario reports, none stops the others
+                r = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            r["s"] = round(time.monotonic() - t, 1)
+            say(f"{'PASS' if r['ok'] else 'FAIL'} {s.name} ({r['s']}s)")
+            return s.name, r
+
+        # scenarios talk to the servers over HTTP and wait on subprocesses: run them side by side,
+        # until the deadline (a device call is cut at 10 minutes; what finished must still come back)
+        pool = ThreadPoolExecutor(max_workers=int(os.environ.get("FLASH_E2E_PARALLEL", "6")))
+        futures = {pool.submit(one, s): s for s in chosen}
+        finished, _ = futures_wait(futures, timeout=max(5.0, deadline - time.monotonic() - 45))
+        pool.shutdown(wait=False, cancel_futures=True)
+        done = dict(f.result() for f in finished)
+        results["scenarios"] = {s.name: done.get(s.name, {"ok": False, "error": "not finished before the deadline "
+                                                           "(FLASH_E2E_DEADLINE)"}) for s in chosen}
+    finally:
+        states = {name: poll(p) for name, p in ctx.procs.items()}
+        stop_all(list(ctx.procs.values()))
+        for name, p in ctx.procs.items():
+            state = states[name]
+            results["servers"][name] = {"state_before_stop": state, "exit": p.exited,
+                                        "boot_s": round(p.healthy_at - p.started, 1) if p.healthy_at else None,
+                                        "kv_line": (lambda m: m.group(0) if m else None)(
+                                            re.search(r"GPU KV cache size:[^\n]*", log_text(p)))}
+        results["wall_s"] = round(time.monotonic() - t0, 1)
+        pack(ctx, results)
+    ok = all(r["ok"] for r in results["scenarios"].values())
+    say(f"gpu-e2e: {'all passed' if ok else 'FAILURES'}; results in {ctx.out} (results.json, summary.txt, logs.tar.gz)")
+    return results
+
+
+def main(argv: list[str]) -> int:
+    mode = argv[0] if argv and argv[0] in ("run", "plan") else "run"
+    rest = argv[1:] if argv and argv[0] in ("run", "plan") else argv
+    expr = None
+    if rest[:1] == ["-k"] and len(rest) >= 2:
+        expr = rest[1]
+    elif rest:
+        print("usage: fleet.py [run|plan] [-k EXPR]", file=sys.stderr)
+        return 2
+    chosen = select(expr)
+    if not chosen:
+        print(f"gpu-e2e: -k {expr!r} selects no scenario (known: {', '.join(SCENARIOS)})", file=sys.stderr)
+        return 2
+    dry = mode == "plan" or os.environ.get("FLASH_E2E_DRY", "") not in ("", "0")
+
+    def _term(signum, _frame):
+        raise SystemExit(128 + signum)  # unwinds through run's finally: servers stopped, results packed
+
+    signal.signal(signal.SIGTERM, _term)
+    return run(chosen, dry)
+
+
+if __name__ == "__main__":
+    try:
+        rc = main(sys.argv[1:])
+    except SystemExit as exc:  # SIGTERM (after the results were packed) or a usage exit
+        rc = exc.code if isinstance(exc.code, int) else 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)  # scenario threads past the deadline must not hold the exit (results are written)

@@ -1,0 +1,319 @@
+"""tools/device_payload.py: pack with fake wheels (no network), split, receive in any order,
+refuse corrupt parts and incomplete stores, install into a prefix with a stand-in pip."""
+
+import hashlib
+import importlib.util
+import json
+import random
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def dp():
+    spec = importlib.util.spec_from_file_location("device_payload", ROOT / "tools" / "device_payload.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["device_payload"] = mod  # dataclasses look the module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def quiet(*a, **k):
+    pass
+
+
+WHEELS = [
+    "tinya-1.0-py3-none-any.whl",
+    "tinyb-2.0.1-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl",
+    "tinyc-0.3-cp312-abi3-manylinux_2_31_x86_64.whl",
+    "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl",
+]
+
+
+def make_wheel(path: Path, seed: int, size: int = 3000) -> Path:
+    """A real (zip) wheel with a module and dist-info, padded with incompressible bytes."""
+    name, version = path.name.split("-")[:2]
+    rnd = random.Random(seed)
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name}/__init__.py", f"__version__ = {version!r}\n")
+        z.writestr(f"{name}/blob.bin", bytes(rnd.getrandbits(8) for _ in range(size)))
+        z.writestr(f"{name}-{version}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return path
+
+
+class FakeDownloader:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, filename, dest):
+        self.calls.append(filename)
+        return make_wheel(dest / filename, seed=len(self.calls))
+
+
+@pytest.fixture()
+def packed(dp, tmp_path):
+    """The fake wheels fetched through the injected downloader and packed into 1 KiB-ish parts."""
+    dl = FakeDownloader()
+    cache = tmp_path / "cache"
+    wheels = dp.fetch_wheels(WHEELS, cache, dl, local_dirs=(), log=quiet)
+    out = tmp_path / "payload"
+    m = dp.pack("0.33.0", wheels, out, part_size=4096)
+    return m, out, cache, dl
+
+
+def test_wheel_requirement_and_platforms(dp):
+    assert dp.wheel_requirement("torch-2.14.0-cp312-cp312-manylinux_2_28_x86_64.whl") == ("torch", "2.14.0")
+    assert dp.wheel_requirement("partial_json_parser-0.2.1.1.post7-py3-none-any.whl")[1] == "0.2.1.1.post7"
+    assert dp.wheel_platforms(WHEELS[1]) == ["manylinux_2_17_x86_64", "manylinux2014_x86_64"]
+    assert dp.wheel_platforms(WHEELS[0]) == []
+    with pytest.raises(dp.PayloadError, match="not a wheel filename"):
+        dp.wheel_requirement("torch-2.14.0.tar.gz")
+
+
+def test_read_list_skips_comments_and_refuses_duplicates(dp, tmp_path):
+    lst = tmp_path / "l.txt"
+    lst.write_text("# header\n\n" + "\n".join(WHEELS) + "\n")
+    assert dp.read_list(lst) == WHEELS
+    lst.write_text(WHEELS[0] + "\n" + WHEELS[0] + "\n")
+    with pytest.raises(dp.PayloadError, match="twice"):
+        dp.read_list(lst)
+    lst.write_text("not-a-wheel.zip\n")
+    with pytest.raises(dp.PayloadError, match="not a wheel"):
+        dp.read_list(lst)
+
+
+def test_pack_splits_into_parts_whose_hashes_the_manifest_holds(dp, packed):
+    m, out, cache, dl = packed
+    parts = sorted(out.glob("part-*"))
+    assert [p.name for p in parts] == [p["name"] for p in m["parts"]]
+    assert len(parts) > 3, "the small part size must split the tar"
+    assert all(p.stat().st_size <= 4096 for p in parts)
+    assert all(p.stat().st_size == 4096 for p in parts[:-1])
+    for p, e in zip(parts, m["parts"]):
+        assert hashlib.sha256(p.read_bytes()).hexdigest() == e["sha256"]
+    whole = b"".join(p.read_bytes() for p in parts)
+    assert len(whole) == m["tar"]["size"]
+    assert hashlib.sha256(whole).hexdigest() == m["tar"]["sha256"]
+    assert sorted(w["name"] for w in m["wheels"]) == sorted(WHEELS)
+    for w in m["wheels"]:
+        assert hashlib.sha256((cache / w["name"]).read_bytes()).hexdigest() == w["sha256"]
+    # manifest round trip: the file on disk loads back to the same data
+    assert dp.load_manifest(out / "manifest.json") == m
+
+
+def test_pack_is_deterministic_and_cache_makes_repack_download_nothing(dp, packed, tmp_path):
+    m, out, cache, dl = packed
+    n = len(dl.calls)
+    assert n == len(WHEELS)
+    wheels = dp.fetch_wheels(WHEELS, cache, dl, local_dirs=(), log=quiet)
+    assert len(dl.calls) == n, "a re-pack must take every wheel from the cache"
+    m2 = dp.pack("0.33.0", wheels, tmp_path / "again", part_size=4096)
+    assert m2["tar"]["sha256"] == m["tar"]["sha256"]
+
+
+def test_fetch_prefers_a_local_wheel_dir(dp, tmp_path):
+    local = tmp_path / "local"
+    local.mkdir()
+    make_wheel(local / WHEELS[3], seed=9)
+    dl = FakeDownloader()
+    got = dp.fetch_wheels([WHEELS[3]], tmp_path / "cache", dl, local_dirs=(local,), log=quiet)
+    assert got == [local / WHEELS[3]] and dl.calls == []
+
+
+def test_downloader_result_must_be_the_listed_file(dp, tmp_path):
+    def wrong(filename, dest):
+        return make_wheel(dest / "tinya-1.0-py2-none-any.whl", seed=1)
+
+    with pytest.raises(dp.PayloadError, match="expected"):
+        dp.fetch_wheels([WHEELS[0]], tmp_path / "c", wrong, local_dirs=(), log=quiet)
+
+
+def test_pip_downloader_tries_the_filenames_own_tags_first_and_refuses_other_builds(dp, tmp_path, monkeypatch):
+    seen = []
+
+    class R:
+        def __init__(self, rc):
+            self.returncode, self.stdout, self.stderr = rc, "", "ERROR: No matching distribution"
+
+    def fake_run(argv, **kw):
+        plats = [argv[i + 1] for i, a in enumerate(argv) if a == "--platform"]
+        seen.append(plats)
+        dest = Path(argv[argv.index("-d") + 1])
+        if plats == ["manylinux_2_31_x86_64"]:  # pip would pick another build for this set
+            make_wheel(dest / "tinyc-0.3-cp312-abi3-manylinux_2_17_x86_64.whl", seed=1)
+            return R(0)
+        if "manylinux_2_34_x86_64" in plats:
+            make_wheel(dest / WHEELS[2], seed=1)
+            return R(0)
+        return R(1)
+
+    monkeypatch.setattr(dp.subprocess, "run", fake_run)
+    out = dp.pip_downloader(WHEELS[2], tmp_path)
+    assert out == tmp_path / WHEELS[2] and out.is_file()
+    assert seen[0] == ["manylinux_2_31_x86_64"]
+    assert seen[-1][-1] == "manylinux_2_34_x86_64"
+    assert not list(tmp_path.glob(".dl-*")), "temporary download dirs are removed"
+    monkeypatch.setattr(dp.subprocess, "run", lambda argv, **kw: R(1))
+    with pytest.raises(dp.PayloadError, match="tinyc==0.3"):
+        dp.pip_downloader(WHEELS[2], tmp_path)
+
+
+def carry(out: Path, name: str, where: Path) -> Path:
+    """What the device tool does: the part appears in a fresh checkout copy."""
+    where.mkdir(parents=True, exist_ok=True)
+    dst = where / name
+    dst.write_bytes((out / name).read_bytes())
+    return dst
+
+
+def test_receive_in_random_order_then_install(dp, packed, tmp_path, capsys):
+    m, out, cache, dl = packed
+    store = tmp_path / "store"
+    names = [p["name"] for p in m["parts"]]
+    order = names[:]
+    random.Random(3).shuffle(order)
+    assert order != names
+    for i, name in enumerate(order):
+        part = carry(out, name, tmp_path / f"call{i}")
+        st = dp.receive([part], store, m, log=quiet)
+        assert not part.exists(), "a received part is moved into the store"
+        assert st["have"] == i + 1
+        assert st["missing"] == [n for n in names if n not in order[: i + 1]]
+        assert st["complete"] == (i == len(order) - 1)
+    # the manifest was staged in the store: a later call finds it without one carried
+    assert dp.find_manifest(None, [], store, None) == m
+    # the CLI's status line is machine-readable
+    dp.print_status(st)
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith(dp.STATUS_PREFIX)][0]
+    assert json.loads(line[len(dp.STATUS_PREFIX):])["complete"] is True
+
+    pip_calls = []
+
+    def fake_pip(argv, **kw):
+        if argv[1:3] == ["-m", "pip"]:
+            pip_calls.append(argv)
+            target = Path(argv[argv.index("--target") + 1])
+            for whl in argv[argv.index("--target") + 2:]:
+                with zipfile.ZipFile(whl) as z:
+                    z.extractall(target)
+            return type("R", (), {"returncode": 0, "stdout": "", "stderr": ""})()
+        raise AssertionError(argv)
+
+    s = dp.open_store(store, m)
+    prefix = tmp_path / "prefix"
+    orig = dp.subprocess.run
+    dp.subprocess.run = fake_pip
+    try:
+        mark = dp.install(s, prefix, log=quiet)
+    finally:
+        dp.subprocess.run = orig
+    assert mark["wheels"] == len(WHEELS)
+    argv = pip_calls[0]
+    for flag in ("--no-index", "--no-deps", "--no-compile"):
+        assert flag in argv
+    assert sorted(Path(w).name for w in argv[argv.index("--target") + 2:]) == sorted(WHEELS)
+    assert (prefix / "tinyb" / "__init__.py").is_file()
+    env = (prefix / "env.sh").read_text()
+    assert f"{prefix}:{prefix}/nvidia_cutlass_dsl/dsl_packages" in env
+    assert "VLLM_USE_FLASHINFER_SAMPLER=0" in env
+    assert not prefix.with_name("prefix.partial").exists()
+    # the versions subprocess really imports from the prefix (our fake packages stand in)
+    v = dp.imported_versions(prefix, modules=("tinya", "tinyb", "nosuchmod"))
+    assert v["tinya"]["version"] == "1.0" and v["tinya"]["file"].startswith(str(prefix))
+    assert v["tinyb"]["version"] == "2.0.1"
+    assert "ModuleNotFoundError" in v["nosuchmod"]["error"]
+    # idempotent: a second install of the same payload runs no pip
+    dp.subprocess.run = lambda *a, **k: (_ for _ in ()).throw(AssertionError("pip ran again"))
+    try:
+        assert dp.install(s, prefix, log=quiet)["tar_sha256"] == m["tar"]["sha256"]
+    finally:
+        dp.subprocess.run = orig
+
+
+def test_corrupt_part_is_rejected_and_not_stored(dp, packed, tmp_path):
+    m, out, cache, dl = packed
+    store = tmp_path / "store"
+    part = carry(out, "part-001", tmp_path / "call")
+    data = bytearray(part.read_bytes())
+    data[100] ^= 0xFF
+    part.write_bytes(bytes(data))
+    with pytest.raises(dp.PayloadError, match="part-001 is corrupt") as e:
+        dp.receive([part], store, m, log=quiet)
+    assert e.value.code == 3
+    assert part.exists(), "a rejected part stays where it was carried"
+    s = dp.open_store(store, m)
+    assert "part-001" in s.missing() and not s.part_path("part-001").exists()
+    stray = carry(out, "part-000", tmp_path / "c2").rename(tmp_path / "c2" / "part-999")
+    with pytest.raises(dp.PayloadError, match="part-999 is not a part"):
+        dp.receive([stray], store, m, log=quiet)
+
+
+def test_install_refuses_an_incomplete_store(dp, packed, tmp_path):
+    m, out, cache, dl = packed
+    store = tmp_path / "store"
+    for p in m["parts"][:-1]:
+        dp.receive([carry(out, p["name"], tmp_path / "c")], store, m, log=quiet)
+    s = dp.open_store(store, m)
+    with pytest.raises(dp.PayloadError, match=f"missing 1 of {len(m['parts'])} parts \\({m['parts'][-1]['name']}\\)"):
+        dp.install(s, tmp_path / "prefix", pip=["false"], log=quiet)
+    assert not (tmp_path / "prefix").exists()
+
+
+def test_install_refuses_a_part_damaged_after_receipt(dp, packed, tmp_path):
+    m, out, cache, dl = packed
+    store = tmp_path / "store"
+    for p in m["parts"]:
+        dp.receive([carry(out, p["name"], tmp_path / "c")], store, m, log=quiet)
+    s = dp.open_store(store, m)
+    victim = s.part_path("part-002")
+    data = bytearray(victim.read_bytes())
+    data[5] ^= 1
+    victim.write_bytes(bytes(data))  # same size: only the hash can tell
+    with pytest.raises(dp.PayloadError, match=r"bad parts: \['part-002'\]"):
+        dp.install(s, tmp_path / "prefix", pip=["false"], log=quiet)
+    assert s.missing() == ["part-002"], "the damaged part is asked for again"
+
+
+def test_cli_receive_reports_missing_and_install_exit_code(dp, packed, tmp_path, capsys):
+    m, out, cache, dl = packed
+    store = tmp_path / "store"
+    call = tmp_path / "call"
+    part = carry(out, "part-000", call)
+    carry(out, "manifest.json", call)
+    assert dp.main(["receive", str(part), "--store", str(store)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    st = json.loads([x for x in lines if x.startswith(dp.STATUS_PREFIX)][0][len(dp.STATUS_PREFIX):])
+    assert st["have"] == 1 and st["missing"][0] == "part-001"
+    # next call carries no manifest: the store's is used
+    part = carry(out, "part-001", tmp_path / "call2")
+    assert dp.main(["receive", str(part), "--store", str(store)]) == 0
+    assert dp.main(["install", "--store", str(store), "--prefix", str(tmp_path / "p")]) == 3
+    assert "incomplete" in capsys.readouterr().err
+    assert dp.main(["status", "--store", str(store), "--prefix", str(tmp_path / "p")]) == 0
+    assert f"2/{len(m['parts'])} parts" in capsys.readouterr().out
+
+
+def test_release_without_a_list_is_resolved_by_pip_minus_the_image(dp, tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_run(argv, **kw):
+        seen["argv"] = argv
+        dest = Path(argv[argv.index("-d") + 1])
+        for fn in ("vllm-0.29.0-cp38-abi3-manylinux_2_28_x86_64.whl", "torch-2.9.0-cp312-cp312-manylinux_2_28_x86_64.whl",
+                   "Jinja2-3.1.6-py3-none-any.whl"):
+            make_wheel(dest / fn, seed=1, size=10)
+        return type("R", (), {"returncode": 0, "stdout": "", "stderr": ""})()
+
+    monkeypatch.setattr(dp.subprocess, "run", fake_run)
+    freeze = tmp_path / "freeze.txt"
+    freeze.write_text("jinja2==3.1.6\ntorch==2.11.0\n")  # the image: same jinja2, another torch
+    names = dp.resolve_release("0.29.0", tmp_path / "cache", dp.read_freeze(freeze))
+    assert "--no-deps" not in seen["argv"] and seen["argv"][-1] == "vllm==0.29.0"
+    assert names == ["torch-2.9.0-cp312-cp312-manylinux_2_28_x86_64.whl",
+                     "vllm-0.29.0-cp38-abi3-manylinux_2_28_x86_64.whl"]
+    assert all((tmp_path / "cache" / n).is_file() for n in names)

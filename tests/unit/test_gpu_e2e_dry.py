@@ -1,0 +1,186 @@
+"""The gpu-e2e tier on CPU: its dry plan (every server's argv + env, rendered from the RunSpec), the
+scenario selection, the plugin entry point it ships, the breaker, and the clear refusal without CUDA."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FLEET = ROOT / "tests" / "gpu_e2e" / "fleet.py"
+sys.path.insert(0, str(FLEET.parent))
+
+import fleet  # noqa: E402
+from fakes import tiny_model  # noqa: E402
+from flash_cli import recipe  # noqa: E402
+from flash_cli.commands import serve  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    work = tmp_path_factory.mktemp("e2e")
+    ctx = fleet.Context(work=work, out=work / "out", python="/opt/py/bin/python3", base_env={}, snaps={}, dry=True)
+    ctx.snaps = tiny_model.build(ctx.cache)
+    fleet.plugin_site(ctx)
+    chosen = fleet.select(None)
+    return ctx, chosen, {s["server"]: s for s in fleet.plan(ctx, chosen)}
+
+
+def test_every_server_is_the_default_profiles_runspec(planned):
+    ctx, _, specs = planned
+    assert set(specs) == set(fleet.SERVERS)
+    ports = [s["port"] for s in specs.values()]
+    assert len(set(ports)) == len(ports)
+    for name, s in specs.items():
+        # the same words through flash serve's own planner give the same vllm argv (paths mapped)
+        r = recipe.load(["default", *s["words"]], env={})
+        spec = serve.plan(r, r.snapshot().name)
+        assert s["argv"][:3] == [ctx.python, "-m", "flash_vllm.launch"]
+        assert s["argv"][3:6] == [ctx.python, "-m", "vllm.entrypoints.cli.main"]
+        assert s["argv"][6:] == [a.replace("/hf/", f"{ctx.cache}/", 1) if a.startswith("/hf/") else a
+                                 for a in spec.command[1:]]
+        model = Path(s["argv"][7])
+        assert model.is_dir() and (model / "config.json").is_file(), model
+        assert s["spec_env"]["HF_HOME"] == str(ctx.cache) and s["spec_env"]["HF_HUB_OFFLINE"] == "1"
+        assert s["spec_env"]["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+        argv = s["argv"]
+        assert argv[argv.index("--block-size") + 1] == "256" and argv[argv.index("--gdn-prefill-backend") + 1] == "triton"
+        assert argv[argv.index("--port") + 1] == str(s["port"]) and argv[argv.index("--host") + 1] == "127.0.0.1"
+        assert argv[argv.index("--max-model-len") + 1] == "2048"
+        spec_cfg = json.loads(argv[argv.index("--speculative-config") + 1])
+        assert spec_cfg == {"method": "mtp", "num_speculative_tokens": 2}  # the default recipe's MTP=2
+        assert json.loads(argv[argv.index("--compilation-config") + 1]) == {"cudagraph_mode": "PIECEWISE"}
+        assert "--hf-overrides" not in argv  # YARN=0 for a 2,048-token tiny model
+        assert not s["preflight"], (name, s["preflight"])
+        assert s["harness_env"]["VLLM_CACHE_ROOT"].endswith(f"/vllm-cache/{name}")
+        assert s["spec_env"]["VLLM_MTP_DRAFT_VOCAB"].endswith("draft-vocab.npy")
+    modes = {n: specs[n]["argv"][7] for n in ("a-default", "b-default", "c-default")}
+    assert modes["b-default"].endswith("-fp8hybrid") and modes["c-default"].endswith("-fp8hybrid-mtpnvfp4")
+    assert specs["b-default"]["spec_env"]["VLLM_FP8_HYBRID"] == "1"
+
+
+def test_patch_switches(planned):
+    _, _, specs = planned
+    off = specs["probe-off"]["spec_env"]
+    assert off["FLASH_DISABLE_PATCHES"] == ",".join(map(str, range(1, 14))) and off["VLLM_PLE_MMAP"] == "0"
+    for n in fleet.NEUTRAL:
+        env = specs[f"probe-p{n}"]["spec_env"]
+        disabled = set(env["FLASH_DISABLE_PATCHES"].split(","))
+        assert str(n) not in disabled and len(disabled) == 12
+        assert env["VLLM_PLE_MMAP"] == ("1" if n == 1 else "0")
+        assert env["VLLM_QSA_EXACT_TOPK"] == ("1" if n == 5 else "0")
+        assert env["VLLM_QSA_DET_TOPK"] == ("1" if n == 8 else "0")
+        # same graph mode as the all-off server
+        assert specs[f"probe-p{n}"]["argv"][specs[f"probe-p{n}"]["argv"].index("--compilation-config") + 1] == \
+            specs["probe-off"]["argv"][specs["probe-off"]["argv"].index("--compilation-config") + 1]
+    assert specs["a-nople"]["spec_env"]["VLLM_PLE_MMAP"] == "0" and specs["a-default"]["spec_env"]["VLLM_PLE_MMAP"] == "1"
+    brk = specs["broken-p1"]["harness_env"]
+    assert brk["PYTHONPATH"].split(os.pathsep)[0].endswith("tests/gpu_e2e/breaker")
+    assert json.loads(brk["FLASH_E2E_BREAK"])["module"] == fleet.BREAK["module"]
+
+
+def test_only_kv_plan_servers_boot_alone(planned):
+    ctx, _, _ = planned
+    specs = {s["server"]: s for s in fleet.plan(ctx, fleet.select("kv_plan or probe_p1"))}
+    assert {n for n, s in specs.items() if s["solo"]} == {"a-default", "b-default", "c-default"}
+    assert not specs["probe-p1"]["solo"]
+    specs = {s["server"]: s for s in fleet.plan(ctx, fleet.select("boot_a"))}
+    assert list(specs) == ["a-default"] and not specs["a-default"]["solo"]
+
+
+def test_selection_is_pytest_like():
+    names = lambda e: [s.name for s in fleet.select(e)]  # noqa: E731
+    assert names("probe and not p13") == [f"probe_p{n}" for n in fleet.NEUTRAL if n != 13]
+    assert names("boot_a or broken") == ["boot_a", "broken_patch_p1"]
+    assert len(names(None)) == len(fleet.SCENARIOS) == 3 * 3 + len(fleet.NEUTRAL) + 4  # + diag_ple_ids
+
+
+def test_plugin_site_declares_our_entry_point(planned):
+    ctx, _, _ = planned
+    code = ("import importlib.metadata as m; print([e.value for e in m.entry_points(group='vllm.general_plugins')])")
+    env = {"PYTHONPATH": os.pathsep.join([str(ctx.work / "plugin-site"), str(ROOT / "src")]), "PATH": os.environ["PATH"]}
+    out = subprocess.run([sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['flash_vllm:register']"
+
+
+def test_dry_run_prints_every_server(tmp_path):
+    env = {**os.environ, "FLASH_E2E_DRY": "1", "FLASH_E2E_WORK": str(tmp_path / "w"), "FLASH_E2E_OUT": str(tmp_path / "o")}
+    proc = subprocess.run([sys.executable, str(FLEET), "run", "-k", "boot or broken"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    for name in ("a-default", "b-default", "c-default", "broken-p1"):
+        assert f"== server {name}" in out
+    argv_lines = [line.split("argv: ", 1)[1] for line in out.splitlines() if line.strip().startswith("argv: ")]
+    assert len(argv_lines) == 4 and all("vllm.entrypoints.cli.main serve" in a for a in argv_lines)
+    assert all(shlex.split(a)[shlex.split(a).index("--block-size") + 1] == "256" for a in argv_lines)
+    assert "nothing started" in out
+
+
+def test_without_cuda_it_refuses_clearly(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "FLASH_E2E_DRY"}
+    env.update(PATH="/usr/bin:/bin", FLASH_E2E_WORK=str(tmp_path / "w"), FLASH_E2E_OUT=str(tmp_path / "o"))
+    proc = subprocess.run([sys.executable, str(FLEET), "run", "-k", "boot_a"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 3
+    assert "needs an NVIDIA GPU with CUDA" in proc.stderr
+
+
+def test_bad_selection_is_a_usage_error():
+    proc = subprocess.run([sys.executable, str(FLEET), "plan", "-k", "nothing_like_this"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "selects no scenario" in proc.stderr
+
+
+def test_breaker_moves_an_anchor_and_keeps_the_code(tmp_path):
+    pkg = tmp_path / "pkg" / "fakepkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mod.py").write_text("from . import __name__ as _p\n\ndef f():\n    return 'ab'.upper()\n")
+    code = "import inspect, fakepkg.mod as m; print(m.f()); print('str.upper' in inspect.getsource(m.f))"
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": os.pathsep.join([str(FLEET.parent / "breaker"), str(tmp_path / "pkg")]),
+           "FLASH_E2E_BREAK": json.dumps({"module": "fakepkg.mod", "old": "'ab'.upper()", "new": "str.upper('ab')"}),
+           "FLASH_E2E_BREAK_DIR": str(tmp_path / "brk")}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert proc.stdout.split() == ["AB", "True"]
+    assert "FLASH_E2E_BREAK applied: fakepkg.mod" in proc.stderr
+    env["FLASH_E2E_BREAK"] = json.dumps({"module": "fakepkg.mod", "old": "not there", "new": "x"})
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode != 0 and "nothing to move" in proc.stderr
+
+
+def test_rehearsal_against_the_standin(tmp_path):
+    """The whole run path on CPU, with tests/standin/server.py as `vllm` (a stand-in package on
+    PYTHONPATH, FLASH_E2E_CUDA_CHECK=0): fixtures, boots from the planned argv, probes and diffs,
+    prefix-hit, stop, results packed flat. The stand-in has no plugin, so the broken boot stays up
+    and that scenario must FAIL, saying why."""
+    fake = tmp_path / "fake"
+    cli = fake / "vllm" / "entrypoints" / "cli"
+    cli.mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text('__version__ = "0.33.0"\n')
+    (fake / "vllm" / "entrypoints" / "__init__.py").write_text("")
+    (cli / "__init__.py").write_text("")
+    (cli / "main.py").write_text("import runpy, sys\nsys.argv = ['vllm', *sys.argv[1:]]\n"
+                                 f"runpy.run_path({str(ROOT / 'tests' / 'standin' / 'server.py')!r}, run_name='__main__')\n")
+    out = tmp_path / "out"
+    env = {**os.environ, "FLASH_E2E_CUDA_CHECK": "0", "PYTHONPATH": str(fake), "FLASH_E2E_PYTHON": sys.executable,
+           "FLASH_E2E_WORK": str(tmp_path / "work"), "FLASH_E2E_OUT": str(out), "STANDIN_BOOT_SECONDS": "1",
+           "FLASH_E2E_PORT": "18640"}
+    env.pop("FLASH_E2E_DRY", None)
+    proc = subprocess.run([sys.executable, str(FLEET), "run", "-k", "probe_p1 or prefix_hit or broken"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # the broken boot did not refuse
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "results.json", "summary.txt"]
+    res = json.loads((out / "results.json").read_text())
+    verdicts = {k: v["ok"] for k, v in res["scenarios"].items()}
+    assert verdicts == {"probe_p1": True, "probe_p13": True, "prefix_hit_a": True, "broken_patch_p1": False}
+    assert "did not fail" in res["scenarios"]["broken_patch_p1"]["error"]
+    assert res["scenarios"]["prefix_hit_a"]["result"]["prefix_cache_hit_tokens"] > 0
+    assert {s["exit"] for s in res["servers"].values()} == {0}  # every server stopped cleanly
+    log = (tmp_path / "work" / "logs" / "probe-p1.log").read_text().splitlines()[0]
+    assert "vllm.entrypoints.cli.main serve" in log and "--block-size 256" in log

@@ -1,0 +1,51 @@
+"""Tests that cannot pass by skipping (issue 14). With the PLE table made to refuse an io mode that
+works on this machine, the PLE tests of that mode must fail; before, they skipped on any open
+error and the tier stayed green. Runs a narrow selection of the real tests in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ple_io import direct_missing, uring_missing
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_broken(io: str, *selection: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "FLASH_BREAK_PLE_IO": io,
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "support"), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "break_ple_io", "-q", "-p", "no:cacheprovider",
+                           *selection], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def outcome(res) -> str:
+    return res.stdout.strip().splitlines()[-1] if res.stdout.strip() else res.stderr[-500:]
+
+
+@pytest.mark.parametrize("io,selection", [
+    ("mmap", ["tests/unit/test_ple_table.py::test_gather_bit_identical[radixark-48-mmap]"]),
+    ("mmap", ["tests/unit/test_ple_native.py::test_gather_bit_identical_native_and_numpy[nvidia-48-mmap-False]"]),
+])
+def test_a_broken_mmap_path_fails_the_ple_tests(io, selection):
+    res = run_broken(io, *selection)
+    last = outcome(res)
+    assert res.returncode == 1 and "failed" in last and "skipped" not in last, res.stdout[-3000:]
+    assert "broken on purpose by break_ple_io: io=mmap" in res.stdout
+
+
+def test_a_broken_uring_path_fails_where_io_uring_works():
+    if uring_missing():
+        pytest.skip(uring_missing())
+    res = run_broken("uring", "tests/unit/test_ple_table.py::test_gather_bit_identical[nvidia-48-uring]")
+    last = outcome(res)
+    assert res.returncode == 1 and "failed" in last and "skipped" not in last, res.stdout[-3000:]
+
+
+def test_probe_reasons_name_the_missing_feature(tmp_path):
+    for reason in (uring_missing(), direct_missing(tmp_path)):
+        assert reason is None or ("io_uring" in reason or "O_DIRECT" in reason)

@@ -1,0 +1,171 @@
+"""Patch 1 through the layer that calls it: the release's own `Qwen4ExpNGramEmbedding`, on CPU.
+
+The older checks (check_ple_mmap.py) fed the replaced storage class ids we made ourselves. Here the
+release's n-gram layer is built twice from one `Qwen4ExpTextConfig` — once with the stock device
+storage class, once with patch 1 applied — loads the same checkpoint tensors through its own
+`load_weights` (fp8 shards, weight_scale and the three I64 hash buffers), and runs `forward` on
+what the model runner hands it: an int32 `query_start_loc` padded with trailing zero-length
+requests up to `max_num_reqs` (the profile run's shape), an int32 `ngram_context` with one row per
+request slot, token ids with EOS inside, several requests, a prefill chunk and decode steps. The
+dequantised outputs must be bit-identical, and `VLLM_PLE_MMAP_DEBUG`'s host reference must find
+every id in range.
+
+0.29 has its own flavour (a splitting op inside the release's layer) and is driven through its
+real forward in check_ple_mmap.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+NGRAM = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
+PREFIX = "model.language_model.layers.1.ple.ple_embedding"
+EOS, VOCAB, BASE, HEADS_PER, PARTS, HEAD_DIM = 511, 512, 1000, 8, 4, 16
+
+
+def _storage_base(base):
+    from flash_vllm.patches import ple_mmap
+
+    return ple_mmap.FLAVOURS.get(base) == "storage"
+
+
+@pytest.fixture(scope="module")
+def hf_config():
+    from transformers import Qwen4ExpTextConfig
+
+    cfg = Qwen4ExpTextConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2, hc_count=4, hc_lowrank=16,
+        ple_layer_ids=[2], ple_embed_dim=16 * HEAD_DIM, heads_per_ngram=HEADS_PER, ngram_vocab_size_base=BASE,
+        make_ngram_vocab_size_divisible_by=16, split_ngram_parts=PARTS, indexer_n_heads=2, indexer_kv_heads=1,
+        indexer_head_dim=32, indexer_budget=2048, indexer_compress_ratio=4, eos_token_id=EOS,
+        partial_rotary_factor=0.25)
+    cfg.ple_embedding_dtype = "float8_e4m3fn"
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A one-PLE-layer checkpoint in NVIDIA's layout with the hash buffers vLLM computes."""
+    from safetensors import safe_open
+
+    from flash_vllm.ple import synth
+
+    ng = importlib.import_module(NGRAM).Qwen4ExpNGramEmbedding
+    sizes, offsets, total = ng._make_vocab_layout(ngram_vocab_size_base=BASE, ngram_heads=2 * HEADS_PER,
+                                                  ple_dense_layer_id=0)
+    mult = ng._make_layer_multipliers(ngram_size=3, unigram_vocab_size=VOCAB, seed=1234, ple_dense_layer_id=0)
+    padded = -(-total // 16) * 16
+    rps = -(-padded // PARTS)
+    d = tmp_path_factory.mktemp("ple-fwd")
+    (fname,) = [f for f in synth.write_checkpoint(
+        d, layout="nvidia", rows_per_shard=rps, num_shards=PARTS, last_rows=padded - (PARTS - 1) * rps,
+        width=HEAD_DIM, buffers={"layer_multipliers": mult, "ngram_heads_offsets": offsets,
+                                 "ngram_heads_vocab_sizes": sizes}) if "ple" in f]
+    tensors = {}
+    with safe_open(os.path.join(d, fname), "pt") as f:
+        for k in f.keys():
+            if k.startswith(PREFIX + "."):
+                tensors[k[len(PREFIX) + 1:]] = f.get_tensor(k)
+    return SimpleNamespace(dir=d, tensors=tensors, rows=padded)
+
+
+@pytest.fixture(scope="module")
+def layers(base, hf_config, checkpoint, tmp_path_factory):
+    """(stock, patched) `Qwen4ExpNGramEmbedding`, both loaded from the checkpoint."""
+    if not _storage_base(base):
+        yield None
+        return
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    from flash_vllm import compat
+    from flash_vllm.patches import ple_mmap
+    from flash_vllm.registry import Context
+
+    ng = importlib.import_module(NGRAM)
+    stock_classes = (ng.Qwen4ExpPLEPinnedHostEmbedding, ng.Qwen4ExpPLEDeviceEmbedding)
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    dist = tmp_path_factory.mktemp("dist") / "init"
+    with set_current_vllm_config(cfg):
+        ps.init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{dist}",
+                                        local_rank=0, backend="gloo")
+        ps.initialize_model_parallel(1, 1)
+        cfg.model_config = SimpleNamespace(model=str(checkpoint.dir))
+        if getattr(cfg, "engram_config", None) is not None:
+            cfg.engram_config.cpu_offload = False  # stock: the device class (pinned needs UVA, no CPU)
+
+        def build():
+            m = ng.Qwen4ExpNGramEmbedding(hf_config, 16 * HEAD_DIM, 0, 64, data_parallel_rank=0, prefix=PREFIX,
+                                          quant_config=None, params_dtype=torch.bfloat16)
+            m.load_weights(list(checkpoint.tensors.items()))
+            return m
+
+        try:
+            stock = build()
+            ctx = Context(compat.resolve(compat.installed_vllm_version(), {}),
+                          {"VLLM_PLE_MMAP": "1", "VLLM_PLE_MMAP_DEBUG": "1"})
+            ple_mmap.check(ctx)
+            ple_mmap.apply(ctx)
+            ours = build()
+            yield SimpleNamespace(stock=stock, ours=ours)
+        finally:
+            # Leave the release as found for the other checks of this session (every binding).
+            from flash_vllm.registry import rebind_stale
+
+            for old, new in zip((ng.Qwen4ExpPLEPinnedHostEmbedding, ng.Qwen4ExpPLEDeviceEmbedding), stock_classes):
+                rebind_stale(old, new)
+            ng.Qwen4ExpPLEPinnedHostEmbedding, ng.Qwen4ExpPLEDeviceEmbedding = stock_classes
+            fwd = ng.Qwen4ExpNGramEmbedding.forward
+            if getattr(fwd, "__flash_patch__", None):
+                ng.Qwen4ExpNGramEmbedding.forward = fwd.__flash_original__
+            ps.destroy_model_parallel()
+            ps.destroy_distributed_environment()
+
+
+def _runner_inputs(lens, max_reqs, contexts, gen):
+    """What `Qwen4ExpModelState.prepare_inputs` hands the model: int32 query_start_loc padded with
+    zero-length requests up to max_reqs, int32 ngram_context with one row per request slot."""
+    n = sum(lens)
+    ids = torch.randint(0, VOCAB, (n,), generator=gen, dtype=torch.int32)
+    ids[n // 3] = EOS
+    qsl = torch.full((max_reqs + 1,), n, dtype=torch.int32)
+    qsl[0] = 0
+    qsl[1:len(lens) + 1] = torch.tensor(lens).cumsum(0).to(torch.int32)
+    ctx = torch.full((max_reqs, 2), EOS, dtype=torch.int32)
+    for i, c in enumerate(contexts):
+        ctx[i] = torch.tensor(c, dtype=torch.int32)
+    return ids, qsl, ctx
+
+
+CASES = {
+    "profile-run": ([64], [[EOS, EOS]]),
+    "prefill-chunks": ([37, 5, 20], [[EOS, EOS], [3, 4], [EOS, 9]]),
+    "decode": ([1] * 6, [[1, 2], [EOS, 5], [7, EOS], [8, 9], [10, 11], [EOS, EOS]]),
+    "mtp-verify": ([3, 3, 3], [[1, 2], [3, 4], [5, EOS]]),  # 1 + 2 draft positions per request
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_patched_layer_forward_matches_stock(layers, base, case, checkpoint):
+    if layers is None:
+        assert not _storage_base(base)
+        return
+    lens, contexts = CASES[case]
+    gen = torch.Generator().manual_seed(len(case))
+    ids, qsl, ctx = _runner_inputs(lens, max_reqs=16, contexts=contexts, gen=gen)
+    hs = torch.zeros(sum(lens), 64, dtype=torch.bfloat16)
+    want = layers.stock.ngram_embedding.dequantize(layers.stock(hs, ids, qsl, ctx), torch.bfloat16)
+    got = layers.ours.ngram_embedding.dequantize(layers.ours(hs, ids, qsl, ctx), torch.bfloat16)
+    assert got.shape == want.shape == (sum(lens), 16 * HEAD_DIM)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # bitwise, fp8 NaNs included
+    from flash_vllm.patches.ple_mmap_debug import check_ids
+
+    rep = check_ids(layers.ours, ids, qsl, ctx, checkpoint.rows, calls=0)
+    assert rep["late_oob"] == rep["early_oob"] == 0 and rep["late_equal_ref"] and rep["early_equal_late"], rep
