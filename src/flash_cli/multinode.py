@@ -32,8 +32,8 @@ from .spec import KEY_TARGET, LABEL, HF_MOUNT, RunSpec, build, extra_env
 # that one day differs becomes a capability there (`cap(base, …)`), never a release name here.
 # Read from the wheels' sources (vllm/engine/arg_utils.py, vllm/entrypoints/cli/serve.py,
 # vllm/config/parallel.py, vllm/config/kv_transfer.py, .../kv_connector/v1/nixl/connector.py):
-# every flag below exists with the same meaning in 0.29.0 and 0.33.0, and the vllm tier parses
-# the rendered argv of every box with each release's own parser
+# every flag below exists with the same meaning in 0.29.0 and 0.33.0 (sources read), and the vllm
+# tier parses the rendered argv of every box with each catalogued release's own parser (0.29-0.33)
 # (tests/vllm/release/check_multinode_argv.py). `kv_role="kv_both"` is deprecated for
 # NixlConnector in both ("use kv_producer for prefill instances and kv_consumer for decode").
 # Defaults quoted for the settings table: ParallelConfig.master_port 29501,
