@@ -47,6 +47,13 @@ def profiles_table() -> str:
         prof = profiles.load(name)
         p = build(resolve(prof.layer(), None, None, profile_name=name), PRESETS["gb10"], snapshot=None)
         lo, hi = p["kv_cache_tokens_range"]
+        mode = prof.values.get("PARALLEL", "none")
+        if mode != "none":  # two boxes: the row is one box; the deployment's pool(s) after it
+            from flash_cli.plan import parallel
+
+            agg = parallel.plan(p, mode)
+            name = (f"{name} (one-box plan; deployment: {agg['pools']} pool(s), ~{agg['aggregate']['kv_cache_tokens']:,} "
+                    f"tokens{', first-order' if agg['pools'] == 1 else ''})")
         rows.append(f"| {name} | {p['recipe']['BASE']} | {p['kv_cache_tokens']:,} | {lo:,}–{hi:,} | "
                     f"{p['max_concurrency']:.2f} × {p['max_concurrency_at']:,} | {p['kv_cache_gib']} | {p['weights_gib']} | "
                     f"{p['host']['page_cache_for_ple_gib']} GiB |")

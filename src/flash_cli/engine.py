@@ -49,7 +49,13 @@ class State:
 def find(client: "DockerClient", name: str) -> "Container | None":
     """Our container for NAME, by label (never by re-supplied flags)."""
     found = client.containers.list(all=True, filters={"label": f"{LABEL}.name={name}"})
+    found.sort(key=lambda c: c.labels.get(f"{LABEL}.node", "0") != "0")  # a deployment's head before its ranks
     return found[0] if found else None
+
+
+def find_all(client: "DockerClient", name: str) -> list["Container"]:
+    """Every container labelled NAME on this engine (a multi-node deployment's boxes may share one)."""
+    return client.containers.list(all=True, filters={"label": f"{LABEL}.name={name}"})
 
 
 def require(client: "DockerClient", name: str) -> "Container":

@@ -114,4 +114,5 @@ def find(name: str) -> Container | None:
     from .spec import LABEL
 
     found = Reader().containers(f"{LABEL}.name={name}")
+    found.sort(key=lambda c: c.labels.get(f"{LABEL}.node", "0") != "0")  # a deployment's head before its ranks
     return found[0] if found else None

@@ -43,10 +43,22 @@ def to_kwargs(spec: RunSpec) -> dict:
         kwargs["network_mode"] = "host"
     else:
         kwargs["ports"] = dict(spec.ports)
-    if spec.gpus:
+    if spec.gpus and spec.gpu_ids:
+        kwargs["device_requests"] = [DeviceRequest(device_ids=list(spec.gpu_ids), capabilities=[["gpu"]])]
+    elif spec.gpus:
         kwargs["device_requests"] = [DeviceRequest(count=-1, capabilities=[["gpu"]])]
     if spec.cpuset:
         kwargs["cpuset_cpus"] = spec.cpuset
+    if spec.devices:
+        kwargs["devices"] = [f"{d}:{d}:rwm" for d in spec.devices]
+    if spec.cap_add:
+        kwargs["cap_add"] = list(spec.cap_add)
+    if spec.ulimits:
+        from docker.types import Ulimit
+
+        kwargs["ulimits"] = [Ulimit(name=n, soft=soft, hard=hard) for n, soft, hard in spec.ulimits]
+    if spec.healthcheck.get("test") == ["NONE"]:
+        kwargs["healthcheck"] = {"test": ["NONE"]}
     return kwargs
 
 
@@ -55,8 +67,14 @@ def to_docker_run(spec: RunSpec) -> list[str]:
     argv = ["docker", "run", "-d", "--name", spec.name, "--restart",
             spec.restart + (":3" if spec.restart == "on-failure" else "")]
     if spec.gpus:
-        argv += ["--gpus", "all"]
+        argv += ["--gpus", f'"device={",".join(spec.gpu_ids)}"' if spec.gpu_ids else "all"]
     argv += ["--ipc", spec.ipc, "--shm-size", str(spec.shm_size)]
+    for d in spec.devices:
+        argv += ["--device", d]
+    for cap in spec.cap_add:
+        argv += ["--cap-add", cap]
+    for n, soft, hard in spec.ulimits:
+        argv += ["--ulimit", f"{n}={soft}:{hard}"]
     if spec.network == "host":
         argv += ["--network", "host"]
     for target, (bind, port) in spec.ports.items():
@@ -75,9 +93,12 @@ def to_docker_run(spec: RunSpec) -> list[str]:
     for k, v in spec.labels.items():
         argv += ["--label", f"{k}={v}"]
     hc = spec.healthcheck
-    argv += ["--health-cmd", shlex.join(hc["test"][1:]), "--health-interval", f"{hc['interval'] // 10**9}s",
-             "--health-timeout", f"{hc['timeout'] // 10**9}s", "--health-retries", str(hc["retries"]),
-             "--health-start-period", f"{hc['start_period'] // 10**9}s"]
+    if hc.get("test") == ["NONE"]:
+        argv += ["--no-healthcheck"]
+    else:
+        argv += ["--health-cmd", shlex.join(hc["test"][1:]), "--health-interval", f"{hc['interval'] // 10**9}s",
+                 "--health-timeout", f"{hc['timeout'] // 10**9}s", "--health-retries", str(hc["retries"]),
+                 "--health-start-period", f"{hc['start_period'] // 10**9}s"]
     argv += ["--entrypoint", spec.entrypoint[0], spec.image, *spec.entrypoint[1:], *spec.command]
     return argv
 

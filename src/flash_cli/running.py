@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import state
+from . import api, state
+from .output import say
 from .spec import LABEL
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -45,3 +47,25 @@ def recipe_settings(labels: dict):
         return resolve(overrides=json.loads(raw))
     except (ValueError, TypeError, FlashError):
         return None
+
+
+def in_flight(ep: Endpoint) -> float | None:
+    reply = api.get(f"{ep.url}/metrics", timeout=3)
+    if reply.status != 200:
+        return None
+    sums = api.metric_sums(reply.body.decode("utf-8", "replace"), ("vllm:num_requests_running",))
+    return sums.get("vllm:num_requests_running", 0.0)
+
+
+def drain(ep: Endpoint, timeout: float, interval: float = 1.0) -> tuple[float | None, float]:
+    """Wait until no request runs (or the bound passes); returns (still running, seconds waited)."""
+    start = time.monotonic()
+    n = in_flight(ep)
+    announced = False
+    while n and time.monotonic() - start < timeout:
+        if not announced:
+            say(f"  · waiting for {n:.0f} running request(s) to finish (at most {timeout:.0f} s)")
+            announced = True
+        time.sleep(interval)
+        n = in_flight(ep)
+    return n, time.monotonic() - start

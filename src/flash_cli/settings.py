@@ -310,6 +310,41 @@ SETTINGS: tuple[Setting, ...] = (
     S("MEM_PRESSURE_WARN", "float", 10.0, "`flash doctor`/`status`: warn when /proc/pressure/memory `some` "
       "avg60 (percent of time tasks stalled on memory) is above this (direct reclaim, PLE pages evicted).",
       "flash doctor, flash status (warning threshold)", minimum=0, maximum=100),
+    # --- two boxes: vLLM's own multi-node modes (issue 15; docs/MULTINODE.md) ------------------
+    S("PARALLEL", "choice", "none", "Spread one deployment over the boxes in NODES with vLLM's own launch: "
+      "tp2 = tensor parallel 2 (one rank per box, --nnodes/--node-rank/--master-addr, --headless worker); "
+      "pp2 = pipeline parallel 2 (same launch); dp2 = two data-parallel replicas behind the head's one API "
+      "(--data-parallel-size 2, headless worker); pd = prefill on the first box, decode on the second "
+      "(NixlConnector). none = one box.", "vllm parallel/kv-transfer flags per box; labels org.flash.parallel",
+      choices=("none", "tp2", "pp2", "dp2", "pd")),
+    S("NODES", "str", None, "The boxes of a PARALLEL deployment, head first, comma separated: `localhost` "
+      "(this machine's engine), a host name or user@host (= ssh://, docker-py's ssh transport), or an engine "
+      "URL ssh://…, tcp://…, unix://….", "one Docker Engine per box; label org.flash.nodes", optional=True,
+      pattern=r"[\w@.:/+-]+(,[\w@.:/+-]+)*"),
+    S("NODE_ADDRS", "str", None, "Each box's IP address on the fast link (ConnectX-7), same order as NODES; "
+      "the first is the master/data-parallel address. 127.0.0.1 twice = two ranks on one host.",
+      "vllm --master-addr / --data-parallel-address; env VLLM_HOST_IP, VLLM_NIXL_SIDE_CHANNEL_HOST",
+      optional=True, pattern=r"[0-9a-fA-F.:]+(,[0-9a-fA-F.:]+)*"),
+    S("NODE_GPUS", "str", None, "GPUs each box's rank uses, one entry per box (`+` joins several): `0,1` "
+      "puts rank 0 on GPU 0 and rank 1 on GPU 1 (two ranks sharing one host). Empty: all GPUs of the box.",
+      "docker --gpus device=…; CUDA_VISIBLE_DEVICES in the plain launch (serve --dry-run --json)",
+      optional=True, pattern=r"\d+(\+\d+)*(,\d+(\+\d+)*)*"),
+    S("NODE_IFNAME", "str", None, "Network interface of the fast link (e.g. enp1s0f1np1), so NCCL's and "
+      "gloo's bootstrap sockets do not pick the management network.",
+      "env NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME (multi-node boxes only)", optional=True,
+      pattern=r"[\w.:-]+"),
+    S("MASTER_PORT", "int", 29501, "torch.distributed rendezvous port on the head (tp2/pp2).",
+      "vllm --master-port", minimum=1024, maximum=65535),
+    S("DP_RPC_PORT", "int", 29550, "Data-parallel handshake port on the head (dp2).",
+      "vllm --data-parallel-rpc-port", minimum=1024, maximum=65535),
+    S("NIXL_PORT", "int", 5600, "NIXL side-channel port (pd); box N uses NIXL_PORT+N so two ranks can share a host.",
+      "env VLLM_NIXL_SIDE_CHANNEL_PORT", minimum=1024, maximum=65535),
+    S("RDMA", "bool", True, "Give multi-node containers the RDMA devices and limits NCCL needs for "
+      "GPUDirect over ConnectX (without them NCCL silently falls back to TCP at about half speed). "
+      "0 only for test boxes without /dev/infiniband.",
+      "docker --device /dev/infiniband --cap-add IPC_LOCK --ulimit memlock=-1:-1 (multi-node boxes only)"),
+    S("LINK_GBPS", "int", 200, "`flash doctor`: the rate the fast link must report (ConnectX-7 on a Spark: 200).",
+      "flash doctor (deployment checks)", minimum=1, maximum=3200),
 )
 del S
 

@@ -81,6 +81,11 @@ class RunSpec:
     warnings: list[str] = field(default_factory=list)
     needs_api_key: bool = False
     key_file: str = ""  # host path of the key file (mounted read-only), when needed
+    # multi-node boxes only (multinode.py): RDMA devices and limits, the GPUs of this rank
+    devices: list[str] = field(default_factory=list)  # host paths passed through (same path inside)
+    cap_add: list[str] = field(default_factory=list)
+    ulimits: list[tuple[str, int, int]] = field(default_factory=list)  # (name, soft, hard)
+    gpu_ids: list[str] = field(default_factory=list)  # empty: every GPU (when gpus)
 
 
 def default_image(base: str) -> str:
@@ -105,7 +110,7 @@ def compilation_args(s: Settings) -> list[str]:
     return ["--compilation-config", json.dumps({"cudagraph_mode": "PIECEWISE"}, separators=(",", ":"))]
 
 
-def vllm_args(s: Settings, snapshot: str, host: str, port: int) -> list[str]:
+def vllm_args(s: Settings, snapshot: str, host: str, port: int, parallel: list[str] = ()) -> list[str]:
     ctx, yarn, mtp, base = s["CTX"], s["YARN"], s["MTP"], s["BASE"]
     argv = [
         "vllm", "serve", model_path(s["MODEL"], snapshot, s["MODE"]),
@@ -138,6 +143,7 @@ def vllm_args(s: Settings, snapshot: str, host: str, port: int) -> list[str]:
     spec = speculative_config(s)
     if spec:
         argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+    argv += list(parallel)  # this box's multi-node flags (multinode.py); none on one box
     # EXTRA last: argparse keeps the last occurrence, so a user flag wins over ours.
     return argv + split_args(s["EXTRA"], "EXTRA")
 
@@ -265,9 +271,13 @@ def build(
     snapshot: str,
     hf_cache: str,
     state_dir: str,
+    parallel: list[str] = (),
+    port: int | None = None,
 ) -> RunSpec:
-    """Settings + host facts (resolved snapshot name, absolute HF cache and state paths)."""
-    name, base, bind, port = s["NAME"], s["BASE"], s["BIND"], s["PORT"]
+    """Settings + host facts (resolved snapshot name, absolute HF cache and state paths).
+    `parallel` and `port` are one box's share of a multi-node deployment (multinode.py)."""
+    name, base, bind = s["NAME"], s["BASE"], s["BIND"]
+    port = s["PORT"] if port is None else port
     image = s["IMAGE"] or default_image(base)
     network = s["NETWORK"]
     warnings: list[str] = []
@@ -322,7 +332,7 @@ def build(
         name=name,
         image=image,
         entrypoint=["python3", "-m", "flash_vllm.launch"],
-        command=vllm_args(s, snapshot, host, listen_port),
+        command=vllm_args(s, snapshot, host, listen_port, parallel),
         env=container_env(s, key),
         labels=labels,
         mounts=mounts,

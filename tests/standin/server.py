@@ -104,6 +104,20 @@ def parse_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--reasoning-parser")
     p.add_argument("--enable-log-requests", action="store_true")
     p.add_argument("--enable-log-outputs", action="store_true")
+    # multi-node ranks (vLLM's names and defaults: ParallelConfig, cli_args.make_arg_parser)
+    p.add_argument("--headless", action="store_true")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument("--nnodes", "-n", type=int, default=1)
+    p.add_argument("--node-rank", "-r", type=int, default=0)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, default=29501)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    p.add_argument("--data-parallel-size-local", type=int)
+    p.add_argument("--data-parallel-start-rank", type=int)
+    p.add_argument("--data-parallel-address")
+    p.add_argument("--data-parallel-rpc-port", type=int, default=29550)
+    p.add_argument("--kv-transfer-config")
     ns, unknown = p.parse_known_args(argv)
     ns.model = ns.model_tag or ns.model
     if not ns.model:
@@ -711,6 +725,7 @@ class Handler(BaseHTTPRequestHandler):
     engine: Engine = None  # set by main
     argv: list[str] = []
     ns: argparse.Namespace = None
+    rank_plan: dict | None = None
     unknown: list[str] = []
 
     def log_message(self, fmt_: str, *args) -> None:
@@ -833,7 +848,7 @@ class Handler(BaseHTTPRequestHandler):
             "served_model_name": ns.served_model_name, "max_model_len": ns.max_model_len,
             "enable_prefix_caching": ns.prefix_caching, "speculative_config": ns.speculative_config,
             "api_key_required": bool(self.engine.api_key), "faults": sorted(self.engine.faults),
-            "pid": os.getpid(),
+            "pid": os.getpid(), "ranks": self.rank_plan, "kv_transfer_config": ns.kv_transfer_config,
         })
 
     def r_models(self) -> None:
@@ -1063,6 +1078,104 @@ class Handler(BaseHTTPRequestHandler):
 
 
 # ---------------------------------------------------------------------------------------------
+# multi-node ranks: the stand-in checks the rank argv it was given (what vLLM's create_engine_config
+# and run_headless would refuse) and meets its peers over real TCP on the head's rendezvous port,
+# so a rank that dies takes the deployment down the way vLLM's executor does.
+class RankError(Exception):
+    pass
+
+
+def rank_plan(ns: argparse.Namespace) -> dict | None:
+    """None on one box; else {"rank", "world", "addr", "port", "kind"} after vLLM's own checks."""
+    if ns.nnodes > 1:
+        world = ns.tensor_parallel_size * ns.pipeline_parallel_size * ns.data_parallel_size
+        if world % ns.nnodes:
+            raise RankError(f"`--nnodes {ns.nnodes}` must evenly divide the total world size ({world})")
+        if not 0 <= ns.node_rank < ns.nnodes:
+            raise RankError(f"`--node-rank` must be between 0 and {ns.nnodes - 1}; got `--node-rank {ns.node_rank}`")
+        if ns.headless != (ns.node_rank > 0):
+            raise RankError("--headless belongs on every rank but the head (node rank 0): "
+                            f"got --node-rank {ns.node_rank} {'with' if ns.headless else 'without'} --headless")
+        return {"rank": ns.node_rank, "world": ns.nnodes, "addr": ns.master_addr, "port": ns.master_port, "kind": "tp"}
+    if ns.data_parallel_size > 1:
+        local = ns.data_parallel_size_local if ns.data_parallel_size_local is not None else ns.data_parallel_size
+        if local == ns.data_parallel_size:
+            return None  # every DP rank in this one process tree
+        if not ns.data_parallel_address:
+            raise RankError("a data-parallel deployment across nodes needs --data-parallel-address")
+        start = ns.data_parallel_start_rank or 0
+        if ns.headless != (start > 0):
+            raise RankError(f"--headless belongs on the ranks that start above 0: got --data-parallel-start-rank {start} "
+                            f"{'with' if ns.headless else 'without'} --headless")
+        return {"rank": start, "world": ns.data_parallel_size // local, "addr": ns.data_parallel_address,
+                "port": ns.data_parallel_rpc_port, "kind": "dp"}
+    if ns.headless:
+        raise RankError("--headless without a multi-node launch (--nnodes > 1 or a data-parallel start rank)")
+    return None
+
+
+def rendezvous(plan: dict, env: dict) -> None:
+    """Head: listen on addr:port until every other rank has joined, then watch them (a lost rank
+    is fatal). Worker: join the head (retry until STANDIN_RENDEZVOUS_TIMEOUT), then stay headless
+    until the head goes away."""
+    import socket
+
+    timeout = float(env.get("STANDIN_RENDEZVOUS_TIMEOUT", "120"))
+    where = f"{plan['addr']}:{plan['port']}"
+    if plan["rank"] == 0:
+        srv = socket.socket()
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind((plan["addr"], plan["port"]))
+        srv.listen(8)
+        srv.settimeout(timeout)
+        log("INFO", "parallel_state.py:1203", f"rank 0 waiting for {plan['world'] - 1} rank(s) on {where} ({plan['kind']})")
+        peers = []
+        try:
+            while len(peers) < plan["world"] - 1:
+                conn, _ = srv.accept()
+                rank = conn.recv(64).decode().strip()
+                log("INFO", "parallel_state.py:1210", f"rank {rank} joined from its node")
+                peers.append((rank, conn))
+        except socket.timeout:
+            log("ERROR", "multiproc_executor.py:140", f"timed out waiting for the other ranks on {where}")
+            sys.exit(1)
+
+        def watch(rank: str, conn) -> None:
+            conn.settimeout(None)
+            try:
+                conn.recv(1)
+            except OSError:
+                pass
+            log("ERROR", "multiproc_executor.py:301", f"Worker proc rank {rank} died unexpectedly, shutting down executor.")
+            os._exit(1)
+
+        for rank, conn in peers:
+            threading.Thread(target=watch, args=(rank, conn), daemon=True).start()
+        log("INFO", "pynccl.py:77", "NCCL INFO NET/Socket : Using [0]lo:127.0.0.1<0> (stand-in: no RDMA)")
+        return
+    deadline = time.monotonic() + timeout
+    log("INFO", "serve.py:226", f"Launching vLLM headless rank {plan['rank']} ({plan['kind']}), head node address {where}")
+    while True:
+        try:
+            conn = socket.create_connection((plan["addr"], plan["port"]), timeout=2)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                log("ERROR", "serve.py:240", f"could not reach the head node at {where}")
+                sys.exit(1)
+            time.sleep(0.3)
+    conn.sendall(f"{plan['rank']}\n".encode())
+    log("INFO", "pynccl.py:77", "NCCL INFO NET/Socket : Using [0]lo:127.0.0.1<0> (stand-in: no RDMA)")
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    conn.settimeout(None)
+    try:
+        conn.recv(1)
+    except OSError:
+        pass
+    log("ERROR", "multiproc_executor.py:301", "the head node went away; headless rank exiting")
+    sys.exit(1)
+
+
 def boot(ns: argparse.Namespace, env: dict) -> None:
     """What vLLM prints while it loads; nothing listens yet."""
     seconds = float(env.get("STANDIN_BOOT_SECONDS", "1"))
@@ -1103,10 +1216,23 @@ def boot(ns: argparse.Namespace, env: dict) -> None:
 def main(argv: list[str]) -> int:
     ns, unknown = parse_argv(argv)
     env = dict(os.environ)
+    try:
+        plan = rank_plan(ns)
+    except RankError as exc:
+        log("ERROR", "arg_utils.py:2390", f"ValueError: Invalid data-parallel launch options: {exc}")
+        return 2
+    if plan is not None and plan["rank"] > 0:  # headless: no API, lives as long as the head
+        log("INFO", "api_server.py:1885", f"vLLM API server version {VERSION} (headless)")
+        time.sleep(float(env.get("STANDIN_BOOT_SECONDS", "1")) / 3)
+        rendezvous(plan, env)
+        return 1
+    if plan is not None:
+        rendezvous(plan, env)
     if "yarn_ignored" in env.get("STANDIN_FAULTS", "") and (ns.max_model_len or 0) > 262144:
         ns.yarn_requested, ns.max_model_len = ns.max_model_len, 262144
     engine = Engine(ns, env)
     boot(ns, env)
+    Handler.rank_plan = plan
     Handler.engine, Handler.argv, Handler.ns, Handler.unknown = engine, list(argv), ns, unknown
     ThreadingHTTPServer.daemon_threads = True
     ThreadingHTTPServer.allow_reuse_address = True

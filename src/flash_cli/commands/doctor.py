@@ -178,6 +178,21 @@ def check_profile(r: recipe.Recipe, rep: Report) -> None:
         rep.ok("profile looks fine", sec)
 
 
+def check_deployment(r: recipe.Recipe, rep: Report) -> list[dict]:
+    """Every box of a PARALLEL deployment, through its own engine (nodecheck.py)."""
+    from .. import nodecheck, state
+    from ..multinode import build_deployment
+
+    s = r.settings
+    dep = build_deployment(s, profile=r.profile.name, snapshot="<SNAPSHOT>", hf_cache=str(r.hf_cache),
+                           state_dir=str(state.state_dir()))
+    rep.step(f"deployment ({dep.parallel} on {s['NODES']})")
+    found = [nodecheck.facts(n, s, n.spec.image) for n in dep.nodes]
+    for level, text in nodecheck.judge(found, s):
+        getattr(rep, level)(text, "deployment")
+    return found
+
+
 def run(args: argparse.Namespace) -> int:
     r = recipe.load(args.recipe)
     s = r.settings
@@ -185,14 +200,18 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"doctor: profile '{r.profile.name}' (image {s['IMAGE'] or default_image(s['BASE'])}, mode {s['MODE']}, "
               f"container {s['NAME']} on {s['BIND']}:{s['PORT']})")
-    check_host(s, rep)
-    client = check_docker(s, rep)
-    check_image(s, client, rep)
-    check_weights(r, rep)
+    boxes = None
+    if s["PARALLEL"] != "none":  # the boxes are checked through their engines, not this machine's
+        boxes = check_deployment(r, rep)
+    else:
+        check_host(s, rep)
+        client = check_docker(s, rep)
+        check_image(s, client, rep)
+        check_weights(r, rep)
     check_profile(r, rep)
     if args.json:
         print_json({"profile": r.profile.name, "failures": rep.failures, "warnings": rep.warnings,
-                    "checks": rep.items})
+                    "checks": rep.items, **({"boxes": boxes} if boxes is not None else {})})
     elif rep.failures:
         say(f"\n{rep.failures} problem(s) to fix before flash setup / serve.")
     elif rep.warnings:

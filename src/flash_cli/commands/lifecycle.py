@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
-from .. import api, engine, recipe, running
+from .. import engine, recipe, running
+from ..running import drain  # running.py owns it (serve and deploy drain too)
 from ..output import say
 from ..spec import LABEL
 
@@ -36,29 +36,20 @@ def _target(args: argparse.Namespace):
     return r, engine.require(client, r.settings["NAME"])
 
 
-def in_flight(ep: running.Endpoint) -> float | None:
-    reply = api.get(f"{ep.url}/metrics", timeout=3)
-    if reply.status != 200:
-        return None
-    sums = api.metric_sums(reply.body.decode("utf-8", "replace"), ("vllm:num_requests_running",))
-    return sums.get("vllm:num_requests_running", 0.0)
+def _deployment(args: argparse.Namespace):
+    """(settings, every box) when NAME is a multi-node deployment, else (settings, None)."""
+    from .. import deploy
 
-
-def drain(ep: running.Endpoint, timeout: float, interval: float = 1.0) -> tuple[float | None, float]:
-    """Wait until no request runs (or the bound passes); returns (still running, seconds waited)."""
-    start = time.monotonic()
-    n = in_flight(ep)
-    announced = False
-    while n and time.monotonic() - start < timeout:
-        if not announced:
-            say(f"  · waiting for {n:.0f} running request(s) to finish (at most {timeout:.0f} s)")
-            announced = True
-        time.sleep(interval)
-        n = in_flight(ep)
-    return n, time.monotonic() - start
+    r = recipe.load(args.recipe)
+    return r.settings, deploy.locate(r.settings)
 
 
 def stop(args: argparse.Namespace) -> int:
+    s, boxes = _deployment(args)
+    if boxes is not None:
+        from .. import deploy
+
+        return deploy.stop(boxes, 0 if args.no_drain else s["DRAIN_TIMEOUT"], args.dry_run)
     r, c = _target(args)
     st = engine.state(c)
     if st.status != "running":
@@ -77,6 +68,11 @@ def stop(args: argparse.Namespace) -> int:
 
 
 def start(args: argparse.Namespace) -> int:
+    _, boxes = _deployment(args)
+    if boxes is not None:
+        from .. import deploy
+
+        return deploy.start(boxes, args.dry_run)
     _, c = _target(args)
     st = engine.state(c)
     if st.status == "running":
@@ -91,6 +87,11 @@ def start(args: argparse.Namespace) -> int:
 
 
 def rm(args: argparse.Namespace) -> int:
+    _, boxes = _deployment(args)
+    if boxes is not None:
+        from .. import deploy
+
+        return deploy.rm(boxes, args.dry_run)
     r, c = _target(args)
     st = engine.state(c)
     what = engine.describe(c)

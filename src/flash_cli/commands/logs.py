@@ -15,6 +15,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("lines", nargs="?", default="100", help="how many lines from the end (default 100)")
     p.add_argument("-f", "--follow", action="store_true", help="keep following")
     p.add_argument("--name", default=None, help=f"container name (default: NAME, {BY_NAME['NAME'].default})")
+    p.add_argument("--node", type=int, default=None, metavar="N",
+                   help="a multi-node deployment's box N (0 = head; default 0); boxes from NODES or the head's labels")
     p.set_defaults(func=run)
 
 
@@ -23,9 +25,18 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.lines.isdigit():
         raise UsageError(f"N must be a number of lines, got {args.lines!r}", hint="e.g. flash logs -f 200")
-    name = args.name or resolve(env=os.environ)["NAME"]
-    container = engine.require(engine.connect(), name)
+    s = resolve(env=os.environ, overrides={"NAME": args.name} if args.name else None)
+    name = s["NAME"]
     n = int(args.lines)
+    from .. import deploy
+
+    boxes = deploy.locate(s)  # a deployment: its boxes by label (NODES or the local head's labels)
+    if boxes is None and args.node not in (None, 0):
+        raise UsageError(f"--node {args.node}: {name} is not a multi-node deployment",
+                         hint="NODES=… names the boxes when the head is not on this machine")
+    if boxes is not None:
+        return deploy.logs(boxes, args.node or 0, n, args.follow)
+    container = engine.require(engine.connect(), name)
     if not args.follow:
         print("\n".join(engine.tail(container, n)))
         return 0

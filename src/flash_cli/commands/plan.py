@@ -47,6 +47,10 @@ def run(args: argparse.Namespace) -> int:
                              hint="give a checkpoint directory holding config.json, or the config.json itself")
     result = planner.build(r.settings, hw, snapshot=snapshot, hw_how=how)
     result["profile"] = r.profile.name
+    if r.settings["PARALLEL"] != "none":  # two boxes: each rank's share and the deployment's pool(s)
+        from ..plan import parallel
+
+        result["parallel"] = parallel.plan(result, r.settings["PARALLEL"])
     failed = any(level == "fail" for level, _ in result["findings"])
     if args.json:
         result["findings"] = [{"level": level, "text": text} for level, text in result["findings"]]
@@ -73,6 +77,11 @@ def render(p: dict) -> str:
     if host.get("page_cache_for_ple_gib") is not None:
         lines.append(f"  host           {host['page_cache_for_ple_gib']} GiB left to the page cache for the "
                      f"{host['ple_table_gib']} GiB PLE table ({host['ple_table_cached_fraction']:.0%} of it)")
+    if p.get("parallel"):
+        from ..plan import parallel
+
+        lines.append("  (the lines above are one box; the deployment:)")
+        lines += parallel.render(p["parallel"])
     for level, text in p["findings"]:
         lines.append(f"  [{level}] {text}")
     lines.append("  assumptions: " + "; ".join(p["assumptions"]))

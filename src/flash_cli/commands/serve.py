@@ -9,7 +9,7 @@ import sys
 from dataclasses import asdict
 
 from .. import preflight, recipe, running, state
-from ..errors import ContainerDied
+from ..errors import ContainerDied, UsageError
 from ..output import dim, say
 from ..render import docker_run_text
 from ..spec import LABEL, RunSpec, build
@@ -50,10 +50,58 @@ def kv_plan_label(settings) -> str:
         return json.dumps({"error": str(exc)})
 
 
+def deployment_text(dep) -> str:
+    """Every box's `docker run` line, head first, each under a comment naming box and engine."""
+    out = []
+    for n in dep.nodes:
+        where = n.engine or "this machine's Docker Engine"
+        out.append(f"# node {n.index} ({n.role}) on {n.box} [{where}], fast link {n.addr}"
+                   + ("" if n.serves_api else ", no API (headless)"))
+        out.append(docker_run_text(n.spec))
+    return "\n".join(out)
+
+
+def deployment_json(dep, hf_cache: str) -> dict:
+    return {"name": dep.name, "parallel": dep.parallel, "api": dep.api_urls(), "warnings": dep.warnings,
+            "nodes": [{"node": n.index, "box": n.box, "engine": n.engine, "addr": n.addr, "role": n.role,
+                       "serves_api": n.serves_api, "gpus": n.gpus, "plain": n.plain(hf_cache), "spec": asdict(n.spec)}
+                      for n in dep.nodes]}
+
+
+def run_deployment(args: argparse.Namespace, r: recipe.Recipe, snapshot) -> int:
+    from ..multinode import build_deployment
+
+    s = r.settings
+    dep = build_deployment(s, profile=r.profile.name, snapshot=snapshot.name if snapshot else PLACEHOLDER,
+                           hf_cache=str(r.hf_cache), state_dir=str(state.state_dir()))
+    problems = preflight.recipe(s) + preflight.weights(s, r.hf_cache, snapshot)
+    say(f"serve: profile '{r.profile.name}': {r.profile.desc}")
+    say(dim(f"  PARALLEL={dep.parallel} NODES={s['NODES']} NODE_ADDRS={s['NODE_ADDRS']} MODE={s['MODE']} "
+            f"BASE={s['BASE']} IMAGE={dep.head.spec.image} NAME={s['NAME']} API {', '.join(dep.api_urls())}"))
+    for w in dep.warnings:
+        say(f"  ! {w}")
+    if args.dry_run:
+        for p in problems:
+            say(f"  ! would refuse: {p.message} ({p.hint})")
+        if args.json:
+            print(json.dumps(deployment_json(dep, str(r.hf_cache)), indent=2))
+        else:
+            print(deployment_text(dep))
+        return 0
+    for p in problems:
+        p.raise_()
+    from .. import deploy
+
+    return deploy.serve(dep, s, force=args.force, start_check=args.start_check,
+                        kv_label=kv_plan_label(s))
+
+
 def run(args: argparse.Namespace) -> int:
     r = recipe.load(args.recipe, use_profile=not args.no_profile)
     s = r.settings
     snapshot = r.snapshot()
+    if s["PARALLEL"] != "none":
+        return run_deployment(args, r, snapshot)
     spec = plan(r, snapshot.name if snapshot else PLACEHOLDER)
     problems = preflight.recipe(s) + preflight.weights(s, r.hf_cache, snapshot)
 
@@ -80,6 +128,10 @@ def run(args: argparse.Namespace) -> int:
     for p in preflight.image(s, spec.image, engine.image_labels(client, spec.image)):
         p.raise_()
     existing = engine.find(client, s["NAME"])
+    if existing is not None and existing.labels.get(f"{LABEL}.nodes"):
+        raise UsageError(f"{s['NAME']} is a {existing.labels.get(f'{LABEL}.parallel', 'multi-node')} deployment on "
+                         f"{existing.labels[f'{LABEL}.nodes']}; a one-box server would replace only part of it",
+                         hint="flash rm (removes every box) first, or pick another NAME=")
     held = existing is not None and engine.state(existing).status == "running"
     for p in preflight.port(s, held_by_us=held):
         p.raise_()
@@ -91,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
                   "(--force replaces it: a full reboot)")
             return 0
         if held:
-            from .lifecycle import drain
+            from ..running import drain
 
             left, _ = drain(running.endpoint(existing), s["DRAIN_TIMEOUT"])
             if left:

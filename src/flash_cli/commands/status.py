@@ -110,8 +110,55 @@ def collect(name: str, mem_warn_pct: float = 10.0) -> dict:
     return out
 
 
+def is_deployment(settings) -> bool:
+    """NODES given, or the container NAME on this engine is one box of a multi-node deployment."""
+    if settings["NODES"]:
+        return True
+    from .. import engine, engine_read
+
+    try:
+        c = engine_read.find(settings["NAME"])
+    except LookupError:
+        c = engine.find(engine.connect(), settings["NAME"])
+    return c is not None and bool(c.labels.get(f"{LABEL}.nodes"))
+
+
+def run_deployment(args: argparse.Namespace, settings) -> int:
+    from .. import deploy
+    from ..errors import ContainerMissing
+
+    try:
+        rows = deploy.status(deploy.locate(settings) or [])
+    except ContainerMissing:
+        rows = []
+    if not rows:
+        print_json({"name": settings["NAME"], "state": "absent", "nodes": []}) if args.json \
+            else print(f"{settings['NAME']}: absent (no box of {settings['NODES']} has it)")
+        return 0
+    if args.json:
+        print_json({"name": settings["NAME"], "nodes": rows})
+        return 0
+    print(f"{settings['NAME']}: {rows[0].get('parallel') or '?'} deployment on {len(rows)} boxes")
+    rep = Report()
+    ids = {r.get("image_id") for r in rows if r.get("image_id")}
+    for row in rows:
+        where = f"node {row['node']} ({row.get('role', '?')}) on {row['box']}"
+        if row["state"] == "absent":
+            rep.fail(f"{where}: no container")
+            continue
+        text = f"{where}: {row['name']} {row['state']}" + (f", API {row['api']} {row['url']}" if row.get("url") else "")
+        (rep.ok if row["state"] == "running" else rep.fail)(text)
+        for ln in row.get("last_lines", []):
+            print(f"    {ln}")
+    if len(ids) > 1:
+        rep.warn("the boxes run different images: flash doctor compares them")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     r = recipe.load(args.recipe)
+    if is_deployment(r.settings):
+        return run_deployment(args, r.settings)
     info = collect(r.settings["NAME"], r.settings["MEM_PRESSURE_WARN"])
     if args.json:
         print_json(info)

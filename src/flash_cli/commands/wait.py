@@ -38,6 +38,11 @@ def died(container, st: engine.State) -> ContainerDied:
 def run(args: argparse.Namespace) -> int:
     r = recipe.load(args.recipe)
     timeout = args.timeout if args.timeout is not None else r.settings["TIMEOUT"]
+    from .. import deploy
+
+    boxes = deploy.locate(r.settings)
+    if boxes is not None:  # a multi-node deployment: every box is watched, a dead rank fails at once
+        return deploy.wait(boxes, timeout, args.interval)
     client = engine.connect()
     container = engine.require(client, r.settings["NAME"])
     ep = running.endpoint(container)

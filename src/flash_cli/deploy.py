@@ -1,0 +1,326 @@
+"""A multi-node deployment through each box's Docker Engine: start, find, wait, stop, remove.
+
+The plan is multinode.py's (pure); this module only talks to engines. Every box's engine is
+reached before anything starts (an unreachable box changes nothing); containers are found by
+their labels (org.flash.name + org.flash.node), and the boxes of a running deployment come from
+the head's own labels (org.flash.nodes) when NODES is not given again.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from . import api, engine, running, state
+from .errors import ContainerDied, ContainerMissing, DockerUnavailable, NotReady
+from .output import say
+from .spec import LABEL
+
+if TYPE_CHECKING:  # pragma: no cover
+    from docker import DockerClient
+    from docker.models.containers import Container
+
+    from .multinode import Deployment
+
+
+def connect(url: str, box: str, index: int, timeout: int = 300) -> "DockerClient":
+    """One box's engine: "" = this machine's (DOCKER_HOST or the default socket), else the URL
+    (ssh:// goes through the ssh binary, as `docker -H ssh://` does)."""
+    if not url:
+        try:
+            return engine.connect(timeout)
+        except DockerUnavailable as exc:
+            raise DockerUnavailable(f"box {index} ({box}): {exc}", hint=exc.hint) from None
+    import docker
+    from docker.errors import DockerException
+
+    try:
+        client = docker.DockerClient(base_url=url, timeout=timeout, use_ssh_client=url.startswith("ssh://"))
+        client.ping()
+        return client
+    except (DockerException, OSError) as exc:
+        raise DockerUnavailable(
+            f"box {index} ({box}) is unreachable: its Docker Engine at {url} does not answer "
+            f"({str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__})",
+            hint="check the box is up, dockerd runs there and `docker -H URL info` works from here "
+                 "(ssh: key-based login, your user in its docker group); nothing was changed") from None
+
+
+def same_machine(url: str) -> bool:
+    return url == "" or url.startswith("unix://") or url.split("://", 1)[-1].split(":")[0] in ("127.0.0.1", "localhost")
+
+
+@dataclass
+class Box:
+    index: int
+    box: str
+    url: str
+    client: "DockerClient"
+    container: "Container | None"
+
+    @property
+    def label(self) -> str:
+        role = self.container.labels.get(f"{LABEL}.role", "?") if self.container is not None else "?"
+        return f"node {self.index} ({role}) on {self.box}"
+
+
+def find_node(client: "DockerClient", name: str, index: int) -> "Container | None":
+    found = client.containers.list(all=True, filters={"label": [f"{LABEL}.name={name}", f"{LABEL}.node={index}"]})
+    return found[0] if found else None
+
+
+def engines_of(settings) -> list[str] | None:
+    """The deployment's boxes: NODES when given, else the local head container's label."""
+    if settings["NODES"]:
+        return [w.strip() for w in settings["NODES"].split(",") if w.strip()]
+    try:
+        client = engine.connect(timeout=30)
+    except DockerUnavailable:
+        return None
+    head = find_node(client, settings["NAME"], 0)
+    if head is None or not head.labels.get(f"{LABEL}.nodes"):
+        return None
+    return [w for w in head.labels[f"{LABEL}.nodes"].split(",") if w]
+
+
+def locate(settings) -> list[Box] | None:
+    """Every box of the deployment NAME (None when NAME is a one-box server or nothing at all)."""
+    from .multinode import engine_url
+
+    boxes = engines_of(settings)
+    if not boxes:
+        return None
+    out = []
+    for i, box in enumerate(boxes):
+        url = engine_url(box)
+        client = connect(url, box, i)
+        out.append(Box(i, box, url, client, find_node(client, settings["NAME"], i)))
+    if all(b.container is None for b in out):
+        raise ContainerMissing(f"no flash deployment named {settings['NAME']!r} on {', '.join(boxes)}",
+                               hint="start one: flash serve tp2|dp2|pd NODES=… NODE_ADDRS=…")
+    return out
+
+
+def endpoint_url(b: Box) -> str | None:
+    """Where this box's API can be probed from here; None = only its container healthcheck can."""
+    if b.container is None or b.container.labels.get(f"{LABEL}.role") == "worker":
+        return None
+    ep = running.endpoint(b.container)
+    bind = b.container.labels.get(f"{LABEL}.bind", "127.0.0.1")
+    if same_machine(b.url):
+        return ep.url
+    if bind in ("127.0.0.1", "::1"):
+        return None
+    host = bind if bind not in ("0.0.0.0", "::") else b.container.labels.get(f"{LABEL}.node-addrs", "").split(",")[b.index]
+    return f"http://{host}:{b.container.labels.get(f'{LABEL}.port')}"
+
+
+def healthy(b: Box, st: engine.State) -> bool:
+    url = endpoint_url(b)
+    if url is not None:
+        return api.get(f"{url}/health", timeout=3).status == 200
+    return st.health == "healthy"
+
+
+def died(b: Box, st: engine.State, n: int = 25) -> ContainerDied:
+    lines = engine.tail(b.container, n)
+    print(f"--- {b.label}: last {len(lines)} log lines ---", file=sys.stderr)
+    print("\n".join(lines), file=sys.stderr)
+    oom = ", OOM-killed" if st.oom_killed else ""
+    return ContainerDied(f"{b.label}: container {b.container.name} is {st.status} (exit code {st.exit_code}{oom}); "
+                         "its last log lines are above",
+                         hint=f"flash logs --node {b.index} for more; the deployment cannot come up without every box")
+
+
+# -- serve -----------------------------------------------------------------------------------
+def serve(dep: "Deployment", s, *, force: bool, start_check: float, kv_label: str) -> int:
+    from . import preflight
+
+    boxes = [Box(n.index, n.box, n.engine, connect(n.engine, n.box, n.index), None) for n in dep.nodes]
+    for b, n in zip(boxes, dep.nodes):  # the image on every box, before anything changes
+        for p in preflight.image(s, n.spec.image, engine.image_labels(b.client, n.spec.image)):
+            raise p.error(f"box {b.index} ({b.box}): {p.message}", hint=p.hint)
+        b.container = find_node(b.client, s["NAME"], b.index)
+    # a one-box server of that NAME on any box is replaced (after every check passed, below)
+    one_box = [(b, c) for b in boxes for c in engine.find_all(b.client, s["NAME"]) if f"{LABEL}.node" not in c.labels]
+    held = [b for b in boxes if b.container is not None and engine.state(b.container).status == "running"]
+    same = all(b.container is not None and b.container.labels.get(f"{LABEL}.settings") == n.spec.labels[f"{LABEL}.settings"]
+               and b.container.labels.get(f"{LABEL}.nodes") == s["NODES"] for b, n in zip(boxes, dep.nodes))
+    if len(held) == len(boxes) and same and not force:
+        print(f"{s['NAME']} already runs this deployment on {s['NODES']} (settings "
+              f"{dep.head.spec.labels[f'{LABEL}.settings']}); nothing to do (--force replaces it)")
+        return 0
+    if same_machine(boxes[0].url):
+        head_held = any(b.index == 0 for b in held) or any(  # ours: replaced below
+            b.index == 0 and engine.state(c).status == "running" for b, c in one_box)
+        for p in preflight.port(s, held_by_us=head_held):
+            p.raise_()
+    if boxes[0].container is not None and boxes[0] in held and s["DRAIN_TIMEOUT"] > 0 and endpoint_url(boxes[0]):
+        left, _ = running.drain(running.Endpoint(endpoint_url(boxes[0]), running.endpoint(boxes[0].container).key, ""),
+                        s["DRAIN_TIMEOUT"])
+        if left:
+            say(f"  ! {left:.0f} request(s) still running after {s['DRAIN_TIMEOUT']} s; replacing anyway")
+    for b, c in one_box:
+        say(f"  · replacing the one-box server on box {b.index}: {engine.describe(c)}")
+        c.remove(force=True)
+    for b in boxes:
+        if b.container is not None:
+            say(f"  · replacing {b.label}: {engine.describe(b.container)}")
+            b.container.remove(force=True)
+            b.container = None
+    head = dep.head
+    if head.spec.needs_api_key and same_machine(boxes[0].url):
+        path, created = state.ensure_api_key(s["NAME"])
+        say(f"  · API key {'generated' if created else 'kept'}: {path} (mode 0600)")
+    elif head.spec.needs_api_key:
+        say("  ! the head is remote: its API key file must exist there (run flash serve on the head, or copy "
+            f"{state.api_key_path(s['NAME'])} to it)")
+    # Head first: it owns the rendezvous / handshake socket the headless ranks connect to.
+    for b, n in zip(boxes, dep.nodes):
+        n.spec.labels[f"{LABEL}.kv-plan"] = kv_label
+        b.container = engine.create_and_start(b.client, n.spec)
+        say(f"  · started {b.label}: {b.container.name} ({b.container.short_id})")
+    deadline = time.monotonic() + start_check
+    while True:
+        for b in boxes:
+            st = engine.state(b.container)
+            if st.status not in ("created", "running"):
+                err = died(b, st)
+                remove_all(boxes)
+                raise ContainerDied(f"{err} during start; every box's container was removed", hint=err.hint)
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    print(f">> {s['NAME']} starting on {len(boxes)} boxes ({dep.parallel}): "
+          + ", ".join(f"{u}/v1" for u in dep.api_urls()))
+    say("   next: flash wait (watches every box), then flash test")
+    return 0
+
+
+def remove_all(boxes: list[Box]) -> None:
+    for b in boxes:
+        if b.container is not None:
+            try:
+                b.container.remove(force=True)
+            except Exception:  # noqa: BLE001 - best effort while reporting the real failure
+                pass
+
+
+# -- wait / status / stop / start / rm / logs -------------------------------------------------
+def wait(boxes: list[Box], timeout: float, interval: float) -> int:
+    missing = [b for b in boxes if b.container is None]
+    if missing:
+        raise ContainerMissing(f"node {missing[0].index} on {missing[0].box}: no container of this deployment there",
+                               hint="flash serve … again (it starts every box)")
+    start = time.monotonic()
+    api_boxes = [b for b in boxes if b.container.labels.get(f"{LABEL}.role") != "worker"]
+    while True:
+        states = [(b, engine.state(b.container)) for b in boxes]  # every box first: a dead rank never recovers
+        for b, st in states:
+            if st.status not in ("running", "created", "restarting"):
+                raise died(b, st)
+        if all(st.status == "running" for _, st in states) and all(healthy(b, st) for b, st in states if b in api_boxes):
+            break
+        elapsed = time.monotonic() - start
+        if elapsed > timeout:
+            raise NotReady(f"the deployment is still not up after {elapsed:.0f} s", hint="flash logs --node N")
+        time.sleep(interval)
+    print(f"ready after {time.monotonic() - start:.0f} s: {len(boxes)} boxes")
+    for b in api_boxes:
+        url = endpoint_url(b)
+        print(f"  {b.label}: API {url + '/v1' if url else '(healthy, probed inside the box)'}")
+    return 0
+
+
+def status(boxes: list[Box]) -> list[dict]:
+    out = []
+    for b in boxes:
+        row: dict = {"node": b.index, "box": b.box, "engine": b.url or "local"}
+        if b.container is None:
+            out.append({**row, "state": "absent"})
+            continue
+        st = engine.state(b.container)
+        labels = b.container.labels
+        row.update(name=b.container.name, role=labels.get(f"{LABEL}.role"), parallel=labels.get(f"{LABEL}.parallel"),
+                   state=st.status, exit_code=None if st.status == "running" else st.exit_code, health=st.health,
+                   image=labels.get(f"{LABEL}.image"), image_id=b.container.attrs.get("Image", ""),
+                   settings_hash=labels.get(f"{LABEL}.settings"))
+        url = endpoint_url(b)
+        if url and st.status == "running":
+            row["url"] = f"{url}/v1"
+            row["api"] = "up" if api.get(f"{url}/health", timeout=2).status == 200 else "loading"
+        if st.status != "running":
+            row["last_lines"] = engine.tail(b.container, 5)
+        out.append(row)
+    return out
+
+
+def stop(boxes: list[Box], drain_timeout: float, dry_run: bool) -> int:
+    """The API box(es) first (drained, bounded), then the headless ranks."""
+    order = sorted((b for b in boxes if b.container is not None),
+                   key=lambda b: b.container.labels.get(f"{LABEL}.role") == "worker")
+    for b in order:
+        st = engine.state(b.container)
+        if st.status != "running":
+            print(f"{b.label}: {b.container.name} is {st.status}; nothing to stop")
+            continue
+        if dry_run:
+            print(f"would stop {b.label}: {engine.describe(b.container)}")
+            continue
+        url = endpoint_url(b)
+        if url and drain_timeout > 0:
+            left, waited = running.drain(running.Endpoint(url, running.endpoint(b.container).key, ""), drain_timeout)
+            if left:
+                say(f"  ! {left:.0f} request(s) still running after {waited:.0f} s; stopping anyway")
+        b.container.stop(timeout=30)
+        print(f"{b.label}: {b.container.name} stopped")
+    return 0
+
+
+def start(boxes: list[Box], dry_run: bool) -> int:
+    for b in boxes:  # head first, as at serve
+        if b.container is None:
+            raise ContainerMissing(f"node {b.index} on {b.box}: no container of this deployment there",
+                                   hint="flash serve … again (it starts every box)")
+        if dry_run:
+            print(f"would start {b.label}: {engine.describe(b.container)}")
+            continue
+        if engine.state(b.container).status != "running":
+            b.container.start()
+        print(f"{b.label}: {b.container.name} starting")
+    if not dry_run:
+        say("next: flash wait")
+    return 0
+
+
+def rm(boxes: list[Box], dry_run: bool) -> int:
+    verb = "would remove" if dry_run else "removed"
+    for b in boxes:
+        if b.container is None:
+            print(f"node {b.index} on {b.box}: nothing there")
+            continue
+        st = engine.state(b.container)
+        what = engine.describe(b.container)
+        if not dry_run:
+            b.container.remove(force=True)
+        print(f"{b.label}: {verb} container {what}, which was {st.status}")
+    return 0
+
+
+def logs(boxes: list[Box], node: int, lines: int, follow: bool) -> int:
+    from .errors import UsageError
+
+    if not 0 <= node < len(boxes):
+        raise UsageError(f"--node {node} is not a box of this deployment", hint=f"--node 0..{len(boxes) - 1}")
+    b = boxes[node]
+    if b.container is None:
+        raise ContainerMissing(f"node {node} on {b.box}: no container of this deployment there")
+    if not follow:
+        print("\n".join(engine.tail(b.container, lines)))
+        return 0
+    for chunk in engine.follow(b.container, lines):
+        sys.stdout.write(chunk)
+        sys.stdout.flush()
+    return 0

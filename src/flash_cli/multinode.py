@@ -1,0 +1,202 @@
+"""PURE: one deployment over two boxes with vLLM's own multi-node modes → one RunSpec per box.
+
+No cluster manager of our own: every box runs the same image with its rank's `vllm serve` argv
+and vLLM does the rest (docs/MULTINODE.md). This module only decides, from the settings, what
+each box gets; `deploy.py` starts them through each box's Docker Engine, `serve --dry-run`
+prints them, and the golden files pin them (tests/golden/serve/<profile>.node<N>.txt).
+
+Modes (PARALLEL), all for two boxes with one GPU each:
+  tp2  tensor parallel 2:  --tensor-parallel-size 2 --nnodes 2 --node-rank N --master-addr A0
+       --master-port P; the worker adds --headless. The head serves the API.
+  pp2  pipeline parallel 2: the same launch with --pipeline-parallel-size 2.
+  dp2  two replicas, vLLM's internal load balancing behind the head's one API:
+       --data-parallel-size 2 --data-parallel-size-local 1 --data-parallel-address A0
+       --data-parallel-rpc-port R; the worker adds --headless --data-parallel-start-rank 1.
+  pd   prefill on box 0, decode on box 1, KV moved by NIXL: two servers with
+       --kv-transfer-config {"kv_connector":"NixlConnector","kv_role":"kv_producer"|"kv_consumer"}
+       (each its own API; a P/D router in front is not part of flash, see docs/MULTINODE.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+from .settings import Settings
+from .spec import KEY_TARGET, LABEL, HF_MOUNT, RunSpec, build, extra_env
+
+# ==== per-release facts (the one place) ==========================================================
+# None differs between the catalogued releases, so nothing here asks flash_common.releases; a flag
+# that one day differs becomes a capability there (`cap(base, …)`), never a release name here.
+# Read from the wheels' sources (vllm/engine/arg_utils.py, vllm/entrypoints/cli/serve.py,
+# vllm/config/parallel.py, vllm/config/kv_transfer.py, .../kv_connector/v1/nixl/connector.py):
+# every flag below exists with the same meaning in 0.29.0 and 0.33.0 (sources read), and the vllm
+# tier parses the rendered argv of every box with each catalogued release's own parser (0.29-0.33)
+# (tests/vllm/release/check_multinode_argv.py). `kv_role="kv_both"` is deprecated for
+# NixlConnector in both ("use kv_producer for prefill instances and kv_consumer for decode").
+# Defaults quoted for the settings table: ParallelConfig.master_port 29501,
+# data_parallel_rpc_port 29550, envs.VLLM_NIXL_SIDE_CHANNEL_PORT 5600.
+NIXL_CONNECTOR = "NixlConnector"
+NIXL_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+# ==============================================================================================
+
+MODES = {"tp2": 2, "pp2": 2, "dp2": 2, "pd": 2}  # mode → boxes it needs
+RDMA_DEVICE = "/dev/infiniband"
+NCCL_LOG_ENV = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}  # doctor reads the transport
+
+
+@dataclass(frozen=True)
+class Node:
+    index: int
+    box: str  # as written in NODES
+    engine: str  # Docker Engine URL; "" = this machine's (DOCKER_HOST or the default socket)
+    addr: str  # address on the fast link
+    role: str  # head | worker | prefill | decode
+    gpus: list[str]  # CUDA device indices for this rank; empty = all
+    serves_api: bool
+    spec: RunSpec
+
+    def plain(self, hf_cache: str) -> dict:
+        """This rank without Docker (issue 17: two "nodes" on one host): the same `vllm serve`
+        argv and environment, container paths mapped back to the host's HF cache, the GPUs
+        chosen with CUDA_VISIBLE_DEVICES."""
+        def host_path(v: str) -> str:
+            return hf_cache + v[len(HF_MOUNT):] if v == HF_MOUNT or v.startswith(HF_MOUNT + "/") else v
+
+        env = {k: host_path(v) for k, v in self.spec.env.items()}
+        if self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus)
+        return {"node": self.index, "role": self.role, "addr": self.addr, "argv": [host_path(a) for a in self.spec.command],
+                "env": env}
+
+
+@dataclass(frozen=True)
+class Deployment:
+    name: str
+    parallel: str
+    nodes: list[Node]
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def head(self) -> Node:
+        return self.nodes[0]
+
+    def api_urls(self) -> list[str]:
+        return [n.spec.api_url for n in self.nodes if n.serves_api]
+
+
+def engine_url(box: str) -> str:
+    """`localhost` → this machine's engine; `host`/`user@host` → ssh://; URLs as written."""
+    if box in ("localhost", "local"):
+        return ""
+    if "://" in box:
+        scheme = box.split("://", 1)[0]
+        if scheme not in ("ssh", "tcp", "unix", "http", "https"):
+            raise ConfigError(f"NODES entry {box!r} has an unknown scheme {scheme!r}",
+                              hint="NODES accepts localhost, host, user@host, ssh://…, tcp://…, unix://…")
+        return box
+    return f"ssh://{box}"
+
+
+def _split(s: Settings, key: str) -> list[str]:
+    return [w.strip() for w in (s[key] or "").split(",") if w.strip()]
+
+
+def boxes(s: Settings) -> tuple[list[str], list[str], list[list[str]]]:
+    """NODES, NODE_ADDRS, NODE_GPUS as lists, checked against each other and against PARALLEL."""
+    mode = s["PARALLEL"]
+    want = MODES[mode]
+    nodes, addrs = _split(s, "NODES"), _split(s, "NODE_ADDRS")
+    gpus = [g.split("+") for g in _split(s, "NODE_GPUS")]
+    if len(nodes) != want:
+        raise ConfigError(f"PARALLEL={mode} needs {want} boxes in NODES, got {len(nodes)} ({s['NODES'] or 'empty'})",
+                          hint="NODES=head,worker (localhost, a host name, user@host or an engine URL), head first")
+    if len(addrs) != want:
+        raise ConfigError(f"PARALLEL={mode} needs one fast-link address per box in NODE_ADDRS, got {len(addrs)} "
+                          f"({s['NODE_ADDRS'] or 'empty'})", hint="NODE_ADDRS=10.0.0.1,10.0.0.2 (head first)")
+    import ipaddress
+
+    for a in addrs:
+        try:
+            ipaddress.ip_address(a)
+        except ValueError:
+            raise ConfigError(f"NODE_ADDRS entry {a!r} is not an IP address",
+                              hint="NODE_ADDRS takes the boxes' IP addresses on the fast link, e.g. 10.0.0.1,10.0.0.2") from None
+    if gpus and len(gpus) != want:
+        raise ConfigError(f"NODE_GPUS has {len(gpus)} entries for {want} boxes ({s['NODE_GPUS']})",
+                          hint="one entry per box, e.g. NODE_GPUS=0,1 (two ranks on one host)")
+    if s["NETWORK"] != "host":
+        raise ConfigError(f"PARALLEL={mode} needs NETWORK=host (NETWORK={s['NETWORK']}): the ranks meet on the "
+                          "boxes' own addresses (NCCL, the rendezvous and handshake ports)",
+                          hint="NETWORK=host (the tp2/dp2/pd profiles set it)")
+    # The same address twice is allowed: two ranks on one host over loopback (issue 17).
+    return nodes, addrs, gpus or [[] for _ in nodes]
+
+
+def rank_args(s: Settings, mode: str, index: int, addrs: list[str]) -> tuple[str, list[str]]:
+    """(role, the `vllm serve` flags of this box) for each mode."""
+    head = addrs[0]
+    if mode in ("tp2", "pp2"):
+        size = "--tensor-parallel-size" if mode == "tp2" else "--pipeline-parallel-size"
+        argv = [size, "2", "--nnodes", "2", "--node-rank", str(index), "--master-addr", head,
+                "--master-port", str(s["MASTER_PORT"])]
+        return ("head", argv) if index == 0 else ("worker", argv + ["--headless"])
+    if mode == "dp2":
+        argv = ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-address", head,
+                "--data-parallel-rpc-port", str(s["DP_RPC_PORT"])]
+        return ("head", argv) if index == 0 else ("worker", argv + ["--data-parallel-start-rank", str(index), "--headless"])
+    if mode == "pd":
+        role = "prefill" if index == 0 else "decode"
+        cfg = {"kv_connector": NIXL_CONNECTOR, "kv_role": NIXL_ROLE[role]}
+        return role, ["--kv-transfer-config", json.dumps(cfg, separators=(",", ":"))]
+    raise ConfigError(f"PARALLEL={mode!r} is not a multi-node mode", hint=f"PARALLEL accepts none | {' | '.join(MODES)}")
+
+
+def node_env(s: Settings, mode: str, index: int, addr: str) -> dict[str, str]:
+    env = {"VLLM_HOST_IP": addr}
+    if mode in ("tp2", "pp2", "dp2"):
+        env.update(NCCL_LOG_ENV)
+        if s["NODE_IFNAME"]:
+            env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = s["NODE_IFNAME"]
+    if mode == "pd":
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = addr
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(s["NIXL_PORT"] + index)
+    return env
+
+
+def build_deployment(s: Settings, *, profile: str, snapshot: str, hf_cache: str, state_dir: str) -> Deployment:
+    mode = s["PARALLEL"]
+    nodes, addrs, gpus = boxes(s)
+    out: list[Node] = []
+    warnings: list[str] = []
+    for i, (box, addr) in enumerate(zip(nodes, addrs)):
+        role, flags = rank_args(s, mode, i, addrs)
+        serves_api = role in ("head", "prefill", "decode")
+        port = s["PORT"] + i if mode == "pd" else s["PORT"]
+        spec = build(s, profile=profile, snapshot=snapshot, hf_cache=hf_cache, state_dir=state_dir,
+                     parallel=flags, port=port)
+        env = {**spec.env, **node_env(s, mode, i, addr), **extra_env(s["CONTAINER_ENV"])}  # the user's word last
+        labels = {**spec.labels,
+                  f"{LABEL}.parallel": mode, f"{LABEL}.node": str(i), f"{LABEL}.role": role,
+                  f"{LABEL}.nodes": s["NODES"], f"{LABEL}.node-addrs": s["NODE_ADDRS"]}
+        changes: dict = {"name": s["NAME"] if i == 0 else f"{s['NAME']}-node{i}", "env": dict(sorted(env.items())),
+                         "labels": labels, "gpu_ids": list(gpus[i]) if spec.gpus else []}
+        if s["RDMA"]:
+            changes.update(devices=[RDMA_DEVICE], cap_add=["IPC_LOCK"], ulimits=[("memlock", -1, -1)])
+        if not serves_api:  # a headless rank: no API, no key, no /health to probe
+            changes.update(healthcheck={"test": ["NONE"]}, needs_api_key=False, key_file="",
+                           mounts=[m for m in spec.mounts if m.target != KEY_TARGET])
+            changes["env"].pop("FLASH_API_KEY_FILE", None)
+            labels[f"{LABEL}.api-key"] = "none"
+        out.append(Node(i, box, engine_url(box), addr, role, list(gpus[i]), serves_api,
+                        dataclasses.replace(spec, **changes)))
+        warnings += [w for w in spec.warnings if w not in warnings]
+    if not s["RDMA"]:
+        warnings.append("RDMA=0: no /dev/infiniband, IPC_LOCK or memlock in the containers; NCCL will use TCP "
+                        "sockets (about half the link's speed)")
+    if mode == "pd":
+        warnings.append("pd: two API servers (prefill on box 0, decode on box 1); requests need a P/D router "
+                        "in front that flash does not ship (docs/MULTINODE.md)")
+    return Deployment(s["NAME"], mode, out, warnings)

@@ -1,0 +1,188 @@
+"""Two boxes on real engines (issue 15): two Docker Engines on this machine (the tier's daemon and
+a second dockerd with its own socket, data root and exec root), the stand-in playing each rank
+and checking the rank argv it was given, ranks meeting over loopback on the head's rendezvous
+port. A worker killed during boot, an unreachable box, and an image mismatch doctor catches."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import IMAGE, free_port
+
+pytestmark = pytest.mark.docker
+
+
+@pytest.fixture(scope="module")
+def second_engine(docker_client, built_image):
+    """A second, private Docker Engine (unix socket, own data/exec roots) holding the same image."""
+    import docker
+
+    if not shutil.which("dockerd"):
+        pytest.fail("dockerd is not installed: tests/run engine installs docker.io")
+    d = Path(tempfile.mkdtemp(prefix="fd2-", dir="/tmp"))
+    sock = d / "d.sock"
+    log = open(d / "dockerd.log", "wb")
+    proc = subprocess.Popen(["dockerd", "--host", f"unix://{sock}", "--data-root", str(d / "root"),
+                             "--exec-root", str(d / "x"), "--pidfile", str(d / "pid"), "--storage-driver=vfs",
+                             "--iptables=false", "--ip6tables=false", "--bridge=none"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"unix://{sock}"
+    client = None
+    for _ in range(120):
+        try:
+            client = docker.DockerClient(base_url=url, timeout=600)
+            client.ping()
+            break
+        except Exception:  # noqa: BLE001 - not up yet
+            client = None
+            time.sleep(0.5)
+    if client is None:
+        proc.terminate()
+        pytest.fail("second dockerd did not answer:\n" + (d / "dockerd.log").read_text()[-2000:])
+    client.images.load(b"".join(docker_client.images.get(built_image).save(named=True)))
+    yield url, client
+    for c in client.containers.list(all=True):
+        c.remove(force=True)
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+    netns = d / "x" / "netns" / "default"  # dockerd leaves its netns bind mount behind
+    if netns.exists():
+        subprocess.run(["umount", str(netns)], check=False, capture_output=True)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def boxes_env(url: str, **extra: str) -> dict:
+    return {"NODES": f"localhost,{url}", "NODE_ADDRS": "127.0.0.1,127.0.0.1", "RDMA": "0",
+            "MASTER_PORT": str(free_port()), "DP_RPC_PORT": str(free_port()), **extra}
+
+
+def node(client, name: str, index: int):
+    found = client.containers.list(all=True, filters={"label": [f"org.flash.name={name}", f"org.flash.node={index}"]})
+    assert len(found) == 1, (name, index, found)
+    return found[0]
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.load(r)
+
+
+def test_tp2_on_two_engines(flash, docker_client, second_engine):
+    url, client2 = second_engine
+    env = boxes_env(url)
+    res = flash("serve", "tp2", "--start-check", "2", env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    head, worker = node(docker_client, flash.name, 0), node(client2, flash.name, 1)
+    assert not docker_client.containers.list(all=True, filters={"label": [f"org.flash.name={flash.name}", "org.flash.node=1"]})
+    args = worker.attrs["Args"]
+    assert "--headless" in args and args[args.index("--node-rank") + 1] == "1"
+    assert args[args.index("--master-port") + 1] == env["MASTER_PORT"]
+    assert "--headless" not in head.attrs["Args"]
+    res = flash("wait", "--timeout", "120", "--interval", "0.5")  # boxes from the head's labels
+    assert res.returncode == 0, res.stdout + res.stderr
+    argv = get_json(f"{flash.url}/standin/argv")
+    assert argv["ranks"] == {"rank": 0, "world": 2, "addr": "127.0.0.1", "port": int(env["MASTER_PORT"]), "kind": "tp"}
+    head.reload()
+    assert "rank 1 joined" in head.logs().decode()
+    st = flash("status", "--json")
+    rows = json.loads(st.stdout)["nodes"]
+    assert [(r["node"], r["role"], r["state"]) for r in rows] == [(0, "head", "running"), (1, "worker", "running")]
+    assert rows[0]["api"] == "up"
+    logs = flash("logs", "--node", "1", "50")
+    assert "Launching vLLM headless rank 1 (tp)" in logs.stdout, logs.stdout + logs.stderr
+    again = flash("serve", "tp2", env=env)
+    assert again.returncode == 0 and "nothing to do" in again.stdout
+    res = flash("stop", "--no-drain")
+    assert res.returncode == 0 and "node 1 (worker)" in res.stdout, res.stdout + res.stderr
+    res = flash("rm")
+    assert res.returncode == 0, res.stderr
+    assert not client2.containers.list(all=True, filters={"label": f"org.flash.name={flash.name}"})
+    assert not docker_client.containers.list(all=True, filters={"label": f"org.flash.name={flash.name}"})
+
+
+def test_dp2_one_endpoint(flash, docker_client, second_engine):
+    url, client2 = second_engine
+    env = boxes_env(url)
+    res = flash("serve", "dp2", "--start-check", "2", env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    worker = node(client2, flash.name, 1)
+    args = worker.attrs["Args"]
+    assert args[args.index("--data-parallel-start-rank") + 1] == "1" and "--headless" in args
+    res = flash("wait", "--timeout", "120", "--interval", "0.5", env=env)  # boxes from NODES
+    assert res.returncode == 0, res.stdout + res.stderr
+    argv = get_json(f"{flash.url}/standin/argv")
+    assert argv["ranks"]["kind"] == "dp" and argv["ranks"]["port"] == int(env["DP_RPC_PORT"])
+    assert get_json(f"{flash.url}/v1/models")["data"][0]["id"] == "qwen3.8-flash-next"
+    assert flash("rm", env=env).returncode == 0
+
+
+def test_worker_killed_during_boot_fails_wait_at_once(flash, docker_client, second_engine):
+    url, client2 = second_engine
+    env = boxes_env(url, CONTAINER_ENV="STANDIN_BOOT_SECONDS=90")
+    res = flash("serve", "tp2", "--start-check", "1", env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    node(client2, flash.name, 1).kill()
+    t0 = time.monotonic()
+    res = flash("wait", "--timeout", "300", "--interval", "0.5")
+    took = time.monotonic() - t0
+    assert res.returncode == 7, res.stdout + res.stderr
+    assert "node 1 (worker)" in res.stderr and "(headless)" in res.stderr  # its own log lines
+    assert took < 20, took
+    assert flash("rm").returncode == 0
+
+
+def test_unreachable_box_changes_nothing(flash, docker_client):
+    env = {"NODES": "localhost,unix:///tmp/flash-no-such-engine.sock", "NODE_ADDRS": "127.0.0.1,127.0.0.1", "RDMA": "0"}
+    res = flash("serve", "tp2", env=env)
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert "box 1 (unix:///tmp/flash-no-such-engine.sock) is unreachable" in res.stderr
+    assert not docker_client.containers.list(all=True, filters={"label": f"org.flash.name={flash.name}"})
+
+
+def test_doctor_catches_an_image_mismatch(flash, docker_client, second_engine):
+    url, client2 = second_engine
+    env = boxes_env(url)
+    res = flash("doctor", "tp2", "--json", env=env)
+    report = json.loads(res.stdout)
+    texts = [(c["status"], c["text"]) for c in report["checks"]]
+    assert ("ok", next(t for s, t in texts if t.startswith("same image on every box"))) in texts, texts
+    revisions = [b["probe"]["revision"] for b in report["boxes"]]
+    assert len(revisions) == 2 and revisions[0] == revisions[1] != ""
+    assert all(b["probe"]["snapshot"] for b in report["boxes"])
+    original = client2.images.get(IMAGE)
+    other, _ = client2.images.build(fileobj=io.BytesIO(f"FROM {IMAGE}\nLABEL org.flash.test=mismatch\n".encode()),
+                                    tag=IMAGE, rm=True)
+    try:
+        assert other.id != original.id
+        res = flash("doctor", "tp2", "--json", env=env)
+        assert res.returncode == 1, res.stdout + res.stderr
+        fails = [c["text"] for c in json.loads(res.stdout)["checks"] if c["status"] == "fail"]
+        assert any("the boxes run different images" in t for t in fails), fails
+    finally:
+        original.tag(IMAGE)
+        client2.images.remove(other.id, force=True)
+
+
+def test_one_box_server_and_deployment_of_one_name(flash, docker_client, second_engine):
+    url, client2 = second_engine
+    env = boxes_env(url)
+    res = flash("serve", "published", "--start-check", "1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    res = flash("serve", "tp2", "--start-check", "1", env=env)
+    assert res.returncode == 0 and "replacing the one-box server on box 0" in res.stderr, res.stdout + res.stderr
+    assert len(docker_client.containers.list(all=True, filters={"label": f"org.flash.name={flash.name}"})) == 1
+    res = flash("serve", "published")
+    assert res.returncode == 2 and "is a tp2 deployment" in res.stderr, res.stdout + res.stderr
+    assert flash("rm").returncode == 0
