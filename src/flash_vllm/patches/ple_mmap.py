@@ -46,6 +46,7 @@ import threading
 
 from ..registry import (Context, Gate, Patch, TargetMissing, expect_installed, expect_source, install,
                         original, resolve)
+from .ple_hoist import TARGETS as HOIST_TARGETS
 from .ple_mmap_v029 import TARGETS as V029_TARGETS
 
 NUMBER = 1
@@ -185,6 +186,7 @@ def make_storage(upstream_cls):
             self._flash_out = None
             self._flash_stager = None
             self._flash_gather = eager_break(self._gather_into)
+            self._flash_hoist = _hoist().slot_for_new_storage()  # hoisted mode: the runner gathers
 
         def allocate_embedding_weight(self, num_embeddings, embedding_dim, dtype):
             # Shape and dtype for the loaders' checks; no storage anywhere.
@@ -219,16 +221,22 @@ def make_storage(upstream_cls):
         def finalize_prefetch(self, total_tokens):
             raise RuntimeError("mmap PLE embedding does not prefetch")
 
-        def forward(self, ngram_ids):
-            n = ngram_ids.shape[0]
+        def _flash_buffer(self, n, heads_shape, device):
+            """The persistent output buffer (>= n rows), allocated outside any capture."""
             out = self._flash_out
-            if out is None or out.shape[0] < n or out.device != ngram_ids.device:
+            if out is None or out.shape[0] < n or out.device != device:
                 if _is_capturing(torch):
                     raise RuntimeError("mmap PLE output buffer must be allocated before graph capture")
-                out = torch.empty(max(self._flash_rows, n), *ngram_ids.shape[1:], self.embedding_dim,
-                                  dtype=self._flash_out_dtype, device=ngram_ids.device)
+                out = torch.zeros(max(self._flash_rows, n), *heads_shape, self.embedding_dim,
+                                  dtype=self._flash_out_dtype, device=device)
                 self._flash_out = out
-            view = out[:n]
+            return out
+
+        def forward(self, ngram_ids):
+            if self._flash_hoist is not None:  # filled before the forward by the runner's hook
+                return self._flash_hoist.read(self, ngram_ids)
+            n = ngram_ids.shape[0]
+            view = self._flash_buffer(n, ngram_ids.shape[1:], ngram_ids.device)[:n]
             self._flash_gather(ngram_ids, view)
             return view
 
@@ -243,6 +251,12 @@ def storage_base(upstream_cls):
         if c.__name__ == "Qwen4ExpPLEEmbedding":
             return c
     raise TargetMissing(f"{upstream_cls.__name__} no longer derives from Qwen4ExpPLEEmbedding")
+
+
+def _hoist():
+    from . import ple_hoist
+
+    return ple_hoist
 
 
 def _v029():
@@ -273,6 +287,8 @@ def check(ctx: Context) -> None:
         raise TargetMissing(f"{NGRAM}:Qwen4ExpPLEPinnedHostEmbedding no longer pins its weight")
     expect_source("vllm.compilation.breakable_cudagraph", "eager_break_during_capture",
                   "cudagraph_runtime_mode")
+    if _hoist().wanted(ctx):
+        _hoist().check(ctx)
 
 
 def apply(ctx: Context) -> None:
@@ -280,6 +296,8 @@ def apply(ctx: Context) -> None:
         return _v029().apply()
     install(NUMBER, *PINNED, make_storage)
     install(NUMBER, *DEVICE, make_storage)
+    if _hoist().wanted(ctx):
+        _hoist().apply(ctx)
 
 
 def verify(ctx: Context) -> None:
@@ -287,6 +305,8 @@ def verify(ctx: Context) -> None:
         return _v029().verify()
     expect_installed(NUMBER, *PINNED)
     expect_installed(NUMBER, *DEVICE)
+    if _hoist().wanted(ctx):
+        _hoist().verify(ctx)
 
 
 PATCH = Patch(
@@ -303,7 +323,7 @@ PATCH = Patch(
          "gather; gathering before the forward is future work)."),
     upstream="vllm#54129 (VLLM_PLE_MMAP, open) / vllm#54070 (disk-backed tables, open)",
     gate=Gate.flag(ENV),
-    targets=tuple(f"{m}:{q}" for m, q in (PINNED, DEVICE, INIT, FORWARD, LOAD) + V029_TARGETS),
+    targets=tuple(f"{m}:{q}" for m, q in (PINNED, DEVICE, INIT, FORWARD, LOAD) + V029_TARGETS + HOIST_TARGETS),
     applies_to=frozenset(FLAVOURS),
     check=check, apply=apply, verify=verify,
     notes="Graph regime: the run spec forces cudagraph_mode=PIECEWISE (and leaves splitting_ops unset, "

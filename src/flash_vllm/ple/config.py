@@ -27,6 +27,8 @@ class PLEConfig:
     chunk: int = 2048  # rows per pool task (upstream VLLM_PLE_MMAP_CHUNK)
     io: str = "auto"  # auto | uring | direct | mmap (mmap = madvise WILLNEED + faults, no io_uring)
     native: bool = True  # compiled (numba) gather loops when numba is importable
+    mode: str = "eager"  # eager: gather inside the forward | hoisted: before it (patches/ple_hoist.py)
+    hoist_check: bool = False  # hoisted: eager forwards compare the ids with those gathered for (syncs)
 
 
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -70,7 +72,7 @@ def config_from_env(env: Mapping[str, str]) -> PLEConfig:
         "VLLM_PLE_MMAP", "VLLM_PLE_MMAP_WORKERS", "VLLM_PLE_MMAP_PREWARM", "VLLM_PLE_MMAP_MADVISE",
         "VLLM_PLE_MMAP_FAST_ROWS", "VLLM_PLE_MMAP_STATS_SEC", "VLLM_PLE_MMAP_PROMETHEUS",
         "VLLM_PLE_MMAP_DIR", "VLLM_PLE_MMAP_RING_DEPTH", "VLLM_PLE_MMAP_IO", "VLLM_PLE_MMAP_CHUNK",
-        "VLLM_PLE_MMAP_NATIVE",
+        "VLLM_PLE_MMAP_NATIVE", "VLLM_PLE_MMAP_MODE", "VLLM_PLE_MMAP_HOIST_CHECK",
     }
     unknown = sorted(k for k in env if k.startswith("VLLM_PLE_MMAP_") and k not in known)
     if unknown:
@@ -102,4 +104,6 @@ def config_from_env(env: Mapping[str, str]) -> PLEConfig:
         chunk=_int(env, "VLLM_PLE_MMAP_CHUNK", 2048, 1, 1 << 24),
         io=_choice(env, "VLLM_PLE_MMAP_IO", "auto", ("auto", "uring", "direct", "mmap")),
         native=_bool(env, "VLLM_PLE_MMAP_NATIVE", True),
+        mode=_choice(env, "VLLM_PLE_MMAP_MODE", "eager", ("eager", "hoisted")),
+        hoist_check=_bool(env, "VLLM_PLE_MMAP_HOIST_CHECK", False),
     )
