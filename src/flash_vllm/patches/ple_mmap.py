@@ -19,11 +19,12 @@ names are replaced by subclasses of the release's `Qwen4ExpPLEEmbedding` that:
   segment (the ids queued before it are recorded, not computed, at that point) and refusing
   loudly when called inside a plain stream capture (a FULL graph would replay a constant).
 
-Graph regime shipped: PIECEWISE. Qwen4Exp backends report UNIFORM_BATCH, so under the default
-FULL_AND_PIECEWISE uniform decode batches are captured FULL, where an eager break does not break
-and a host gather would be baked into the graph. The run spec therefore forces
-`--compilation-config {"cudagraph_mode":"PIECEWISE"}`. Gathering before the forward from the
-token ids (so FULL decode graphs stay legal) is future work.
+Graph regime (eager mode, the default): PIECEWISE. Qwen4Exp backends report UNIFORM_BATCH, so
+under the default FULL_AND_PIECEWISE uniform decode batches are captured FULL, where an eager break
+does not break and a host gather would be baked into the graph. The run spec therefore forces
+`--compilation-config {"cudagraph_mode":"PIECEWISE"}`. The hoisted mode
+(`VLLM_PLE_MMAP_MODE=hoisted`, `ple_hoist.py`, 0.33) gathers before the forward from the model
+runner's inputs; the forward only reads the buffer, so the run spec keeps FULL_AND_PIECEWISE.
 
 Bases, and the one place that tells them apart (`FLAVOURS`):
 - 0.30-0.33, "storage": the storage classes above are replaced (the abstract base is in
@@ -46,6 +47,7 @@ import threading
 
 from ..registry import (Context, Gate, Patch, TargetMissing, expect_installed, expect_source, install,
                         original, resolve)
+from .ple_hoist import BASES as HOIST_BASES
 from .ple_hoist import TARGETS as HOIST_TARGETS
 from .ple_mmap_v029 import TARGETS as V029_TARGETS
 
@@ -320,13 +322,15 @@ PATCH = Patch(
          "on 0.30+, inside a splitting op of ours (vllm::flash_ple_mmap_lookup, appended to "
          "CompilationConfig._attention_ops) on 0.29, where the release's own layer still applies "
          "the fp8 scale. Ships with cudagraph_mode=PIECEWISE (FULL decode graphs would capture the "
-         "gather; gathering before the forward is future work)."),
+         "gather). VLLM_PLE_MMAP_MODE=hoisted (0.33) gathers the step's rows before the forward, from "
+         "Qwen4ExpModelState.prepare_inputs, so FULL decode graphs are legal."),
     upstream="vllm#54129 (VLLM_PLE_MMAP, open) / vllm#54070 (disk-backed tables, open)",
     gate=Gate.flag(ENV),
     targets=tuple(f"{m}:{q}" for m, q in (PINNED, DEVICE, INIT, FORWARD, LOAD) + V029_TARGETS + HOIST_TARGETS),
     applies_to=frozenset(FLAVOURS),
     check=check, apply=apply, verify=verify,
-    notes="Graph regime: the run spec forces cudagraph_mode=PIECEWISE (and leaves splitting_ops unset, "
-          "so 0.29 copies its list with our op); FULL decode graphs need the gather moved before the "
-          "forward (future work).",
+    notes="Graph regime: eager mode (default): the run spec forces cudagraph_mode=PIECEWISE (and leaves "
+          "splitting_ops unset, so 0.29 copies its list with our op). Hoisted mode (PLE_MODE=hoisted, env "
+          "VLLM_PLE_MMAP_MODE; served on " + ", ".join(sorted(HOIST_BASES)) + " only, ple_hoist.BASES): "
+          "FULL_AND_PIECEWISE; elsewhere preflight refuses it and the plugin stays eager.",
 )
