@@ -61,10 +61,13 @@ def test_plan_modes(bd, prepared):
     plan = bd.server_plan(prepared, 8123)
     assert set(plan) == {"stock", "eager", "hoisted"}
     assert "VLLM_PLE_MMAP" not in plan["stock"]["env"] and '{"cpu_offload":false}' in plan["stock"]["argv"]
+    stock_cc = json.loads(plan["stock"]["argv"][plan["stock"]["argv"].index("--compilation-config") + 1])
+    assert stock_cc["cudagraph_mode"] == "FULL_AND_PIECEWISE"  # vLLM's default, spelled out
     for name, mode, graphs in (("eager", "eager", "PIECEWISE"), ("hoisted", "hoisted", "FULL_AND_PIECEWISE")):
         assert plan[name]["env"]["VLLM_PLE_MMAP_MODE"] == mode
         assert plan[name]["env"]["VLLM_PLE_MMAP_DIR"] == str(prepared / "ple")
-        assert json.loads(plan[name]["argv"][plan[name]["argv"].index("--compilation-config") + 1]) == {"cudagraph_mode": graphs}
+        cc = json.loads(plan[name]["argv"][plan[name]["argv"].index("--compilation-config") + 1])
+        assert cc["cudagraph_mode"] == graphs
     for p in plan.values():
         assert '{"method":"mtp","num_speculative_tokens":2}' in p["argv"] and "dummy" in p["argv"]
 
