@@ -63,6 +63,7 @@ TARGETS = (PREPARE, RUNNER, DUMMY)
 NUMBER = 1
 log = logging.getLogger("vllm.flash")
 
+_WARNED: set[str] = set()
 ACTIVE = False  # set by apply() in the serving process: storages built afterwards hoist
 CHECK = False
 
@@ -116,6 +117,9 @@ def wanted(ctx: Context) -> bool:
     if mode_of(ctx.env) != "hoisted":
         return False
     if not serves(ctx.base.name):
+        if ctx.base.name in _WARNED:
+            return False
+        _WARNED.add(ctx.base.name)
         log.warning("flash_vllm patch 1: %s=hoisted is not available on %s (%s); gathering eagerly "
                     "(serve with cudagraph_mode PIECEWISE)", MODE_ENV, ctx.base.name,
                     NOT_PORTED.get(ctx.base.name, "not ported"))
