@@ -126,7 +126,8 @@ class Rig:
         assert self.hoister.layers == [self.mod]
         self.req_states = SimpleNamespace(req_id_to_index={f"r{i}": i for i in range(REQS)})
         self.batch = SimpleNamespace(req_ids=[f"r{i}" for i in range(REQS)], input_ids=self.input_ids)
-        self.mod.ngram_embedding._flash_buffer(self.n, (HEADS,), torch.device(dev))  # the profile run's allocation
+        # the profile run's allocation, on the device the forward's ids live on ("cuda:0", not "cuda")
+        self.mod.ngram_embedding._flash_buffer(self.n, (HEADS,), self.ids_static.device)
         self.graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
