@@ -91,3 +91,17 @@ def test_summary_and_plot(bd, tmp_path):
 def test_bad_arguments_name_the_value(bd, argv, msg):
     with pytest.raises(SystemExit, match=msg):
         bd.main(argv)
+
+
+def test_greedy_cases_and_diff(bd, tmp_path, capsys):
+    cases = dict(bd.greedy_cases(eos=5, vocab=2000))
+    assert cases["long"] == cases["long-again"] and cases["shared-prefix"][:1024] == cases["long"][:1024]
+    assert cases["eos-inside"].count(5) == 2 and cases["eos-last"][-1] == 5
+    assert cases == dict(bd.greedy_cases(eos=5, vocab=2000))  # fixed: the same prompts for every server
+    a = {"cases": [{"name": "x", "token_ids": [1, 2, 3]}]}
+    b = {"cases": [{"name": "x", "token_ids": [1, 2, 4]}]}
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    assert bd.main(["greedy-diff", str(tmp_path / "a.json"), str(tmp_path / "a.json")]) == 0
+    assert bd.main(["greedy-diff", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 1
+    assert "token 2: 3 vs 4" in capsys.readouterr().out
