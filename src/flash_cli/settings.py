@@ -191,7 +191,7 @@ SETTINGS: tuple[Setting, ...] = (
     S("PREWARM", "bool", False, "Read the PLE table once at boot to warm the page cache.",
       "env VLLM_PLE_MMAP_PREWARM", env="VLLM_PLE_MMAP_PREWARM"),
     S("PLE_MODE", "choice", "eager", "Where the PLE rows are gathered: eager (inside the forward, PIECEWISE "
-      "graphs) or hoisted (before the forward from the runner's inputs, FULL decode graphs; v0.33 only).",
+      "graphs) or hoisted (before the forward from the runner's inputs, FULL decode graphs; v0.30-v0.33).",
       "env VLLM_PLE_MMAP_MODE; picks cudagraph_mode", choices=("eager", "hoisted"), env="VLLM_PLE_MMAP_MODE"),
     S("EFFORT_ALIAS", "bool", True, "Accept reasoning effort high/max (→ xhigh) and minimal (→ low), as "
       "Claude Code sends them.", "v0.33: vllm --reasoning-effort-map; older: env FLASH_EFFORT_ALIAS (plugin)"),

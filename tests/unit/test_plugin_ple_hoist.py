@@ -25,7 +25,7 @@ def test_mode_and_bases():
     assert ple_hoist.mode_of({}) == "eager" and ple_hoist.mode_of({"VLLM_PLE_MMAP_MODE": " Hoisted "}) == "hoisted"
     with pytest.raises(ValueError, match="VLLM_PLE_MMAP_MODE='full' is not one of eager, hoisted"):
         ple_hoist.mode_of({"VLLM_PLE_MMAP_MODE": "full"})
-    assert ple_hoist.serves("v0.33") and not ple_hoist.serves("v0.32")
+    assert ple_hoist.serves("v0.33") and ple_hoist.serves("v0.30") and not ple_hoist.serves("v0.29")
     from flash_vllm import compat
 
     # every base is either served or says why not (one place: BASES / NOT_PORTED)

@@ -33,8 +33,9 @@ Checks that the buffer was filled for this step's ids:
 - FULL and PIECEWISE replays run no Python: they trust the hook, which runs for every real step
   (the binding is checked at startup: `check()` anchors the runner's call sites).
 
-Bases: the one place is `BASES` (the V2 runner's `Qwen4ExpModelState`, 0.33). Elsewhere the
-mode is refused by preflight and falls back to eager in the plugin (with a warning).
+Bases: the one place is `BASES` (0.30-0.33: the V2 runner's `Qwen4ExpModelState` and patch 1's
+storage flavour). Elsewhere (0.29) the mode is refused by preflight and falls back to eager in the
+plugin (with a warning).
 """
 
 from __future__ import annotations
@@ -47,13 +48,12 @@ MODE_ENV = "VLLM_PLE_MMAP_MODE"
 CHECK_ENV = "VLLM_PLE_MMAP_HOIST_CHECK"
 MODES = ("eager", "hoisted")
 DEFAULT_MODE = "eager"
-# Bases whose model runner the hook is written (and checked) against: the one place.
-BASES = frozenset({"v0.33"})
+# Bases whose model runner the hook is written (and checked, in the vllm tier) against: the one
+# place. 0.30-0.33 share the V2 runner's call sites and patch 1's "storage" flavour.
+BASES = frozenset({"v0.30", "v0.31", "v0.32", "v0.33"})
 NOT_PORTED = {
-    "v0.29": "the V1 runner and the splitting-op flavour: no Qwen4ExpModelState to hook",
-    "v0.30": "not checked against this release's runner (no wheel in the vllm tier's cache)",
-    "v0.31": "not checked against this release's runner (no wheel in the vllm tier's cache)",
-    "v0.32": "not checked against this release's runner (no wheel in the vllm tier's cache)",
+    "v0.29": ("patch 1's splitting-op flavour: the lookup is a torch.compile splitting op "
+              "(vllm::flash_ple_mmap_lookup); a hoisted variant of that op is not written"),
 }
 STATE_MOD = "vllm.models.qwen4_exp.nvidia.model_state"
 PREPARE = (STATE_MOD, "Qwen4ExpModelState.prepare_inputs")

@@ -23,7 +23,7 @@ Graph regime (eager mode, the default): PIECEWISE. Qwen4Exp backends report UNIF
 under the default FULL_AND_PIECEWISE uniform decode batches are captured FULL, where an eager break
 does not break and a host gather would be baked into the graph. The run spec therefore forces
 `--compilation-config {"cudagraph_mode":"PIECEWISE"}`. The hoisted mode
-(`VLLM_PLE_MMAP_MODE=hoisted`, `ple_hoist.py`, 0.33) gathers before the forward from the model
+(`VLLM_PLE_MMAP_MODE=hoisted`, `ple_hoist.py`, 0.30-0.33) gathers before the forward from the model
 runner's inputs; the forward only reads the buffer, so the run spec keeps FULL_AND_PIECEWISE.
 
 Bases, and the one place that tells them apart (`FLAVOURS`):
@@ -294,11 +294,12 @@ def check(ctx: Context) -> None:
 
 
 def apply(ctx: Context) -> None:
+    hoisted = _hoist().wanted(ctx)  # warns (once) where the hoisted mode is asked for but not served
     if FLAVOURS[ctx.base.name] == "splitting-op":
         return _v029().apply()
     install(NUMBER, *PINNED, make_storage)
     install(NUMBER, *DEVICE, make_storage)
-    if _hoist().wanted(ctx):
+    if hoisted:
         _hoist().apply(ctx)
 
 
@@ -322,7 +323,7 @@ PATCH = Patch(
          "on 0.30+, inside a splitting op of ours (vllm::flash_ple_mmap_lookup, appended to "
          "CompilationConfig._attention_ops) on 0.29, where the release's own layer still applies "
          "the fp8 scale. Ships with cudagraph_mode=PIECEWISE (FULL decode graphs would capture the "
-         "gather). VLLM_PLE_MMAP_MODE=hoisted (0.33) gathers the step's rows before the forward, from "
+         "gather). VLLM_PLE_MMAP_MODE=hoisted (0.30-0.33) gathers the step's rows before the forward, from "
          "Qwen4ExpModelState.prepare_inputs, so FULL decode graphs are legal."),
     upstream="vllm#54129 (VLLM_PLE_MMAP, open) / vllm#54070 (disk-backed tables, open)",
     gate=Gate.flag(ENV),

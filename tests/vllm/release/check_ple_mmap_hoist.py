@@ -2,7 +2,7 @@
 
 Named to sort after check_ple_mmap.py: that file records the stock classes before it applies patch 1.
 
-On the bases the mode serves (`ple_hoist.BASES`, 0.33):
+On the bases the mode serves (`ple_hoist.BASES`, 0.30-0.33):
 - `check()` finds the runner's call sites, `apply()` wraps `Qwen4ExpModelState.prepare_inputs`
   (the class the model hands the V2 runner) idempotently and `verify()` passes;
 - the real `Qwen4ExpModelState.prepare_inputs` (ngram_context from the request states, padded
