@@ -163,7 +163,12 @@ class Slot:
         """The forward's part: the buffer's first n rows (a view; nothing gathered here)."""
         n = ngram_ids.shape[0]
         out = emb._flash_buffer(n, ngram_ids.shape[1:], ngram_ids.device)
-        if self.staged_n is not None and not _capturing():
+        capturing = _capturing()
+        if not capturing and getattr(emb, "_flash_stager", 0) is None:
+            # Open the table at the first eager forward (the profile run), as the eager mode does:
+            # a missing or wrong table fails the boot, not the first request.
+            emb.stager(ngram_ids.device)
+        if self.staged_n is not None and not capturing:
             if self.staged_n != n:
                 raise RuntimeError(f"VLLM_PLE_MMAP hoisted: the forward reads {n} PLE rows but the "
                                    f"runner's hook staged {self.staged_n} for this step")

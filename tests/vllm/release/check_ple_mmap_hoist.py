@@ -142,7 +142,12 @@ def rig(applied, served, hoist, checkpoint, tmp_path_factory):
                                                        prefix=PREFIX, params_dtype=torch.bfloat16)
             hoist.ACTIVE = True
             assert mods["eager"].ngram_embedding._flash_hoist is None
-            assert mods["hoisted"].ngram_embedding._flash_hoist is not None
+            hoisted = mods["hoisted"].ngram_embedding
+            assert hoisted._flash_hoist is not None and hoisted._flash_stager is None
+            # the profile run's dummy forward (no hook staging): opens the table, gathers nothing
+            dummy_ids = torch.zeros(4, HEADS, dtype=torch.long)
+            assert not hoisted(dummy_ids).any()  # the zeroed buffer
+            assert hoisted._flash_stager is not None and hoisted._flash_hoist.steps == 0
             state = object.__new__(st.Qwen4ExpModelState)  # the real class; its __init__ needs a runner
             state.__dict__.update(
                 model=torch.nn.ModuleDict({"ple": mods["hoisted"]}), rope_state=None,
