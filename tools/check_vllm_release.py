@@ -271,6 +271,9 @@ PROBES = {
         read("vllm/config/speculative.py") or ""),
     "spec_eagle_block_drop_flag": lambda read, names: "disable_eagle_block_drop:" in (
         read("vllm/config/speculative.py") or ""),
+    # patch 1's hoisted mode hooks the V2 runner's model state (ple_hoist.PREPARE) on the storage flavour
+    "ple_hoisted": lambda read, names: _ple_storage(read, names) == "storage" and "def prepare_inputs" in (
+        read("vllm/models/qwen4_exp/nvidia/model_state.py") or ""),
     "overhead_fitted": lambda read, names: False,  # a new release has not been calibrated on hardware
 }
 NOT_FROM_SOURCE = {"overhead_fitted": "not calibrated on this release",

@@ -124,25 +124,32 @@ def compilation_config(argv: list[str]) -> dict:
 
 
 def graph_regime(s: Settings) -> list[Problem]:
-    """Patch 1 gathers PLE rows on the host between graph segments: a FULL CUDA graph would replay
-    them as a constant (the plugin refuses at capture time, i.e. after the ten-minute load).
-    COMPILE_FLAGS replaces flash's PIECEWISE default and EXTRA can override it: check both now."""
-    from .spec import compilation_args
+    """Patch 1's eager mode gathers PLE rows on the host between graph segments: a FULL CUDA graph
+    would replay them as a constant (the plugin refuses at capture time, i.e. after the ten-minute
+    load). COMPILE_FLAGS replaces flash's default and EXTRA can override it: check both now. The
+    hoisted mode (PLE_MODE=hoisted) gathers before the forward, so FULL graphs are legal with it,
+    on the bases the plugin's registry serves it on (refused elsewhere)."""
+    from .spec import compilation_args, ple_hoisted
 
+    out = []
+    if s["PLE_MODE"] == "hoisted" and not ple_hoisted(s):
+        out.append(Problem(ConfigError, f"PLE_MODE=hoisted is not available on BASE={s['BASE']} "
+                           "(patch 1's hoisted mode is not written for that release's runner)",
+                           f"use PLE_MODE=eager, or a base that has it: "
+                           f"{', '.join(sorted(releases.where('ple_hoisted', True)))}"))
     argv = compilation_args(s) + split_args(s["EXTRA"] or "", "EXTRA")
     if "--enforce-eager" in argv:
-        return []
+        return out
     try:
         cc = compilation_config(argv)
     except ValueError as exc:
-        return [Problem(ConfigError, f"COMPILE_FLAGS/EXTRA: {exc}", "the value is split with shlex: quote the JSON "
-                        "inside it, e.g. COMPILE_FLAGS=\"-cc '{\\\"cudagraph_mode\\\":\\\"PIECEWISE\\\"}'\"")]
+        return out + [Problem(ConfigError, f"COMPILE_FLAGS/EXTRA: {exc}", "the value is split with shlex: quote "
+                              "the JSON inside it, e.g. COMPILE_FLAGS=\"-cc '{\\\"cudagraph_mode\\\":\\\"PIECEWISE\\\"}'\"")]
     # vLLM's default when nothing sets it (a COMPILE_FLAGS or dotted -cc.* without a mode) is
     # FULL_AND_PIECEWISE, NONE at -O0.
     level = next((a[2:].lstrip("=") for a in argv if a.startswith("-O") and len(a) > 2), None)
     mode = str(cc.get("cudagraph_mode", "NONE" if level == "0" else "FULL_AND_PIECEWISE")).upper()
-    out = []
-    if "FULL" in mode:
+    if "FULL" in mode and not ple_hoisted(s):
         out.append(Problem(ConfigError, f"cudagraph_mode {mode} (from COMPILE_FLAGS/EXTRA) would capture the PLE "
                            "gather in a FULL CUDA graph and replay stale rows; patch 1 needs PIECEWISE (or NONE)",
                            "set cudagraph_mode PIECEWISE in the JSON config, or add -cc.cudagraph_mode=PIECEWISE: dotted "

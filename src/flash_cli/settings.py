@@ -195,6 +195,9 @@ SETTINGS: tuple[Setting, ...] = (
       minimum=1, maximum=256, env="VLLM_PLE_MMAP_WORKERS"),
     S("PREWARM", "bool", False, "Read the PLE table once at boot to warm the page cache.",
       "env VLLM_PLE_MMAP_PREWARM", env="VLLM_PLE_MMAP_PREWARM"),
+    S("PLE_MODE", "choice", "eager", "Where the PLE rows are gathered: eager (inside the forward, PIECEWISE "
+      "graphs) or hoisted (before the forward from the runner's inputs, FULL decode graphs; v0.30-v0.33).",
+      "env VLLM_PLE_MMAP_MODE; picks cudagraph_mode", choices=("eager", "hoisted"), env="VLLM_PLE_MMAP_MODE"),
     S("EFFORT_ALIAS", "bool", True, "Accept reasoning effort high/max (→ xhigh) and minimal (→ low), as "
       "Claude Code sends them.", "v0.33: vllm --reasoning-effort-map; older: env FLASH_EFFORT_ALIAS (plugin)"),
     S("LOG_REQUESTS", "bool", False, "Log prompts and outputs (DEBUG on vLLM's request logger only).",
@@ -216,7 +219,7 @@ SETTINGS: tuple[Setting, ...] = (
       "vllm --max-num-batched-tokens", minimum=256, maximum=131072),
     S("COMPILE_FLAGS", "str", None, "Replaces the compilation flags flash picks per base (upstream's CC, "
       "renamed: CC is the C compiler's variable). Split with shlex. Must keep cudagraph_mode PIECEWISE or "
-      "NONE (checked before a boot: FULL graphs would replay the PLE gather).", "vllm -cc.* arguments", optional=True),
+      "NONE unless PLE_MODE=hoisted (checked before a boot: FULL graphs would replay the PLE gather).", "vllm -cc.* arguments", optional=True),
     S("EXTRA", "str", None, "Extra `vllm serve` arguments, split once with shlex (quotes work).",
       "vllm argv (appended)", optional=True),
     S("CONTAINER_ENV", "str", None, "Extra container environment, `KEY=VALUE` words split with shlex "

@@ -101,13 +101,21 @@ def model_path(model: str, snapshot: str, mode: str) -> str:
     return f"{HF_MOUNT}/hub/models--{org_name}/snapshots/{snapshot}{VARIANT_SUFFIX[mode]}"
 
 
+def ple_hoisted(s: Settings) -> bool:
+    """PLE_MODE=hoisted on a base whose runner patch 1 hooks (the catalogue's `ple_hoisted`)."""
+    return s["PLE_MODE"] == "hoisted" and releases.has(s["BASE"], "ple_hoisted")
+
+
 def compilation_args(s: Settings) -> list[str]:
-    """Graph regime per base. The PLE table is gathered on the host, which a FULL decode graph
-    would capture as a constant: PIECEWISE on every release (vllm-releases.md §3). On 0.29 the
-    plugin appends its lookup op to vLLM's splitting ops itself, so no list is needed here."""
+    """Graph regime per base. Patch 1's eager mode gathers the PLE rows on the host inside the
+    forward, which a FULL decode graph would capture as a constant: PIECEWISE (vllm-releases.md
+    §3). Its hoisted mode (PLE_MODE=hoisted, where served) gathers before the forward, so vLLM's
+    FULL_AND_PIECEWISE applies. On 0.29 the plugin appends its lookup op to vLLM's splitting ops
+    itself, so no list is needed here."""
     if s["COMPILE_FLAGS"]:
         return split_args(s["COMPILE_FLAGS"], "COMPILE_FLAGS")
-    return ["--compilation-config", json.dumps({"cudagraph_mode": "PIECEWISE"}, separators=(",", ":"))]
+    mode = "FULL_AND_PIECEWISE" if ple_hoisted(s) else "PIECEWISE"
+    return ["--compilation-config", json.dumps({"cudagraph_mode": mode}, separators=(",", ":"))]
 
 
 def vllm_args(s: Settings, snapshot: str, host: str, port: int, parallel: list[str] = ()) -> list[str]:

@@ -27,6 +27,9 @@ CAPS: Mapping[str, tuple[tuple[object, ...], str]] = MappingProxyType({
     "ple_storage": (("splitting-op", "storage", None),
                     "how patch 1 keeps the PLE gather out of CUDA graphs: a splitting op (0.29) or the "
                     "upstream pinned-host storage class (0.30+); None: not ported"),
+    "ple_hoisted": ((True, False),
+                    "patch 1's hoisted mode (PLE_MODE=hoisted: rows gathered from the V2 runner's "
+                    "Qwen4ExpModelState.prepare_inputs, FULL decode graphs) is written for this release"),
     "qsa_fp8_kv": (("patch", "native", None),
                    "fp8 KV cache on QSA layers: patch 7 ships it, vLLM has it, or neither"),
     "reasoning_effort_map": ((True, False),
@@ -86,13 +89,14 @@ def _release(version: str, torch: str, **caps: object) -> Release:
 
 
 _NEWER = dict(dockerfile="Dockerfile", ple_storage="storage", ring_state_bucket=True, overhead_fitted=False,
-              spec_tokens_per_batch_size=True, spec_eagle_block_drop_flag=True)
+              spec_tokens_per_batch_size=True, spec_eagle_block_drop_flag=True, ple_hoisted=True)
 
 # Oldest first. 0.29.0 is the first release with qwen4_exp.
 RELEASES: tuple[Release, ...] = (
     _release("0.29.0", "2.13.0", dockerfile="Dockerfile.v0.29", ple_storage="splitting-op", qsa_fp8_kv="patch",
              reasoning_effort_map=False, mamba_prefill_checkpoints=False, ring_state_bucket=False,
-             overhead_fitted=True, spec_tokens_per_batch_size=True, spec_eagle_block_drop_flag=False),
+             overhead_fitted=True, spec_tokens_per_batch_size=True, spec_eagle_block_drop_flag=False,
+             ple_hoisted=False),
     _release("0.30.0", "2.13.0", **_NEWER, qsa_fp8_kv="patch", reasoning_effort_map=False,
              mamba_prefill_checkpoints=False),
     _release("0.31.0", "2.13.0", **_NEWER, qsa_fp8_kv="native", reasoning_effort_map=False,

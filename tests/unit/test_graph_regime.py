@@ -66,3 +66,36 @@ def test_parser_model_edge_cases():
     assert cc(["--other", "v"]) == {}
     with pytest.raises(ValueError, match="not a JSON object"):
         cc(["-cc", "[1]"])
+
+
+def test_hoisted_mode_allows_full_graphs_where_served():
+    from flash_cli.spec import compilation_args
+
+    for base in ("v0.30", "v0.31", "v0.32", "v0.33"):
+        s = resolve(overrides={"PLE_MODE": "hoisted", "BASE": base})
+        assert compilation_args(s) == ["--compilation-config", '{"cudagraph_mode":"FULL_AND_PIECEWISE"}']
+    assert problems(PLE_MODE="hoisted", BASE="v0.33") == []
+    assert problems(PLE_MODE="hoisted", BASE="v0.33", EXTRA="-cc.cudagraph_mode=FULL_DECODE_ONLY") == []
+    # the default stays eager + PIECEWISE
+    assert compilation_args(resolve(overrides={"BASE": "v0.33"}))[1] == '{"cudagraph_mode":"PIECEWISE"}'
+
+
+@pytest.mark.parametrize("base", ["v0.29"])
+def test_hoisted_mode_is_refused_where_not_served(base):
+    from flash_cli.spec import compilation_args
+
+    s = resolve(overrides={"PLE_MODE": "hoisted", "BASE": base})
+    assert compilation_args(s)[1] == '{"cudagraph_mode":"PIECEWISE"}'  # the plugin gathers eagerly there
+    probs = [p for p in preflight.recipe(s) if "PLE_MODE" in p.message]
+    (p,) = probs
+    assert p.error is ConfigError and f"BASE={base}" in p.message and "v0.30, v0.31, v0.32, v0.33" in p.hint
+    # and a FULL mode there is still refused
+    (full,) = problems(PLE_MODE="hoisted", BASE=base, EXTRA="-cc.cudagraph_mode=FULL")
+    assert "cudagraph_mode FULL " in full.message
+
+
+def test_hoisted_env_reaches_the_container():
+    from flash_cli.spec import container_env
+
+    assert container_env(resolve(overrides={"PLE_MODE": "hoisted"}), False)["VLLM_PLE_MMAP_MODE"] == "hoisted"
+    assert container_env(resolve(overrides={}), False)["VLLM_PLE_MMAP_MODE"] == "eager"

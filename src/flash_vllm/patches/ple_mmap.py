@@ -19,11 +19,12 @@ names are replaced by subclasses of the release's `Qwen4ExpPLEEmbedding` that:
   segment (the ids queued before it are recorded, not computed, at that point) and refusing
   loudly when called inside a plain stream capture (a FULL graph would replay a constant).
 
-Graph regime shipped: PIECEWISE. Qwen4Exp backends report UNIFORM_BATCH, so under the default
-FULL_AND_PIECEWISE uniform decode batches are captured FULL, where an eager break does not break
-and a host gather would be baked into the graph. The run spec therefore forces
-`--compilation-config {"cudagraph_mode":"PIECEWISE"}`. Gathering before the forward from the
-token ids (so FULL decode graphs stay legal) is future work.
+Graph regime (eager mode, the default): PIECEWISE. Qwen4Exp backends report UNIFORM_BATCH, so
+under the default FULL_AND_PIECEWISE uniform decode batches are captured FULL, where an eager break
+does not break and a host gather would be baked into the graph. The run spec therefore forces
+`--compilation-config {"cudagraph_mode":"PIECEWISE"}`. The hoisted mode
+(`VLLM_PLE_MMAP_MODE=hoisted`, `ple_hoist.py`, 0.30-0.33) gathers before the forward from the model
+runner's inputs; the forward only reads the buffer, so the run spec keeps FULL_AND_PIECEWISE.
 
 Bases, and the one place that tells them apart (`FLAVOURS`):
 - 0.30-0.33, "storage": the storage classes above are replaced (the abstract base is in
@@ -49,6 +50,8 @@ from flash_common import releases
 from ..registry import (Context, Gate, Patch, TargetMissing, expect_installed, expect_source, install,
                         original, resolve)
 from ._ple_guard import TABLES, Tables, _is_capturing, eager_break, gather_into, layer_of, table_dir  # noqa: F401
+from .ple_hoist import BASES as HOIST_BASES
+from .ple_hoist import TARGETS as HOIST_TARGETS
 from .ple_mmap_v029 import TARGETS as V029_TARGETS
 
 NUMBER = 1
@@ -94,6 +97,7 @@ def make_storage(upstream_cls):
             self._flash_out = None
             self._flash_stager = None
             self._flash_gather = eager_break(self._gather_into)
+            self._flash_hoist = _hoist().slot_for_new_storage()  # hoisted mode: the runner gathers
 
         def allocate_embedding_weight(self, num_embeddings, embedding_dim, dtype):
             # Shape and dtype for the loaders' checks; no storage anywhere.
@@ -128,16 +132,22 @@ def make_storage(upstream_cls):
         def finalize_prefetch(self, total_tokens):
             raise RuntimeError("mmap PLE embedding does not prefetch")
 
-        def forward(self, ngram_ids):
-            n = ngram_ids.shape[0]
+        def _flash_buffer(self, n, heads_shape, device):
+            """The persistent output buffer (>= n rows), allocated outside any capture."""
             out = self._flash_out
-            if out is None or out.shape[0] < n or out.device != ngram_ids.device:
+            if out is None or out.shape[0] < n or out.device != device:
                 if _is_capturing(torch):
                     raise RuntimeError("mmap PLE output buffer must be allocated before graph capture")
-                out = torch.empty(max(self._flash_rows, n), *ngram_ids.shape[1:], self.embedding_dim,
-                                  dtype=self._flash_out_dtype, device=ngram_ids.device)
+                out = torch.zeros(max(self._flash_rows, n), *heads_shape, self.embedding_dim,
+                                  dtype=self._flash_out_dtype, device=device)
                 self._flash_out = out
-            view = out[:n]
+            return out
+
+        def forward(self, ngram_ids):
+            if self._flash_hoist is not None:  # filled before the forward by the runner's hook
+                return self._flash_hoist.read(self, ngram_ids)
+            n = ngram_ids.shape[0]
+            view = self._flash_buffer(n, ngram_ids.shape[1:], ngram_ids.device)[:n]
             self._flash_gather(ngram_ids, view)
             return view
 
@@ -152,6 +162,12 @@ def storage_base(upstream_cls):
         if c.__name__ == "Qwen4ExpPLEEmbedding":
             return c
     raise TargetMissing(f"{upstream_cls.__name__} no longer derives from Qwen4ExpPLEEmbedding")
+
+
+def _hoist():
+    from . import ple_hoist
+
+    return ple_hoist
 
 
 def _v029():
@@ -182,13 +198,18 @@ def check(ctx: Context) -> None:
         raise TargetMissing(f"{NGRAM}:Qwen4ExpPLEPinnedHostEmbedding no longer pins its weight")
     expect_source("vllm.compilation.breakable_cudagraph", "eager_break_during_capture",
                   "cudagraph_runtime_mode")
+    if _hoist().wanted(ctx):
+        _hoist().check(ctx)
 
 
 def apply(ctx: Context) -> None:
+    hoisted = _hoist().wanted(ctx)  # warns (once) where the hoisted mode is asked for but not served
     if FLAVOURS[ctx.base.name] == "splitting-op":
         return _v029().apply()
     install(NUMBER, *PINNED, make_storage)
     install(NUMBER, *DEVICE, make_storage)
+    if hoisted:
+        _hoist().apply(ctx)
     if ctx.flag("VLLM_PLE_MMAP_DEBUG"):
         from .ple_mmap_debug import make_forward
 
@@ -200,6 +221,8 @@ def verify(ctx: Context) -> None:
         return _v029().verify()
     expect_installed(NUMBER, *PINNED)
     expect_installed(NUMBER, *DEVICE)
+    if _hoist().wanted(ctx):
+        _hoist().verify(ctx)
 
 
 PATCH = Patch(
@@ -213,15 +236,17 @@ PATCH = Patch(
          "on 0.30+, inside a splitting op of ours (vllm::flash_ple_mmap_lookup, appended to "
          "CompilationConfig._attention_ops) on 0.29, where the release's own layer still applies "
          "the fp8 scale. Ships with cudagraph_mode=PIECEWISE (FULL decode graphs would capture the "
-         "gather; gathering before the forward is future work)."),
+         "gather). VLLM_PLE_MMAP_MODE=hoisted (0.30-0.33) gathers the step's rows before the forward, from "
+         "Qwen4ExpModelState.prepare_inputs, so FULL decode graphs are legal."),
     upstream="vllm#54129 (VLLM_PLE_MMAP, open) / vllm#54070 (disk-backed tables, open)",
     gate=Gate.flag(ENV),
-    targets=tuple(f"{m}:{q}" for m, q in (PINNED, DEVICE, INIT, FORWARD, LOAD) + V029_TARGETS),
+    targets=tuple(f"{m}:{q}" for m, q in (PINNED, DEVICE, INIT, FORWARD, LOAD) + V029_TARGETS + HOIST_TARGETS),
     applies_to=frozenset(FLAVOURS),
     not_ported={b: "no port of patch 1 to this release (catalogue: ple_storage=None)"
                 for b in releases.where("ple_storage", None)},
     check=check, apply=apply, verify=verify,
-    notes="Graph regime: the run spec forces cudagraph_mode=PIECEWISE (and leaves splitting_ops unset, "
-          "so 0.29 copies its list with our op); FULL decode graphs need the gather moved before the "
-          "forward (future work).",
+    notes="Graph regime: eager mode (default): the run spec forces cudagraph_mode=PIECEWISE (and leaves "
+          "splitting_ops unset, so 0.29 copies its list with our op). Hoisted mode (PLE_MODE=hoisted, env "
+          "VLLM_PLE_MMAP_MODE; served on " + ", ".join(sorted(HOIST_BASES)) + " only, ple_hoist.BASES): "
+          "FULL_AND_PIECEWISE; elsewhere preflight refuses it and the plugin stays eager.",
 )

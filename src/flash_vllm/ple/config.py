@@ -28,6 +28,8 @@ class PLEConfig:
     io: str = "auto"  # auto | uring | direct | mmap (mmap = madvise WILLNEED + faults, no io_uring)
     native: bool = True  # compiled (numba) gather loops when numba is importable
     debug: bool = False  # patch 1: cross-check every gather's ids (device sync + host reference); slow
+    mode: str = "eager"  # eager: gather inside the forward | hoisted: before it (patches/ple_hoist.py)
+    hoist_check: bool = False  # hoisted: eager forwards compare the ids with those gathered for (syncs)
 
 
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -71,7 +73,7 @@ def config_from_env(env: Mapping[str, str]) -> PLEConfig:
         "VLLM_PLE_MMAP", "VLLM_PLE_MMAP_WORKERS", "VLLM_PLE_MMAP_PREWARM", "VLLM_PLE_MMAP_MADVISE",
         "VLLM_PLE_MMAP_FAST_ROWS", "VLLM_PLE_MMAP_STATS_SEC", "VLLM_PLE_MMAP_PROMETHEUS",
         "VLLM_PLE_MMAP_DIR", "VLLM_PLE_MMAP_RING_DEPTH", "VLLM_PLE_MMAP_IO", "VLLM_PLE_MMAP_CHUNK",
-        "VLLM_PLE_MMAP_NATIVE", "VLLM_PLE_MMAP_DEBUG",
+        "VLLM_PLE_MMAP_NATIVE", "VLLM_PLE_MMAP_DEBUG", "VLLM_PLE_MMAP_MODE", "VLLM_PLE_MMAP_HOIST_CHECK",
     }
     unknown = sorted(k for k in env if k.startswith("VLLM_PLE_MMAP_") and k not in known)
     if unknown:
@@ -104,4 +106,6 @@ def config_from_env(env: Mapping[str, str]) -> PLEConfig:
         io=_choice(env, "VLLM_PLE_MMAP_IO", "auto", ("auto", "uring", "direct", "mmap")),
         native=_bool(env, "VLLM_PLE_MMAP_NATIVE", True),
         debug=_bool(env, "VLLM_PLE_MMAP_DEBUG", False),
+        mode=_choice(env, "VLLM_PLE_MMAP_MODE", "eager", ("eager", "hoisted")),
+        hoist_check=_bool(env, "VLLM_PLE_MMAP_HOIST_CHECK", False),
     )

@@ -1,0 +1,529 @@
+#!/usr/bin/env python3
+"""Decode tok/s at the real model's shape (issue 12): stock vs PIECEWISE + eager PLE gather vs
+FULL + hoisted PLE gather, at concurrency 1/4/8 with MTP=2, on vLLM with `--load-format dummy`.
+
+Steps (docs/benchmarks/decode-h200/README.md has the exact sequence for the H200):
+
+  prepare DIR [--quant nvfp4|fp8] [--ple-rows full|N]
+      DIR/model: the real config.json (every text_config field of
+      ../shared/reference/model-and-checkpoints.md spelled out), the quantization config, small
+      tokenizer/processor files; DIR/ple: a PLE table written by flash's writer (real row width
+      160 fp8 bytes, 16 heads, 128 shards; full = 320,001,536 rows = 47.68 GiB, or N rows with
+      `ngram_vocab_size_base` lowered to match so every hashed id is in range, said in meta.json).
+      --quant nvfp4: the nvidia checkpoint's MIXED_PRECISION config (NVFP4 experts). --quant fp8:
+      the same with the routed experts as FP8_PB_WO (block 128, the MTP experts' own format), for a
+      GPU whose vLLM cannot run NVFP4 MoE (Hopper); ~113 GiB of experts, fits 139 GiB.
+  plan DIR [--port P]       the three server configurations (env + argv), as JSON
+  serve-run DIR CONFIG --out FILE.jsonl [--levels 1,4,8] [--tokens 256] [--repeats 3]
+      start `vllm serve` for CONFIG (stock | eager | hoisted), wait for /health, measure, stop it;
+      one JSON line per measurement appended to FILE (raw; nothing averaged away).
+  run URL --label L --out FILE.jsonl   measure a server someone else started
+  plot FILE.jsonl... --out PNG          medians per config and concurrency, ratios vs stock
+  greedy URL --out FILE.json / greedy-diff A.json B.json
+      exactness: fixed token-id prompts (EOS inside, a long one for chunked prefill, a repeat and a
+      shared prefix for prefix-cache hits), greedy token ids; the diff exits 1 at the first change
+
+Each request: a distinct random token-id prompt (64 ids, no shared prefix), `max_tokens` tokens with
+`ignore_eos` (random weights would stop at random lengths), greedy, streamed. Aggregate tok/s = all
+completion tokens / (last end - first send); per-stream tok/s = (tokens - 1) / (end - first chunk).
+MTP acceptance comes from the server's spec-decode counters around each measurement. With random
+weights the draft rarely agrees, so the acceptance length is ~1: the step shapes (3 tokens per
+request per step) match serving with MTP=2, the tokens per step do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+P = "model.language_model."
+LAYERS, EXPERTS, HIDDEN, MOE_INTER, VOCAB = 48, 512, 2560, 640, 248_320
+FULL_NGRAM_BASE = 20_000_000
+CONFIGS = ("stock", "eager", "hoisted")
+GPU_GIB = 139  # the H200's memory as the device machine reports it
+
+
+def is_qsa(i: int) -> bool:
+    return i % 4 == 3
+
+
+def text_config(ngram_base: int) -> dict:
+    """Every field of the real text_config (reference §1), none left to transformers' defaults."""
+    return {
+        "model_type": "qwen4_exp_text", "hidden_size": HIDDEN, "num_hidden_layers": LAYERS,
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 12, "full_attention_interval": 4,
+        "vocab_size": VOCAB, "max_position_embeddings": 262144,
+        "num_attention_heads": 24, "num_key_value_heads": 2, "head_dim": 256, "partial_rotary_factor": 0.25,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                            "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        "linear_num_key_heads": 16, "linear_num_value_heads": 48, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "output_gate_type": "sigmoid",
+        "mamba_ssm_dtype": "float32",
+        "indexer_n_heads": 4, "indexer_kv_heads": 1, "indexer_head_dim": 128, "indexer_budget": 2048,
+        "indexer_compress_ratio": 4,
+        "hc_count": 4, "hc_lowrank": 320,
+        "num_experts": EXPERTS, "num_experts_per_tok": 10, "moe_intermediate_size": MOE_INTER,
+        "shared_expert_intermediate_size": 640, "norm_topk_prob": True, "router_aux_loss_coef": 0.001,
+        "output_router_logits": False,
+        "ple_layer_ids": [2], "ple_embed_dim": 2560, "ple_conv_kernel_size": 4, "ngram_size": 3,
+        "heads_per_ngram": 8, "ngram_vocab_size_base": ngram_base, "make_ngram_vocab_size_divisible_by": 128,
+        "split_ngram_parts": 128,
+        "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False,
+        "mtp": {"hybrid": True, "layer_types": ["full_attention"], "num_hidden_layers": 1, "rope_theta": 10000000,
+                "mtp_use_hidden_state_from_layer": None},
+        "bos_token_id": 248044, "eos_token_id": 248044, "pad_token_id": None,
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "attention_bias": False, "initializer_range": 0.02,
+        "dtype": "bfloat16", "use_cache": True,
+    }
+
+
+def quant_config(quant: str) -> tuple[dict, dict]:
+    """(config.json's quantization_config, hf_quant_config.json): the nvidia checkpoint's
+    MIXED_PRECISION layout; --quant fp8 turns the routed experts into FP8_PB_WO (block 128)."""
+    producer = {"name": "modelopt", "version": "0.46.0"}
+    algo = {"nvfp4": {"quant_algo": "NVFP4", "group_size": 16},
+            "fp8": {"quant_algo": "FP8_PB_WO", "group_size": 128}}[quant]
+    layers = {f"{P}layers.{i}.mlp.experts": dict(algo) for i in range(LAYERS)}
+    layers[f"{P}layers.1.ple.ple_embedding.ngram_embedding"] = {"quant_algo": "FP8"}
+    ignore = ["lm_head", f"{P}embed_tokens", "model.visual*"] + [
+        f"{P}layers.{i}.{m}*" for i in range(LAYERS)
+        for m in (("self_attn",) if is_qsa(i) else ("linear_attn",)) + ("mlp.shared_expert",)]
+    qc = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "producer": producer,
+          "quantized_layers": {**layers, "mtp.layers.0.mlp.experts": {"quant_algo": "FP8_PB_WO", "group_size": 128}},
+          "ignore": ignore}
+    hq_layers = {k: ({"quant_algo": "FP8_BLOCK_SCALES", "group_size": 128} if v.get("quant_algo") == "FP8_PB_WO" else v)
+                 for k, v in qc["quantized_layers"].items()}
+    hq = {"producer": producer, "quantization": {"quant_algo": "MIXED_PRECISION", "exclude_modules": ignore,
+                                                 "quantized_layers": hq_layers}}
+    return qc, hq
+
+
+def memory_estimate(quant: str) -> dict:
+    """Weight bytes in GiB (experts dominate), to check a config fits before a boot."""
+    expert_params = LAYERS * EXPERTS * 3 * HIDDEN * MOE_INTER
+    bytes_per = {"nvfp4": 0.5 + 1 / 16, "fp8": 1.0 + 4 / (128 * 128)}[quant]  # + block scales
+    gib = 1 << 30
+    experts = expert_params * bytes_per / gib
+    mtp_experts = EXPERTS * 3 * HIDDEN * MOE_INTER * (1 + 4 / 128 ** 2) / gib
+    side = LAYERS * 60e6 * 2 / gib  # attention/GDN/shared expert/router/HC per layer, bf16 (~60M params)
+    embed = 2 * VOCAB * HIDDEN * 2 / gib
+    return {"experts_gib": round(experts, 1), "mtp_experts_gib": round(mtp_experts, 1),
+            "side_layers_gib": round(side, 1), "embed_lm_head_gib": round(embed, 1),
+            "total_gib": round(experts + mtp_experts + side + embed, 1)}
+
+
+def ngram_base_for(rows: int) -> int:
+    """ngram_vocab_size_base whose 16 heads sum to about `rows` rows."""
+    return max(3, rows // 16)
+
+
+def prepare(args) -> int:
+    from flash_vllm.ple import synth
+    from flash_vllm.ple.hashing import PLELayout
+
+    out = Path(args.dir)
+    base = FULL_NGRAM_BASE if args.ple_rows == "full" else ngram_base_for(int(args.ple_rows))
+    text = text_config(base)
+    layout = PLELayout.from_config(text)
+    table_bytes = layout.num_rows * layout.head_dim
+    free = shutil.disk_usage(out.parent if not out.exists() else out).free
+    mem = memory_estimate(args.quant)
+    mem["stock_with_table_on_gpu_gib"] = round(mem["total_gib"] + table_bytes / (1 << 30), 1)
+    print(json.dumps({"ple_rows": layout.num_rows, "ple_gib": round(table_bytes / (1 << 30), 2),
+                      "disk_free_gib": round(free / (1 << 30), 1), "weights": mem}))
+    if mem["stock_with_table_on_gpu_gib"] > GPU_GIB:
+        print(f"warning: the stock run puts the table on the GPU: ~{mem['stock_with_table_on_gpu_gib']} GiB of "
+              f"weights > {GPU_GIB} GiB; use a smaller --ple-rows for all three runs", file=sys.stderr)
+    if table_bytes + (1 << 30) > free:
+        raise SystemExit(f"--ple-rows {args.ple_rows}: the table needs {table_bytes / (1 << 30):.1f} GiB, "
+                         f"{free / (1 << 30):.1f} GiB free at {out}; give a smaller --ple-rows (e.g. 32000000)")
+    model, ple = out / "model", out / "ple"
+    model.mkdir(parents=True, exist_ok=True)
+    qc, hq = quant_config(args.quant)
+    cfg = {"architectures": ["Qwen4ExpForConditionalGeneration"], "model_type": "qwen4_exp",
+           "tie_word_embeddings": False, "text_config": text, "quantization_config": qc,
+           "image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
+           "vision_end_token_id": 248054,
+           "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                             "out_hidden_size": 2560, "patch_size": 16, "spatial_merge_size": 2,
+                             "temporal_patch_size": 2, "deepstack_visual_indexes": [], "model_type": "qwen4_exp"}}
+    files = {
+        "config.json": cfg, "hf_quant_config.json": hq,
+        "generation_config.json": {"bos_token_id": 248044, "eos_token_id": [248046, 248044], "pad_token_id": 248044},
+        # A tokenizer is needed to boot; prompts are token ids, so an empty BPE vocabulary will do.
+        "tokenizer.json": {"version": "1.0", "added_tokens": [], "model": {"type": "BPE", "vocab": {}, "merges": []}},
+        "tokenizer_config.json": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+        "preprocessor_config.json": {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2},
+    }
+    for name, obj in files.items():
+        (model / name).write_text(json.dumps(obj, indent=1))
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
+    rps = layout.rows_per_shard
+    last = layout.num_rows - rps * (layout.num_shards - 1)
+    t0 = time.monotonic()
+    if not (ple / "model.safetensors.index.json").exists():
+        synth.write_checkpoint(ple, layout="nvidia", rows_per_shard=rps, num_shards=layout.num_shards,
+                               last_rows=last, width=layout.head_dim, scale=0.03125, finite=True)
+    meta = {"quant": args.quant, "ple_rows": layout.num_rows, "ngram_vocab_size_base": base,
+            "full_table": args.ple_rows == "full", "ple_write_s": round(time.monotonic() - t0, 1),
+            "weights_estimate": mem,
+            "note": ("full 320,001,536-row table" if args.ple_rows == "full" else
+                     f"reduced table: ngram_vocab_size_base {base} (real: {FULL_NGRAM_BASE}) so ids stay in range; "
+                     "real row width (160 fp8 bytes) and heads (16)")}
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    print(json.dumps(meta))
+    return 0
+
+
+def server_plan(d: Path, port: int) -> dict:
+    """The three servers: env + argv. Common: dummy weights, MTP=2, 8 sequences, short context."""
+    common = ["vllm", "serve", str(d / "model"), "--load-format", "dummy", "--served-model-name", "bench",
+              "--port", str(port), "--max-model-len", "4096", "--max-num-seqs", "8",
+              "--gpu-memory-utilization", "0.95", "--block-size", "256", "--no-enable-prefix-caching",
+              "--max-num-batched-tokens", "2048",
+              "--gdn-prefill-backend", "triton",
+              "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2}, separators=(",", ":"))]
+    base_env = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    ple_env = {**base_env, "VLLM_PLE_MMAP": "1", "VLLM_PLE_MMAP_DIR": str(d / "ple")}
+
+    def cc(mode):
+        # decode batches here are <= 8 requests x 3 tokens: capture up to 32 tokens (a shorter boot)
+        return ["--compilation-config", json.dumps({"cudagraph_mode": mode, "max_cudagraph_capture_size": 32},
+                                                   separators=(",", ":"))]
+
+    return {
+        # the ceiling: the release's own storage with the whole table on the GPU, vLLM's default graphs
+        "stock": {"env": base_env, "argv": common + ["--engram-config", '{"cpu_offload":false}']
+                  + cc("FULL_AND_PIECEWISE")},
+        "eager": {"env": {**ple_env, "VLLM_PLE_MMAP_MODE": "eager"}, "argv": common + cc("PIECEWISE")},
+        "hoisted": {"env": {**ple_env, "VLLM_PLE_MMAP_MODE": "hoisted"}, "argv": common + cc("FULL_AND_PIECEWISE")},
+    }
+
+
+def plan_cmd(args) -> int:
+    print(json.dumps(server_plan(Path(args.dir).resolve(), args.port), indent=1))
+    return 0
+
+
+def _metric(url: str, names: tuple[str, ...]) -> dict:
+    import requests
+
+    out = {n: 0.0 for n in names}
+    try:
+        text = requests.get(url + "/metrics", timeout=10).text
+    except requests.RequestException:
+        return out
+    for line in text.splitlines():
+        for n in names:
+            if line.startswith(n) and not line.startswith("#"):
+                try:
+                    out[n] += float(line.rsplit(" ", 1)[1])
+                except ValueError:
+                    pass
+    return out
+
+
+SPEC = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total")
+
+
+def _one(url: str, prompt: list[int], tokens: int, rec: dict) -> None:
+    import requests
+
+    body = {"model": "bench", "prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    rec["sent"] = time.perf_counter()
+    try:
+        with requests.post(url + "/v1/completions", json=body, stream=True, timeout=600) as r:
+            if r.status_code != 200:
+                rec["error"] = f"HTTP {r.status_code}: {r.text[:200]}"
+                return
+            for line in r.iter_lines(decode_unicode=True):
+                if not line or not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    rec["tokens"] = chunk["usage"].get("completion_tokens")
+                if chunk.get("choices") and rec.get("first") is None:
+                    rec["first"] = time.perf_counter()
+    except requests.RequestException as exc:
+        rec["error"] = str(exc)[:200]
+    rec["end"] = time.perf_counter()
+
+
+def measure(url: str, label: str, levels: list[int], tokens: int, repeats: int, sink) -> None:
+    import random
+
+    rng = random.Random(12)
+    for rep in range(repeats):
+        for conc in levels:
+            before = _metric(url, SPEC)
+            recs = [{} for _ in range(conc)]
+            threads = [threading.Thread(target=_one, args=(url, [rng.randrange(1000, 240000) for _ in range(64)],
+                                                           tokens, recs[i])) for i in range(conc)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            after = _metric(url, SPEC)
+            errors = [r["error"] for r in recs if "error" in r]
+            row = {"label": label, "concurrency": conc, "repeat": rep, "max_tokens": tokens, "time": time.time()}
+            if errors:
+                row["error"] = errors[0]
+            else:
+                total = sum(r.get("tokens") or 0 for r in recs)
+                wall = max(r["end"] for r in recs) - min(r["sent"] for r in recs)
+                per = [((r["tokens"] or 0) - 1) / (r["end"] - r["first"]) for r in recs
+                       if r.get("first") and r["end"] > r["first"] and (r.get("tokens") or 0) > 1]
+                drafts = after[SPEC[0]] - before[SPEC[0]]
+                acc = after[SPEC[1]] - before[SPEC[1]]
+                row.update(aggregate_tok_s=total / wall, per_stream_tok_s=statistics.median(per) if per else None,
+                           tokens=total, wall_s=wall, ttft_s=statistics.median([r["first"] - r["sent"] for r in recs]),
+                           mtp_drafts=drafts, mtp_accepted=acc,
+                           mtp_acceptance_length=(1 + acc / drafts) if drafts else None)
+            sink(row)
+            print(json.dumps(row), flush=True)
+
+
+def _sink(path: str):
+    def write(row: dict) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return write
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--levels {text!r}: give comma-separated integers, e.g. 1,4,8") from None
+    if not vals or min(vals) < 1:
+        raise SystemExit(f"--levels {text!r}: give comma-separated integers >= 1, e.g. 1,4,8")
+    return vals
+
+
+def _wait_health(url: str, proc, timeout: float) -> None:
+    import requests
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"vllm serve exited with {proc.returncode} before /health")
+        try:
+            if requests.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    raise SystemExit(f"no /health after {timeout:.0f} s")
+
+
+def serve_run(args) -> int:
+    d = Path(args.dir).resolve()
+    spec = server_plan(d, args.port)[args.config]
+    url = f"http://127.0.0.1:{args.port}"
+    log = open(args.log or f"{args.out}.{args.config}.log", "w")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(spec["argv"], env={**os.environ, **spec["env"]}, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        _wait_health(url, proc, args.boot_timeout)
+        boot = time.monotonic() - t0
+        meta = {"label": args.config, "event": "booted", "boot_s": round(boot, 1), "argv": spec["argv"], "env": spec["env"]}
+        _sink(args.out)(meta)
+        print(json.dumps(meta), flush=True)
+        measure(url, args.config, _levels(args.levels), args.tokens, args.repeats, _sink(args.out))
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return 0
+
+
+def run_cmd(args) -> int:
+    measure(args.url.rstrip("/"), args.label, _levels(args.levels), args.tokens, args.repeats, _sink(args.out))
+    return 0
+
+
+def greedy_cases(eos: int, vocab: int, seed: int = 7) -> list[tuple[str, list[int]]]:
+    """Fixed token-id prompts: short ones, EOS inside (the n-gram context resets there), a long one
+    (chunked prefill under a small --max-num-batched-tokens), the same long one again (a prefix-cache
+    hit when caching is on) and one sharing its first 1,024 tokens."""
+    import random
+
+    rng = random.Random(seed)
+    hi = min(vocab, 240_000)
+    lo = min(1000, hi // 2)
+
+    def ids(n):
+        return [rng.randrange(lo, hi) for _ in range(n)]
+
+    long = ids(3000)
+    eos_in = ids(20)
+    eos_in[5] = eos_in[12] = eos
+    return [("short-1", ids(8)), ("short-2", ids(33)), ("eos-inside", eos_in), ("eos-last", ids(15) + [eos]),
+            ("long", long), ("long-again", list(long)), ("shared-prefix", long[:1024] + ids(200))]
+
+
+def greedy_cmd(args) -> int:
+    import requests
+
+    url = args.url.rstrip("/")
+    model = requests.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    out = {"url": url, "model": model, "max_tokens": args.tokens, "cases": []}
+    for name, prompt in greedy_cases(args.eos, args.vocab):
+        body = {"model": model, "prompt": prompt, "max_tokens": args.tokens, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}
+        r = requests.post(url + "/v1/completions", json=body, timeout=600)
+        if r.status_code != 200:
+            raise SystemExit(f"{name}: HTTP {r.status_code}: {r.text[:300]}")
+        choice = r.json()["choices"][0]
+        if choice.get("token_ids") is None:
+            raise SystemExit(f"{name}: the server returned no token_ids (return_token_ids unsupported?)")
+        out["cases"].append({"name": name, "prompt_len": len(prompt), "token_ids": choice["token_ids"]})
+        print(f"{name}: {len(prompt)} prompt tokens -> {choice['token_ids'][:8]}...", flush=True)
+    Path(args.out).write_text(json.dumps(out))
+    return 0
+
+
+def greedy_diff(args) -> int:
+    a, b = (json.loads(Path(f).read_text()) for f in (args.a, args.b))
+    if [c["name"] for c in a["cases"]] != [c["name"] for c in b["cases"]]:
+        raise SystemExit("the two files hold different cases")
+    for ca, cb in zip(a["cases"], b["cases"]):
+        for i, (x, y) in enumerate(zip(ca["token_ids"], cb["token_ids"])):
+            if x != y:
+                print(f"DIFFER {ca['name']}: token {i}: {x} vs {y}")
+                return 1
+        if len(ca["token_ids"]) != len(cb["token_ids"]):
+            print(f"DIFFER {ca['name']}: {len(ca['token_ids'])} vs {len(cb['token_ids'])} tokens")
+            return 1
+    print(f"identical: {len(a['cases'])} cases, {sum(len(c['token_ids']) for c in a['cases'])} tokens")
+    return 0
+
+
+def summarize(rows: list[dict]) -> dict:
+    """{label: {concurrency: {median aggregate/per-stream tok/s, acceptance}}}."""
+    out: dict = {}
+    for r in rows:
+        if "aggregate_tok_s" not in r:
+            continue
+        out.setdefault(r["label"], {}).setdefault(r["concurrency"], []).append(r)
+    res = {}
+    for lab, by in out.items():
+        res[lab] = {}
+        for c, rs in sorted(by.items()):
+            acc = [r["mtp_acceptance_length"] for r in rs if r.get("mtp_acceptance_length")]
+            per = [r["per_stream_tok_s"] for r in rs if r.get("per_stream_tok_s")]
+            res[lab][c] = {"aggregate_tok_s": statistics.median(r["aggregate_tok_s"] for r in rs),
+                           "per_stream_tok_s": statistics.median(per) if per else None,
+                           "acceptance_length": statistics.median(acc) if acc else None, "n": len(rs)}
+    return res
+
+
+def plot_cmd(args) -> int:
+    rows = [json.loads(line) for f in args.files for line in open(f) if line.strip()]
+    summ = summarize(rows)
+    print(json.dumps(summ, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [c for c in CONFIGS if c in summ] + [c for c in summ if c not in CONFIGS]
+    levels = sorted({c for lab in summ.values() for c in lab})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / max(1, len(labels))
+    for ax, key, title in ((axes[0], "aggregate_tok_s", "decode tok/s, all streams"),
+                           (axes[1], "per_stream_tok_s", "decode tok/s per stream")):
+        for i, lab in enumerate(labels):
+            xs = [j + i * width for j in range(len(levels))]
+            ys = [(summ[lab].get(c) or {}).get(key) or 0 for c in levels]
+            bars = ax.bar(xs, ys, width, label=lab)
+            if "stock" in summ and lab != "stock":
+                for b, c in zip(bars, levels):
+                    ref = (summ["stock"].get(c) or {}).get(key)
+                    if ref and b.get_height():
+                        ax.annotate(f"{b.get_height() / ref:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
+                                    ha="center", va="bottom", fontsize=7)
+        ax.set_xticks([j + width * (len(labels) - 1) / 2 for j in range(len(levels))])
+        ax.set_xticklabels([f"c={c}" for c in levels])
+        ax.set_title(title)
+        ax.legend()
+    fig.suptitle("decode, MTP=2, --load-format dummy (ratios vs stock)")
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=120)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("dir")
+    p.add_argument("--quant", choices=("nvfp4", "fp8"), default="nvfp4")
+    p.add_argument("--ple-rows", default="full", help="'full' (320,001,536 rows, 47.68 GiB) or a row count")
+    p.set_defaults(func=prepare)
+    p = sub.add_parser("plan")
+    p.add_argument("dir")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(func=plan_cmd)
+    for name in ("serve-run", "run"):
+        p = sub.add_parser(name)
+        if name == "serve-run":
+            p.add_argument("dir")
+            p.add_argument("config", choices=CONFIGS)
+            p.add_argument("--port", type=int, default=8000)
+            p.add_argument("--boot-timeout", type=float, default=1200)
+            p.add_argument("--log")
+            p.set_defaults(func=serve_run)
+        else:
+            p.add_argument("url")
+            p.add_argument("--label", required=True)
+            p.set_defaults(func=run_cmd)
+        p.add_argument("--out", required=True, help="JSONL file, appended")
+        p.add_argument("--levels", default="1,4,8")
+        p.add_argument("--tokens", type=int, default=256)
+        p.add_argument("--repeats", type=int, default=3)
+    p = sub.add_parser("greedy", help="fixed token-id prompts, greedy, token ids to a JSON file")
+    p.add_argument("url")
+    p.add_argument("--out", required=True)
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--eos", type=int, default=248044, help="the config's eos_token_id (PLE context resets there)")
+    p.add_argument("--vocab", type=int, default=248320)
+    p.set_defaults(func=greedy_cmd)
+    p = sub.add_parser("greedy-diff", help="exit 1 at the first token that differs")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.set_defaults(func=greedy_diff)
+    p = sub.add_parser("plot")
+    p.add_argument("files", nargs="+")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=plot_cmd)
+    args = ap.parse_args(argv)
+    if getattr(args, "ple_rows", "full") != "full" and not str(args.ple_rows).isdigit():
+        raise SystemExit(f"--ple-rows {args.ple_rows!r}: give 'full' or a row count such as 32000000")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
