@@ -170,6 +170,7 @@ def test_propose_reads_capabilities_from_source_markers():
         "vllm/models/qwen4_exp/nvidia/qsa.py": 'supported_kv_cache_dtypes = [\n "auto",\n "fp8_e4m3",\n]\n',
         "vllm/renderers/params.py": "return effort_map.get(effort, effort)",
         "vllm/model_executor/layers/mamba/abstract.py": "def get_mamba_prefill_checkpoint_alignment(",
+        "vllm/models/qwen4_exp/nvidia/model_state.py": "    def prepare_inputs(\n",
         "vllm/config/speculative.py": "    disable_eagle_block_drop: bool = False\n"
                                       "    num_speculative_tokens_per_batch_size: list | None = None\n",
     }
@@ -181,6 +182,7 @@ def test_propose_reads_capabilities_from_source_markers():
     caps, entry = _tool().propose_from("0.34.0", "2.15.0", bare.get, set(bare))
     assert caps["qsa_fp8_kv"] is None and caps["ple_storage"] is None
     assert caps["spec_tokens_per_batch_size"] and caps["spec_eagle_block_drop_flag"]
+    assert not caps["ple_hoisted"]  # no storage flavour, no hoisted mode
     old_spec = dict(files, **{"vllm/config/speculative.py": "    num_speculative_tokens_per_batch_size: list\n"})
     caps, _ = _tool().propose_from("0.34.0", "2.15.0", old_spec.get, set(old_spec))
     assert caps["spec_tokens_per_batch_size"] and not caps["spec_eagle_block_drop_flag"]

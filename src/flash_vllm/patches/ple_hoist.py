@@ -131,7 +131,7 @@ def wanted(ctx: Context) -> bool:
 # --- runtime --------------------------------------------------------------------------------------
 
 def _capturing() -> bool:
-    from .ple_mmap import _in_breakable_capture, _is_capturing
+    from ._ple_guard import _in_breakable_capture, _is_capturing
     import torch
 
     return _is_capturing(torch) or _in_breakable_capture()
