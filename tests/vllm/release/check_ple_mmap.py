@@ -56,17 +56,27 @@ def test_not_ported_bases_refuse(patch1, base):
         patch1.check(_ctx())
 
 
-class FakeCapture:
-    """BreakableCUDAGraphCapture.add_eager's contract: run the eager segment now, record it for replay."""
-    _capturing = True
+def cpu_capture(monkeypatch):
+    """The release's own BreakableCUDAGraphCapture with only its two CUDA calls stubbed (segment
+    begin/end): its real `__enter__` (the thread-local `current()`) and `add_eager` (end the
+    segment, run the eager function once at capture time, record it, begin the next segment) drive
+    the patch as a real capture does. Issue 11: an earlier stand-in kept `_capturing` True during
+    the eager run, which the real `add_eager` sets False, and so hid the boot failure."""
+    from vllm.compilation import breakable_cudagraph as bc
 
-    def __init__(self):
-        self.segments = []
+    class CpuCapture(bc.BreakableCUDAGraphCapture):
+        def _begin_segment(self):
+            self._capturing = True
 
-    def add_eager(self, fn):
-        result = fn()
-        self.segments.append(fn)
-        return result
+        def _end_segment(self):
+            if self._capturing:
+                self.segments.append(lambda: None)  # a captured graph segment: nothing to replay here
+                self._num_graphs += 1
+                self._capturing = False
+
+    monkeypatch.setattr(bc, "_weak_ref_capture_arg", lambda a: a, raising=False)  # weak refs need vllm._C
+    monkeypatch.setattr(bc, "weak_ref_tensor", lambda a: a, raising=False)
+    return CpuCapture()
 
 
 def _flavour(base):
@@ -192,26 +202,22 @@ def test_capture_time_run_zero_fills(layer, checkpoint, base, patch1, monkeypatc
     if layer is None:
         assert _flavour(base) != "storage"
         return
-    from vllm.compilation import breakable_cudagraph as bc
-
     emb = layer.emb
     ids = torch.full((4, 2), 1 << 40, dtype=torch.long)  # the static ids buffer, garbage at capture
     with pytest.raises(IndexError):
         emb(ids)  # outside a capture the engine range-checks the ids
-    cap = FakeCapture()
-    monkeypatch.setattr(bc.BreakableCUDAGraphCapture, "current", classmethod(lambda cls: cap))
-    monkeypatch.setattr(bc, "_weak_ref_capture_arg", lambda a: a)  # weak refs need vllm._C (CUDA)
+    cap = cpu_capture(monkeypatch)
     emb._flash_out.fill_(7)
-    out = emb(ids)
+    with cap:
+        out = emb(ids)  # the eager segment's capture-time run: ids never computed
     assert out.shape == (4, 2, WIDTH) and not out.any()
     # the gather is an eager break exactly when the decorator was active at layer init
     # (VLLM_USE_BREAKABLE_CUDAGRAPH, which VllmConfig sets for Qwen4Exp)
     wrapped = getattr(emb._flash_gather, "__wrapped__", None) is not None
-    assert len(cap.segments) == (1 if wrapped else 0)
-    if cap.segments:
-        monkeypatch.setattr(bc.BreakableCUDAGraphCapture, "current", classmethod(lambda cls: None))
+    assert cap.num_eager_breaks == (1 if wrapped else 0)
+    if wrapped:
         ids.copy_(torch.tensor([[0, 1], [NUM_ROWS - 1, 5], [60, 61], [100, 2]]))
-        cap.segments[0]()  # replay
+        cap.replay()  # outside the capture context: the eager segment gathers the real rows
         assert torch.equal(out.view(torch.int16), _reference(checkpoint, ids).view(torch.int16))
 
 
@@ -471,15 +477,12 @@ def test_v029_capture_zero_fills_replays_and_refuses_full(v029, monkeypatch):
     out = torch.full((4, 2, V029_WIDTH), 7, dtype=torch.uint8).view(torch.float8_e4m3fn)
     with pytest.raises(IndexError):
         emb.flash_lookup(ids, out)  # outside a capture the engine range-checks the ids
-    cap = FakeCapture()
-    monkeypatch.setattr(bc.BreakableCUDAGraphCapture, "current", classmethod(lambda cls: cap))
-    monkeypatch.setattr(bc, "weak_ref_tensor", lambda a: a, raising=False)  # needs vllm._C (CUDA)
-    monkeypatch.setattr(bc, "_weak_ref_capture_arg", lambda a: a, raising=False)
-    emb.flash_lookup(ids, out)
-    assert not out.view(torch.uint8).any() and len(cap.segments) == 1
-    monkeypatch.setattr(bc.BreakableCUDAGraphCapture, "current", classmethod(lambda cls: None))
+    cap = cpu_capture(monkeypatch)
+    with cap:
+        emb.flash_lookup(ids, out)
+    assert not out.view(torch.uint8).any() and cap.num_eager_breaks == 1
     ids.copy_(torch.tensor([[0, 1], [V029_ROWS - 1, 5], [60, 61], [100, 2]]))
-    cap.segments[0]()  # replay: the real rows land in the persistent buffer the graph reads
+    cap.replay()  # outside the capture: the real rows land in the persistent buffer the graph reads
     want = synth.reference_rows(v029.ckpt, ids.numpy()).reshape(4, 2, V029_WIDTH)
     assert np.array_equal(emb._flash_out[:4].view(torch.uint8).numpy(), want)
     # inside a plain stream capture (FULL graph, or splitting ops without ours): refuse, loudly
