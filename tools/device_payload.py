@@ -3,7 +3,7 @@
 
 The device machine (one H200, Python 3.12 + pip, no network, 64 MiB per call) lacks what a vLLM
 release needs (torch, triton, NCCL, FlashInfer, ~100 small wheels: ~1.5 GiB for 0.33.0). This
-tool packs them here into one uncompressed tar split into parts of at most 62 MiB with a
+tool packs them here into one uncompressed tar split into parts of at most 60 MiB with a
 manifest of sha256 sums, receives one part per device call there, and installs only a complete,
 verified payload into its own prefix. docs/GPU-E2E.md gives the call sequence.
 
@@ -37,7 +37,8 @@ from typing import BinaryIO, Callable, Iterable, Iterator
 
 FORMAT = 1
 MIB = 1024 * 1024
-DEFAULT_PART_SIZE = 62 * MIB
+# 60, not 62: a call carries the working tree (~3 MiB) beside the part, under the tool's 64 MiB
+DEFAULT_PART_SIZE = 60 * MIB
 DEFAULT_STORE = "/var/tmp/flash-payload"
 DEFAULT_CACHE = Path.home() / ".cache" / "flash-payload" / "wheels"
 # Where the vllm tier keeps the release wheels it already downloaded (tests/support/tier-vllm.sh).
@@ -624,6 +625,10 @@ def cmd_pack(a) -> int:
                  f"({'minus ' + str(len(exclude)) + ' image packages' if exclude else 'no --image-freeze: nothing excluded'})")
             names = resolve_release(a.release, cache, exclude)
             source = "pip resolver" + (f" minus {Path(a.image_freeze).name}" if exclude else "")
+    extra = Path(a.extra_list) if a.extra_list else Path(__file__).resolve().parent / "payload" / f"vllm-{a.release}-extra.txt"
+    if extra.is_file():  # what real boots on the device found missing from the shared list
+        names += [n for n in read_list(extra) if n not in names]
+        source += f" + {extra.name}"
     vllm = [n for n in names if canon(wheel_requirement(n)[0]) == "vllm"]
     if not vllm:  # the release's own wheel rides along unless the list already holds it
         local = sorted(n.name for d in VLLM_WHEEL_DIRS for n in d.glob(f"vllm-{a.release}-*.whl"))
@@ -696,6 +701,7 @@ def build_parser() -> argparse.ArgumentParser:
                                           "exact name==version pairs are left out")
     p.add_argument("--out", help="output dir (default .payload/vllm-RELEASE)")
     p.add_argument("--part-size-mib", type=float, default=DEFAULT_PART_SIZE / MIB)
+    p.add_argument("--extra-list", help="more wheel filenames (default: tools/payload/vllm-RELEASE-extra.txt when present)")
     p.add_argument("--cache", default=str(DEFAULT_CACHE), help="wheel download cache")
     p.set_defaults(func=cmd_pack)
     for name, func, hlp in (("receive", cmd_receive, "verify a carried part and move it into the store (remote)"),
