@@ -136,8 +136,8 @@ def _scenarios() -> dict[str, Scenario]:
                            "`flash plan --hardware h200` within 2%", lambda ctx, x=x: check_kv_plan(ctx, f"{x}-default"),
                            solo=True))
     for n in NEUTRAL:
-        sc.append(Scenario(f"probe_p{n}", ("probe-off", f"probe-p{n}"), f"greedy probe, only patch {n} on vs all "
-                           "off: byte-identical", lambda ctx, n=n: check_probe(ctx, "probe-off", f"probe-p{n}")))
+        sc.append(Scenario(f"probe_p{n}", ("probe-off", f"probe-p{n}"), f"greedy probe, patch {n} back on vs the neutral-off baseline "
+                           "(1,3,4,5,8,13 off): byte-identical", lambda ctx, n=n: check_probe(ctx, "probe-off", f"probe-p{n}")))
     sc.append(Scenario("prefix_hit_a", ("a-default",), f"a greedy prompt of {PREFIX_HIT_BLOCKS} KV blocks (sized with the "
                        "server's /tokenize) twice: hits registered, the hit run equals the cold one",
                        lambda ctx: check_prefix_hit(ctx, "a-default")))
