@@ -261,7 +261,8 @@ SETTINGS: tuple[Setting, ...] = (
       "(a healthy Spark does ~2,000; this catches a swapping or misconfigured box).", "flash test", minimum=0),
     S("TEST_MIN_DECODE_TPS", "float", 10.0, "`flash test` decode: tokens/s of a real greedy answer below this "
       "fail (single stream ~35 on a Spark).", "flash test", minimum=0),
-    S("TEST_PREFILL_TOKENS", "int", 8192, "`flash test` prefill/prefix_cache: prompt size in tokens (approximate; scaled down to fit the server's max_model_len).",
+    S("TEST_PREFILL_TOKENS", "int", 8192, "`flash test` prefill/prefix_cache: prompt size in tokens (scaled down to fit the server's max_model_len; "
+      "measured with the server's /tokenize and trimmed to fit, an estimate where it has none, as the detail says).",
       "flash test", minimum=64, maximum=1048576),
     S("TEST_DECODE_TOKENS", "int", 400, "`flash test` decode: max_tokens of the answer (never ignore_eos).",
       "flash test", minimum=8, maximum=32768),

@@ -19,7 +19,9 @@ Environment: FLASH_E2E_VLLM_ENV (the device payload's env.sh, sourced for every 
 (results; default a new tmp dir), FLASH_E2E_WORK (fixtures, caches; default a tmp dir),
 FLASH_E2E_EXTRA (more `vllm serve` words for every server, appended to EXTRA, e.g.
 --language-model-only if the vision tower gets in the way), FLASH_E2E_GPU_MEM (one server's share, default 0.07: 12 servers fit), FLASH_E2E_PORT (first port, 18400),
-FLASH_E2E_BOOT_TIMEOUT (s, 420), FLASH_E2E_DEADLINE (s after start when unfinished scenarios are
+FLASH_E2E_BOOT_TIMEOUT (s per boot wave, 420), FLASH_E2E_BOOT_WAVE (at most this many servers boot at once, 4:
+vLLM sizes its KV pool from the whole GPU's use at profiling time, so many concurrent boots starve the
+later ones), FLASH_E2E_PARALLEL (scenario groups at a time, 6), FLASH_E2E_DEADLINE (s after start when unfinished scenarios are
 cut, servers stopped and results packed; 540, inside a 10-minute device call), FLASH_E2E_TEST_ARGS (how `flash test` declares the checks a random
 model cannot pass; default TEST_NA_ARGS), FLASH_E2E_COMMIT (the commit, when .git is absent).
 Results: at most 8 flat files: results.json, summary.txt, logs.tar.gz (every server's full log and
@@ -68,6 +70,10 @@ TINY_CONTAINER_ENV = ("VLLM_USE_FLASHINFER_SAMPLER=0",)
 BREAK = {"module": "vllm.models.qwen4_exp.nvidia.ngram_embedding", "old": "embedding(ngram_ids).flatten(-2)",
          "new": "embedding(ngram_ids).flatten(start_dim=-2)", "patch": 1, "name": "ple-mmap"}
 PROBE_TOKENS = 48
+PREFIX_LOGPROB_TOL = 1e-4  # as `flash probe --diff`
+PREFIX_HIT_BLOCKS = 4   # the prefix-hit prompt: this many full KV blocks (vLLM caches whole blocks only)
+BOOT_STAGGER_S = 2.0    # between launches inside a boot wave
+POLL_S = 2.0            # health polling period while a wave boots
 
 
 # --- servers -----------------------------------------------------------------------------------
@@ -130,11 +136,12 @@ def _scenarios() -> dict[str, Scenario]:
                            "`flash plan --hardware h200` within 2%", lambda ctx, x=x: check_kv_plan(ctx, f"{x}-default"),
                            solo=True))
     for n in NEUTRAL:
-        sc.append(Scenario(f"probe_p{n}", ("probe-off", f"probe-p{n}"), f"greedy probe, only patch {n} on vs all "
-                           "off: byte-identical", lambda ctx, n=n: check_probe(ctx, "probe-off", f"probe-p{n}")))
-    sc.append(Scenario("prefix_hit_a", ("a-default",), "greedy probe twice: the prefix-cache hit run equals the cold one",
+        sc.append(Scenario(f"probe_p{n}", ("probe-off", f"probe-p{n}"), f"greedy probe, patch {n} back on vs the neutral-off baseline "
+                           "(1,3,4,5,8,13 off): byte-identical", lambda ctx, n=n: check_probe(ctx, "probe-off", f"probe-p{n}")))
+    sc.append(Scenario("prefix_hit_a", ("a-default",), f"a greedy prompt of {PREFIX_HIT_BLOCKS} KV blocks (sized with the "
+                       "server's /tokenize) twice: hits registered, the hit run equals the cold one",
                        lambda ctx: check_prefix_hit(ctx, "a-default")))
-    sc.append(Scenario("prefix_hit_off", ("probe-off",), "the same with every patch off (is a difference ours?)",
+    sc.append(Scenario("prefix_hit_off", ("probe-off",), "the same with the output-neutral patches off (is a difference ours?)",
                        lambda ctx: check_prefix_hit(ctx, "probe-off")))
     sc.append(Scenario("ple_memory", ("a-default", "a-nople"), "GPU memory and pinned bytes with/without patch 1; "
                        "vllm:ple_mmap_* counters move", lambda ctx: check_ple_memory(ctx, "a-default", "a-nople")))
@@ -324,7 +331,7 @@ def wait(procs: list[Proc], timeout: float) -> None:
         states = [poll(p) for p in procs]
         if all(s != "booting" for s in states):
             return
-        time.sleep(2)
+        time.sleep(POLL_S)
 
 
 def stop_all(procs: list[Proc], grace: float = 20) -> None:
@@ -369,20 +376,42 @@ def stop(p: Proc, grace: float = 30) -> None:
         p.exited, p.ended_at = p.popen.returncode, time.monotonic()
 
 
-def boot(ctx: Context, specs: list[dict], timeout: float, deadline: float) -> dict[str, Proc]:
-    """Every non-solo server at once (staggered by 2 s), then, once those are up and idle, the solo
-    servers one at a time: vLLM sizes its KV pool from the whole GPU's used memory (mem_get_info), so
-    a server profiling while another allocates gets a smaller pool; a solo server's pool is clean
-    and comparable with the plan."""
-    procs: dict[str, Proc] = {}
+def boot_wave() -> int:
+    raw = os.environ.get("FLASH_E2E_BOOT_WAVE", "4")
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise SystemExit(f"gpu-e2e: FLASH_E2E_BOOT_WAVE={raw!r}: want a whole number >= 1 (servers booting at once)")
+    return n
+
+
+def waves(specs: list[dict], size: int) -> list[list[dict]]:
+    """The non-solo servers in boot waves of at most `size`, in plan order."""
     rest = [s for s in specs if not s["solo"]]
-    for spec in rest:
-        procs[spec["server"]] = launch(ctx, spec)
-        time.sleep(2)
-    group = [procs[s["server"]] for s in rest]
-    wait(group, min(timeout, deadline - time.monotonic() - 90))
-    for p in group:
-        say(f"  {p.spec['server']}: {poll(p)} after {time.monotonic() - p.started:.0f}s")
+    return [rest[i:i + size] for i in range(0, len(rest), size)]
+
+
+def boot(ctx: Context, specs: list[dict], timeout: float, deadline: float, wave_size: int | None = None) -> dict[str, Proc]:
+    """The non-solo servers in waves of at most FLASH_E2E_BOOT_WAVE (staggered by 2 s inside a wave;
+    a wave starts once every server of the previous one is healthy or dead, or its FLASH_E2E_BOOT_TIMEOUT
+    ran out), then, once those are up and idle, the solo servers one at a time. vLLM sizes its KV pool
+    from the whole GPU's used memory at profiling time (mem_get_info): 6-12 servers profiling at once
+    at a 0.07-0.13 share each left the later ones "No available memory for the cache blocks" (H200,
+    vLLM 0.33); a solo server's pool is clean and comparable with the plan."""
+    procs: dict[str, Proc] = {}
+    size = wave_size or boot_wave()
+    for i, wave in enumerate(waves(specs, size)):
+        group = []
+        for spec in wave:
+            procs[spec["server"]] = p = launch(ctx, spec)
+            p.spec["wave"] = i
+            group.append(p)
+            time.sleep(BOOT_STAGGER_S)
+        wait(group, min(timeout, deadline - time.monotonic() - 90))
+        for p in group:
+            say(f"  {p.spec['server']}: {poll(p)} after {time.monotonic() - p.started:.0f}s (boot wave {i + 1})")
     for spec in [s for s in specs if s["solo"]]:
         p = launch(ctx, spec)
         procs[spec["server"]] = p
@@ -562,17 +591,55 @@ def check_probe(ctx: Context, off: str, on: str) -> dict:
     return _diff(ctx, a, b)
 
 
+def block_size(spec: dict) -> int:
+    """The server's KV block size: its `--block-size` (TINY_EXTRA), else vLLM's default 16."""
+    argv = spec["argv"]
+    return int(argv[argv.index("--block-size") + 1]) if "--block-size" in argv else 16
+
+
 def check_prefix_hit(ctx: Context, name: str) -> dict:
+    """A greedy prompt of PREFIX_HIT_BLOCKS full KV blocks, measured with the server's tokenizer
+    (/tokenize), sent cold (a fresh nonce first) then again: the second must register prefix-cache
+    hits and answer byte-identically. The probe prompts are shorter than one 256-token block, so no
+    block of theirs can be cached (H200 run34: no hit)."""
+    import uuid
+
+    from flash_cli.gates import sizing
+    from flash_cli.gates.client import Client
+
     p = need_up(ctx, name)
-    before = metrics(p.spec["url"])
-    cold = _probe(ctx, name, f"{name}-cold")
-    warm = _probe(ctx, name, f"{name}-warm")
-    after = metrics(p.spec["url"])
+    url, model = p.spec["url"], p.spec["model"]
+    block = block_size(p.spec)
+    goal = PREFIX_HIT_BLOCKS * block + block // 4
+    client = Client(url, timeout=300)
+    sized = sizing.ledger(client, model, goal, nonce=uuid.uuid4().hex[:12], completion=PROBE_TOKENS)
+    assert sized.tokens >= 2 * block, (f"the prefix-hit prompt has {sized.tokens} tokens ({sized.note}): fewer than "
+                                       f"two {block}-token blocks, no hit to test")
+    body = {"model": model, "prompt": sized.prompt, "max_tokens": PROBE_TOKENS, "temperature": 0, "logprobs": 3}
+    before = metrics(url)
+    runs = []
+    for label in ("cold", "warm"):
+        reply = client.post("/v1/completions", body)
+        assert reply.ok, f"{label} request: {reply.why()}"
+        choice = reply.body["choices"][0]
+        runs.append({"label": label, "text": choice.get("text") or "", "usage": reply.body.get("usage"),
+                     "first_logprobs": ((choice.get("logprobs") or {}).get("top_logprobs") or [None])[0],
+                     "seconds": round(reply.seconds, 3)})
+    after = metrics(url)
     hits = sum(v for k, v in after.items() if k.startswith("vllm:prefix_cache_hits")) - sum(
         v for k, v in before.items() if k.startswith("vllm:prefix_cache_hits"))
-    res = _diff(ctx, cold, warm)
-    assert hits > 0, "the second probe registered no prefix-cache hits"
-    return {**res, "prefix_cache_hit_tokens": hits}
+    keep(ctx, f"prefix-hit-{name}.json", json.dumps({"sizing": sized.as_data(), "note": sized.note, "block_size": block,
+                                                     "prefix_cache_hit_tokens": hits, "runs": runs}, indent=2))
+    res = {"prompt_tokens": sized.tokens, "measured": sized.measured, "block_size": block,
+           "full_blocks": sized.tokens // block, "prefix_cache_hit_tokens": hits}
+    from flash_cli.gates.checks import _logprob_delta
+
+    same = runs[0]["text"].encode() == runs[1]["text"].encode()
+    delta = _logprob_delta(runs[0]["first_logprobs"], runs[1]["first_logprobs"])
+    assert hits > 0, f"the second request registered no prefix-cache hits ({sized.note}, block {block})"
+    assert same, f"prefix-hit answer differs from the cold one: {runs[0]['text'][:80]!r} vs {runs[1]['text'][:80]!r}"
+    assert delta <= PREFIX_LOGPROB_TOL, f"prefix-hit first-token logprobs differ by {delta:.3g} (> {PREFIX_LOGPROB_TOL})"
+    return {**res, "identical": True, "first_logprob_delta": delta}
 
 
 def check_ple_memory(ctx: Context, on: str, off: str) -> dict:
@@ -655,6 +722,69 @@ def check_broken(ctx: Context, name: str) -> dict:
             "line": next(line for line in text.splitlines() if want in line)[:400]}
 
 
+# --- running the scenarios ---------------------------------------------------------------------------
+
+def scenario_groups(chosen: list[Scenario]) -> list[list[Scenario]]:
+    """Scenarios that touch a common server, transitively, in one group (in selection order); the
+    groups share no server. A group runs its scenarios one after another: two scenarios on one server
+    at once change its batches, and the tiny random model's greedy output follows the batch
+    composition (H200 run33: probe-off cold vs warm differed at prompt 4 exactly as probe-p1/p3 did;
+    run34, one at a time: identical)."""
+    parent = list(range(len(chosen)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[str, int] = {}
+    for i, s in enumerate(chosen):
+        for server in s.servers:
+            if server in owner:
+                parent[root(i)] = root(owner[server])
+            else:
+                owner[server] = i
+    groups: dict[int, list[Scenario]] = {}
+    for i, s in enumerate(chosen):
+        groups.setdefault(root(i), []).append(s)
+    return sorted(groups.values(), key=lambda g: chosen.index(g[0]))
+
+
+def run_scenarios(ctx: Context, chosen: list[Scenario], deadline: float) -> dict[str, dict]:
+    """Groups side by side (FLASH_E2E_PARALLEL at a time), each group's scenarios in order, until the
+    deadline (a device call is cut at 10 minutes; what finished must still come back)."""
+    finished: dict[str, dict] = {}
+    lock = threading.Lock()
+
+    def one(s: Scenario) -> None:
+        t = time.monotonic()
+        try:
+            r = {"ok": True, "result": s.run(ctx)}
+        except Exception as exc:  # noqa: BLE001 - every scenario reports, none stops the others
+            r = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        r["s"] = round(time.monotonic() - t, 1)
+        with lock:
+            finished[s.name] = r
+        say(f"{'PASS' if r['ok'] else 'FAIL'} {s.name} ({r['s']}s)")
+
+    def group(g: list[Scenario]) -> None:
+        for s in g:
+            if time.monotonic() > deadline - 45:
+                return
+            one(s)
+
+    groups = scenario_groups(chosen)
+    pool = ThreadPoolExecutor(max_workers=max(1, int(os.environ.get("FLASH_E2E_PARALLEL", "6"))))
+    futures = [pool.submit(group, g) for g in groups]
+    futures_wait(futures, timeout=max(5.0, deadline - time.monotonic() - 45))
+    pool.shutdown(wait=False, cancel_futures=True)
+    with lock:
+        done = dict(finished)
+    return {s.name: done.get(s.name, {"ok": False, "error": "not finished before the deadline (FLASH_E2E_DEADLINE)"})
+            for s in chosen}
+
+
 # --- driver ------------------------------------------------------------------------------------------
 
 def device_env() -> dict[str, str]:
@@ -721,6 +851,11 @@ def print_plan(specs: list[dict], chosen: list[Scenario]) -> None:
     say(f"gpu-e2e plan: {len(chosen)} scenario(s), {len(specs)} server(s)")
     for s in chosen:
         say(f"  scenario {s.name}: servers {', '.join(s.servers)} — {s.doc}")
+    for i, g in enumerate(scenario_groups(chosen)):
+        say(f"  group {i + 1} (one scenario at a time; groups side by side): {', '.join(s.name for s in g)}")
+    size = boot_wave()
+    for i, w in enumerate(waves(specs, size)):
+        say(f"  boot wave {i + 1} (at most {size} at once, FLASH_E2E_BOOT_WAVE): {', '.join(s['server'] for s in w)}")
     for spec in specs:
         say(f"\n== server {spec['server']} (fixture {spec['fixture']}, expect {spec['expect']}"
             f"{', boots alone' if spec['solo'] else ''}) {spec['url']}")
@@ -808,31 +943,14 @@ def run_selected(chosen: list[Scenario], dry: bool = False) -> dict:
         ctx.procs = boot(ctx, specs, timeout, deadline)
         (ctx.out / "results.json").write_text(json.dumps({**results, "phase": "booted"}, indent=2, default=str))
 
-        def one(s: Scenario) -> tuple[str, dict]:
-            t = time.monotonic()
-            try:
-                r = {"ok": True, "result": s.run(ctx)}
-            except Exception as exc:  # noqa: BLE001 - every scenario reports, none stops the others
-                r = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            r["s"] = round(time.monotonic() - t, 1)
-            say(f"{'PASS' if r['ok'] else 'FAIL'} {s.name} ({r['s']}s)")
-            return s.name, r
-
-        # scenarios talk to the servers over HTTP and wait on subprocesses: run them side by side,
-        # until the deadline (a device call is cut at 10 minutes; what finished must still come back)
-        pool = ThreadPoolExecutor(max_workers=int(os.environ.get("FLASH_E2E_PARALLEL", "6")))
-        futures = {pool.submit(one, s): s for s in chosen}
-        finished, _ = futures_wait(futures, timeout=max(5.0, deadline - time.monotonic() - 45))
-        pool.shutdown(wait=False, cancel_futures=True)
-        done = dict(f.result() for f in finished)
-        results["scenarios"] = {s.name: done.get(s.name, {"ok": False, "error": "not finished before the deadline "
-                                                           "(FLASH_E2E_DEADLINE)"}) for s in chosen}
+        results["scenario_groups"] = [[s.name for s in g] for g in scenario_groups(chosen)]
+        results["scenarios"] = run_scenarios(ctx, chosen, deadline)
     finally:
         states = {name: poll(p) for name, p in ctx.procs.items()}
         stop_all(list(ctx.procs.values()))
         for name, p in ctx.procs.items():
             state = states[name]
-            results["servers"][name] = {"state_before_stop": state, "exit": p.exited,
+            results["servers"][name] = {"state_before_stop": state, "exit": p.exited, "wave": p.spec.get("wave"),
                                         "boot_s": round(p.healthy_at - p.started, 1) if p.healthy_at else None,
                                         "kv_line": (lambda m: m.group(0) if m else None)(
                                             re.search(r"GPU KV cache size:[^\n]*", log_text(p)))}

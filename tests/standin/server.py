@@ -24,6 +24,10 @@ Not a model: answers are deterministic filler words with a few canned facts. Kno
   STANDIN_DECODE_TPS (400)      single-stream decode speed, tokens/s
   STANDIN_PREFILL_TPS (20000)   prefill speed for prompt tokens not served from the prefix cache
   STANDIN_KV_TOKENS (1234567)   KV cache size in tokens
+  STANDIN_TOKEN_CHARS (0)       >0: a small-vocabulary tokenizer: every word is cut into pieces of at most
+                                this many characters (the tiny test model's 1,758-id byte-level BPE makes
+                                ~3.5 tokens of a ledger word where Qwen's makes ~1.4): prompts sized by a
+                                words-per-token estimate overshoot; /tokenize, the 400 and usage all agree
   STANDIN_STATS_SEC (10)        period of the engine stats log line (only when not idle)
   STANDIN_SKIP_MODEL_CHECK=1    do not insist that an absolute MODEL_PATH exists
   STANDIN_FAULTS                comma list of fault switches:
@@ -33,6 +37,7 @@ Not a model: answers are deterministic filler words with a few canned facts. Kno
       no_tool_calls      tools are ignored: plain text, never tool_calls
       slow               decode at ~8 tok/s (a swapping box)
       no_metrics         /metrics answers 404 (a server started without it / behind a proxy)
+      no_tokenize        /tokenize answers 404 (a proxy that forwards only /v1/*)
       ple_engine_only    PLE counters only in multiprocess mode: what stock vLLM does with counters
                          registered in the EngineCore (measured, docs/OBSERVABILITY.md), i.e. a
                          server without flash_vllm's metrics bridge (FLASH_METRICS_BRIDGE=0)
@@ -71,10 +76,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 VERSION = "0.33.0+standin"
 FAULT_NAMES = ("yarn_ignored", "nondeterministic", "no_prefix_hits", "reject_high_effort", "no_tool_calls", "slow", "no_metrics",
-               "ple_engine_only", "frozen_counters")
+               "ple_engine_only", "frozen_counters", "no_tokenize")
 ACCEPTED_EFFORTS = ("low", "medium", "xhigh")  # what the Qwen3.8-Flash-Next template itself accepts
 ALIASED_EFFORTS = {"high": "xhigh", "max": "xhigh", "minimal": "low"}  # EFFORT_ALIAS=1 rewrites these
-BLOCK_SIZE = 16
+BLOCK_SIZE = 16  # vLLM's default; --block-size sets it (the prefix cache hits whole blocks only)
 START = time.time()
 
 
@@ -97,6 +102,7 @@ def parse_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--served-model-name", nargs="+")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     p.add_argument("--enable-prefix-caching", dest="prefix_caching", action="store_true", default=True)
     p.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
     p.add_argument("--speculative-config")
@@ -130,8 +136,14 @@ def parse_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 TOKEN_RE = re.compile(r" ?[^\W\d_]+| ?\d{1,3}| ?[^\s\w]|\s+|_")
 
 
+TOKEN_CHARS = int(os.environ.get("STANDIN_TOKEN_CHARS") or 0)
+
+
 def tokenize(text: str) -> list[str]:
-    return TOKEN_RE.findall(text)
+    toks = TOKEN_RE.findall(text)
+    if TOKEN_CHARS > 0:
+        toks = [t[i:i + TOKEN_CHARS] for t in toks for i in range(0, len(t), TOKEN_CHARS)]
+    return toks
 
 
 def token_id(tok: str) -> int:
@@ -386,7 +398,8 @@ class Engine:
         self.running_tokens = 0
         self.stopping = False
         self.cache: OrderedDict[bytes, None] = OrderedDict()
-        self.cache_blocks = max(1, self.kv_tokens // BLOCK_SIZE)
+        self.block_size = max(1, ns.block_size)
+        self.cache_blocks = max(1, self.kv_tokens // self.block_size)
         self.window = {"prompt": 0, "gen": 0, "q": 0, "h": 0}
         self.reg = Registry()
         self._declare_metrics()
@@ -405,7 +418,7 @@ class Engine:
         ):
             r.family(name, "gauge", doc).child(L)
         r.family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig").child(
-            {**L, "block_size": str(BLOCK_SIZE), "enable_prefix_caching": str(self.ns.prefix_caching),
+            {**L, "block_size": str(self.block_size), "enable_prefix_caching": str(self.ns.prefix_caching),
              "num_gpu_blocks": str(self.cache_blocks)})["value"] = 1.0
         for name, doc in (
             ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
@@ -489,13 +502,14 @@ class Engine:
         Like vLLM: whole blocks only, never the last prompt token (one must be computed)."""
         hits = 0
         h = b""
-        full = (len(token_ids) - 1) // BLOCK_SIZE
+        bs = self.block_size
+        full = (len(token_ids) - 1) // bs
         with self.cond:
             hitting = self.ns.prefix_caching and "no_prefix_hits" not in self.faults
-            for b in range(len(token_ids) // BLOCK_SIZE):
-                h = hashlib.blake2b(h + repr(token_ids[b * BLOCK_SIZE:(b + 1) * BLOCK_SIZE]).encode(), digest_size=16).digest()
-                if hitting and b < full and hits == b * BLOCK_SIZE and h in self.cache:
-                    hits += BLOCK_SIZE
+            for b in range(len(token_ids) // bs):
+                h = hashlib.blake2b(h + repr(token_ids[b * bs:(b + 1) * bs]).encode(), digest_size=16).digest()
+                if hitting and b < full and hits == b * bs and h in self.cache:
+                    hits += bs
                     self.cache.move_to_end(h)
                 elif self.ns.prefix_caching:
                     self.cache[h] = None
@@ -756,6 +770,11 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def drain(self) -> None:
+        n = int(self.headers.get("content-length") or 0)
+        if n:
+            self.rfile.read(n)
+
     def read_json(self) -> dict:
         n = int(self.headers.get("content-length") or 0)
         raw = self.rfile.read(n) if n else b""
@@ -810,8 +829,11 @@ class Handler(BaseHTTPRequestHandler):
             if not self.authorized():
                 self.send_json(401, {"error": "Unauthorized"})
                 return
+            if path == "/tokenize" and "no_tokenize" in self.engine.faults:
+                routes = {k: v for k, v in routes.items() if k[1] != path}
             fn = routes.get((method, path))
             if fn is None:
+                self.drain()  # an unread body would be parsed as the next request on this keep-alive connection
                 if any(p == path for _, p in routes):
                     self.send_json(405, {"detail": "Method Not Allowed"})
                 else:
@@ -863,13 +885,22 @@ class Handler(BaseHTTPRequestHandler):
             for name in self.engine.aliases]})
 
     def r_tokenize(self) -> None:
+        """vLLM's POST /tokenize (0.33: vllm/entrypoints/serve/tokenize/): {"model"?, "prompt"} or
+        {"model"?, "messages"} -> {"count", "max_model_len", "tokens", "token_strs"}; the count is
+        exactly what a /v1/completions request with the same prompt is charged."""
         body = self.read_json()
         self.check_model(body)
         prompt = body.get("prompt")
         if prompt is None:
-            prompt = render_chatml(body.get("messages") or [])
-        toks = [token_id(t) for t in tokenize(prompt)]
-        self.send_json(200, {"count": len(toks), "max_model_len": self.engine.max_model_len, "tokens": toks})
+            if not isinstance(body.get("messages"), list):
+                raise ApiError(400, "Field required: 'prompt' or 'messages'", param="prompt")
+            prompt = render_chatml(body["messages"])
+        if not isinstance(prompt, str):
+            raise ApiError(400, "prompt: Input should be a valid string", param="prompt")
+        pieces = tokenize(prompt)
+        self.send_json(200, {"count": len(pieces), "max_model_len": self.engine.max_model_len,
+                             "tokens": [token_id(t) for t in pieces],
+                             "token_strs": pieces if body.get("return_token_strs") else None})
 
     def log_inputs(self, rid: str, prompt: str, n: int, params: dict) -> None:
         if self.ns.enable_log_requests:

@@ -187,10 +187,11 @@ def test_prompts_are_scaled_to_the_servers_max_model_len(capsys):
 
 
 def test_unsized_prompt_is_what_the_server_refuses():
-    """The control: the same 8,192-token prefill without the max_model_len read is a 400."""
+    """The control: the same 8,192-token prefill without the max_model_len read and without /tokenize
+    is a 400; with /tokenize alone (its reply carries max_model_len) it fits again."""
     from flash_cli.gates.client import Client
 
-    with StandIn("--max-model-len", "2048") as s:
+    with StandIn("--max-model-len", "2048", faults="no_tokenize") as s:
         ctx = checks.Context(Client(s.url), checks.Thresholds(prefill_tokens=8192))
         assert checks.check_health(ctx).status == "pass" and checks.check_model(ctx).status == "pass"
         sized = checks.check_prefill(ctx)
@@ -198,6 +199,12 @@ def test_unsized_prompt_is_what_the_server_refuses():
         unsized = checks.check_prefill(ctx)
     assert sized.status == "pass"
     assert unsized.status == "fail" and "maximum context length" in unsized.detail
+    with StandIn("--max-model-len", "2048") as s:
+        ctx = checks.Context(Client(s.url), checks.Thresholds(prefill_tokens=8192))
+        assert checks.check_health(ctx).status == "pass" and checks.check_model(ctx).status == "pass"
+        ctx.max_model_len = None
+        measured = checks.check_prefill(ctx)
+    assert measured.status == "pass" and measured.data["prompt_tokens"] <= 2047, measured
 
 
 def test_a_prompt_that_fits_is_not_touched():
@@ -269,3 +276,102 @@ def test_standin_yarn_fallback_fault_is_caught_by_context(capsys):
     with StandIn("--max-model-len", "500000", faults="yarn_ignored") as s:
         rc, report = flash_test(capsys, s.url, "default", "--only", "context")
     assert rc == 1 and statuses(report)["context"] == "fail"
+
+
+# --- prompts measured with the server's own tokenizer (issue 11, the H200 run) ------------------
+
+# A small-vocabulary stand-in: every word cut into pieces of <= 3 characters, ~3 tokens a ledger
+# word where the estimate assumes 1.41 (the tiny model's BPE made 2,605 tokens of a "1,024-token"
+# prompt and vLLM refused it: max_model_len 2,048).
+SMALL_VOCAB = {"STANDIN_TOKEN_CHARS": "3"}
+
+
+def test_standin_small_vocab_really_overshoots_the_estimate():
+    """The control that makes the next tests real: by the estimate's sizing the prompt does not fit."""
+    import requests
+
+    with StandIn("--max-model-len", "2048", env=SMALL_VOCAB) as s:
+        prompt = prompts.ledger_prompt(1024, nonce="x")
+        tok = requests.post(s.url + "/tokenize", json={"model": "qwen3.8-flash-next", "prompt": prompt}, timeout=30).json()
+        assert set(tok) == {"count", "max_model_len", "tokens", "token_strs"}  # vLLM 0.33's TokenizeResponse
+        assert tok["count"] > 2048 and tok["max_model_len"] == 2048 and len(tok["tokens"]) == tok["count"]
+        r = requests.post(s.url + "/v1/completions", json={"model": "qwen3.8-flash-next", "prompt": prompt,
+                                                           "max_tokens": 1, "temperature": 0}, timeout=30)
+        assert r.status_code == 400 and "maximum context length is 2048" in r.json()["error"]["message"]
+
+
+def test_prefill_prompt_is_measured_with_the_servers_tokenizer(capsys):
+    with StandIn("--max-model-len", "2048", env=SMALL_VOCAB) as s:
+        rc, report = flash_test(capsys, s.url, "--only", "prefill", "--only", "prefix_cache")
+    by = {c["name"]: c for c in report["checks"]}
+    assert rc == 0, report
+    pre = by["prefill"]
+    assert pre["status"] == "pass" and pre["data"]["prompt_sizing"] == "tokenize"
+    # the server charged exactly what its /tokenize measured, and that is at most the 1,024 asked for
+    assert pre["data"]["prompt_tokens"] == pre["data"]["prompt_tokens_sized"]
+    assert 0.95 * 1024 <= pre["data"]["prompt_tokens"] <= 1024
+    assert f"prompt {pre['data']['prompt_tokens']:,} tokens measured by the server's /tokenize" in pre["detail"]
+    assert pre["data"]["tokenize_calls"] <= 8
+    assert by["prefix_cache"]["status"] == "pass" and "measured by the server's /tokenize" in by["prefix_cache"]["detail"]
+
+
+def test_measured_prompt_is_trimmed_to_max_model_len_from_tokenize(capsys):
+    """8,192 asked, 2,048 served, ~3 tokens a word: the fit to 2,048 alone (by estimate) would overshoot."""
+    with StandIn("--max-model-len", "2048", env=SMALL_VOCAB) as s:
+        rc, report = flash_test(capsys, s.url, "TEST_PREFILL_TOKENS=8192", "--only", "prefill")
+    pre = {c["name"]: c for c in report["checks"]}["prefill"]
+    assert rc == 0 and pre["status"] == "pass", report
+    assert pre["data"]["prompt_tokens"] <= pre["data"]["prompt_goal_tokens"] < 2048
+    assert "scaled from 8,192" in pre["detail"] and "measured by the server's /tokenize" in pre["detail"]
+
+
+def test_without_tokenize_the_estimate_is_used_and_said(capsys):
+    with StandIn("--max-model-len", "2048", faults="no_tokenize") as s:
+        rc, report = flash_test(capsys, s.url, "--only", "prefill")
+    pre = {c["name"]: c for c in report["checks"]}["prefill"]
+    assert rc == 0 and pre["status"] == "pass", report
+    assert pre["data"]["prompt_sizing"] == "estimate" and "HTTP 404" in pre["data"]["tokenize_unavailable"]
+    assert "by estimate" in pre["detail"] and "NOT measured: /tokenize HTTP 404" in pre["detail"]
+    # and where the estimate is wrong the failure names it
+    with StandIn("--max-model-len", "2048", faults="no_tokenize", env=SMALL_VOCAB) as s:
+        rc, report = flash_test(capsys, s.url, "--only", "prefill")
+    pre = {c["name"]: c for c in report["checks"]}["prefill"]
+    assert rc == 1 and "maximum context length" in pre["detail"] and "NOT measured" in pre["detail"]
+
+
+class _Tokenizer:
+    """A fake client whose /tokenize counts `per_word` tokens a word (and 404s when told)."""
+
+    def __init__(self, per_word: float, mml: int | None = None, status: int = 200):
+        self.per_word, self.mml, self.status, self.calls = per_word, mml, status, []
+
+    def post(self, path, body, timeout=None):
+        from flash_cli.gates.client import Reply
+
+        assert path == "/tokenize" and set(body) == {"model", "prompt"}
+        self.calls.append(body["prompt"])
+        if self.status != 200:
+            return Reply(self.status, {"detail": "Not Found"}, '{"detail":"Not Found"}')
+        n = int(len(body["prompt"].split()) * self.per_word)
+        return Reply(200, {"count": n, "max_model_len": self.mml, "tokens": list(range(n))}, "")
+
+
+@pytest.mark.parametrize("per_word", [0.7, 1.41, 2.5, 3.6, 9.0])
+def test_sizer_lands_just_below_the_goal(per_word):
+    from flash_cli.gates import sizing
+
+    fake = _Tokenizer(per_word)
+    got = sizing.ledger(fake, "m", 1024, nonce="n")
+    assert got.measured and got.tokens == int(len(got.prompt.split()) * per_word)
+    assert sizing.CLOSE_ENOUGH * 1024 <= got.tokens <= 1024, (per_word, got.tokens, got.tries)
+    assert got.tries == len(fake.calls) <= sizing.MAX_TRIES and got.prompt.startswith("Session n.")
+
+
+def test_sizer_caps_at_the_servers_max_model_len_and_falls_back_visibly():
+    from flash_cli.gates import sizing
+
+    got = sizing.ledger(_Tokenizer(2.0, mml=600), "m", 1024, completion=48)
+    assert got.goal == 552 and got.tokens <= 552 and got.server_max_model_len == 600
+    est = sizing.ledger(_Tokenizer(2.0, status=404), "m", 1024)
+    assert not est.measured and est.tokens == 1024 and "NOT measured: /tokenize HTTP 404" in est.note
+    assert est.prompt == prompts.ledger_prompt(1024)

@@ -67,12 +67,17 @@ def test_every_server_is_the_default_profiles_runspec(planned):
 
 def test_patch_switches(planned):
     _, _, specs = planned
+    # the baseline turns off only the output-neutral patches (with all 13 off the tiny model cannot
+    # boot at a small share: no room for the Mamba state blocks without patch 2); the others,
+    # patch 2 among them, stay at the recipe's default on every probe server alike
+    assert fleet.NEUTRAL == (1, 3, 4, 5, 8, 13)
     off = specs["probe-off"]["spec_env"]
-    assert off["FLASH_DISABLE_PATCHES"] == ",".join(map(str, range(1, 14))) and off["VLLM_PLE_MMAP"] == "0"
+    assert off["FLASH_DISABLE_PATCHES"] == "1,3,4,5,8,13" and off["VLLM_PLE_MMAP"] == "0"
     for n in fleet.NEUTRAL:
         env = specs[f"probe-p{n}"]["spec_env"]
         disabled = set(env["FLASH_DISABLE_PATCHES"].split(","))
-        assert str(n) not in disabled and len(disabled) == 12
+        assert disabled == {str(m) for m in fleet.NEUTRAL} - {str(n)}
+        assert "2" not in disabled
         assert env["VLLM_PLE_MMAP"] == ("1" if n == 1 else "0")
         assert env["VLLM_QSA_EXACT_TOPK"] == ("1" if n == 5 else "0")
         assert env["VLLM_QSA_DET_TOPK"] == ("1" if n == 8 else "0")
@@ -168,19 +173,157 @@ def test_rehearsal_against_the_standin(tmp_path):
     (cli / "main.py").write_text("import runpy, sys\nsys.argv = ['vllm', *sys.argv[1:]]\n"
                                  f"runpy.run_path({str(ROOT / 'tests' / 'standin' / 'server.py')!r}, run_name='__main__')\n")
     out = tmp_path / "out"
+    # STANDIN_TOKEN_CHARS=3: a small-vocabulary tokenizer like the tiny model's (~3 tokens a ledger word,
+    # not the estimate's 1.41), so only prompts measured with /tokenize fit max_model_len 2,048; the
+    # stand-in honours --block-size 256, so only a prompt of several blocks can hit the prefix cache
     env = {**os.environ, "FLASH_E2E_CUDA_CHECK": "0", "PYTHONPATH": str(fake), "FLASH_E2E_PYTHON": sys.executable,
            "FLASH_E2E_WORK": str(tmp_path / "work"), "FLASH_E2E_OUT": str(out), "STANDIN_BOOT_SECONDS": "1",
-           "FLASH_E2E_PORT": "18640"}
+           "FLASH_E2E_PORT": "18640", "STANDIN_TOKEN_CHARS": "3", "FLASH_E2E_BOOT_WAVE": "2"}
     env.pop("FLASH_E2E_DRY", None)
-    proc = subprocess.run([sys.executable, str(FLEET), "run", "-k", "probe_p1 or prefix_hit or broken"], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(FLEET), "run", "-k", "probe_p1 or prefix_hit or broken or flash_test_a"],
+                          env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # the broken boot did not refuse
     assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "results.json", "summary.txt"]
     res = json.loads((out / "results.json").read_text())
     verdicts = {k: v["ok"] for k, v in res["scenarios"].items()}
-    assert verdicts == {"probe_p1": True, "probe_p13": True, "prefix_hit_a": True, "broken_patch_p1": False}
+    assert verdicts == {"flash_test_a": True, "probe_p1": True, "probe_p13": True, "prefix_hit_a": True,
+                        "prefix_hit_off": True, "broken_patch_p1": False}, res["scenarios"]
     assert "did not fail" in res["scenarios"]["broken_patch_p1"]["error"]
-    assert res["scenarios"]["prefix_hit_a"]["result"]["prefix_cache_hit_tokens"] > 0
+    for name in ("prefix_hit_a", "prefix_hit_off"):
+        hit = res["scenarios"][name]["result"]
+        assert hit["measured"] and hit["block_size"] == 256 and hit["full_blocks"] >= fleet.PREFIX_HIT_BLOCKS
+        assert hit["prefix_cache_hit_tokens"] >= (fleet.PREFIX_HIT_BLOCKS - 1) * 256 and hit["prefix_cache_hit_tokens"] % 256 == 0
+    prefill = next(c for c in res["scenarios"]["flash_test_a"]["result"]["checks"] if c["name"] == "prefill")
+    assert prefill["data"]["prompt_sizing"] == "tokenize" and prefill["data"]["prompt_tokens"] <= 1024, prefill
+    # scenarios sharing a server ran in one group; boots came in waves of 2
+    assert ["probe_p1", "probe_p13", "prefix_hit_off"] in res["scenario_groups"]
+    assert ["flash_test_a", "prefix_hit_a"] in res["scenario_groups"]
+    waves = {}
+    for name, srv in res["servers"].items():
+        waves.setdefault(srv["wave"], []).append(name)
+    assert sorted(len(w) for w in waves.values()) == [1, 2, 2]
     assert {s["exit"] for s in res["servers"].values()} == {0}  # every server stopped cleanly
     log = (tmp_path / "work" / "logs" / "probe-p1.log").read_text().splitlines()[0]
     assert "vllm.entrypoints.cli.main serve" in log and "--block-size 256" in log
+
+
+# --- scenarios on one server never overlap; boots come in waves (the H200 runs 30/33/34) -----------
+
+def test_scenarios_sharing_a_server_are_one_group():
+    groups = fleet.scenario_groups(fleet.select(None))
+    names = [[s.name for s in g] for g in groups]
+    servers = [{srv for s in g for srv in s.servers} for g in groups]
+    for i in range(len(groups)):  # no server in two groups
+        for j in range(i + 1, len(groups)):
+            assert not servers[i] & servers[j], (names[i], names[j])
+    assert sorted(n for g in names for n in g) == sorted(fleet.SCENARIOS)
+    by = {n: i for i, g in enumerate(names) for n in g}
+    # every probe compares against probe-off, so the probes and prefix_hit_off queue on one server
+    assert len({by[f"probe_p{n}"] for n in fleet.NEUTRAL} | {by["prefix_hit_off"]}) == 1
+    assert by["flash_test_a"] == by["prefix_hit_a"] == by["ple_memory"] == by["boot_a"] == by["kv_plan_a"]
+    assert by["flash_test_b"] != by["flash_test_a"] != by["broken_patch_p1"]  # different servers: side by side
+    assert names[by["probe_p1"]][:2] == ["probe_p1", "probe_p3"]  # selection order kept inside a group
+
+
+def test_run_scenarios_never_overlaps_two_on_one_server(monkeypatch):
+    import threading
+    import time
+
+    spans: list[tuple[str, tuple[str, ...], float, float]] = []
+    lock = threading.Lock()
+
+    def body(name, servers):
+        def run(ctx):
+            t0 = time.monotonic()
+            time.sleep(0.25)
+            with lock:
+                spans.append((name, servers, t0, time.monotonic()))
+            return {}
+        return run
+
+    layout = {"x1": ("s1",), "x2": ("s1", "s2"), "x3": ("s2",), "y1": ("s3",), "y2": ("s3",), "z": ("s4",)}
+    chosen = [fleet.Scenario(n, srv, n, body(n, srv)) for n, srv in layout.items()]
+    monkeypatch.setenv("FLASH_E2E_PARALLEL", "6")
+    res = fleet.run_scenarios(None, chosen, time.monotonic() + 120)
+    assert all(r["ok"] for r in res.values()) and set(res) == set(layout)
+    overlaps_across = 0
+    for i, (a, sa, a0, a1) in enumerate(spans):
+        for b, sb, b0, b1 in spans[i + 1:]:
+            together = a0 < b1 and b0 < a1
+            if set(sa) & set(sb):
+                assert not together, f"{a} and {b} share a server and ran at the same time"
+            overlaps_across += together
+    assert overlaps_across > 0  # the groups themselves did run side by side
+    assert [[s.name for s in g] for g in fleet.scenario_groups(chosen)] == [["x1", "x2", "x3"], ["y1", "y2"], ["z"]]
+
+
+class _FakePopen:
+    def __init__(self, pid):
+        self.pid, self.returncode = pid, None
+
+    def poll(self):
+        return self.returncode
+
+
+def test_boot_waves_start_when_the_previous_wave_is_up_or_dead(monkeypatch):
+    """7 servers, waves of 3: never more than 3 booting at once, a wave launched only once every server
+    of the one before is healthy or dead (here one dies), and the solo server last, alone."""
+    import time
+
+    monkeypatch.setattr(fleet, "BOOT_STAGGER_S", 0.0)
+    monkeypatch.setattr(fleet, "POLL_S", 0.01)
+    live: dict[str, dict] = {}
+    events: list[tuple[str, str, int]] = []  # (server, "launch"|"done", booting count at that moment)
+
+    def booting():
+        return sum(1 for st in live.values() if st["state"] == "booting")
+
+    def launch(ctx, spec):
+        p = fleet.Proc(spec, _FakePopen(len(live) + 1), Path("/dev/null"), time.monotonic())
+        live[spec["server"]] = {"state": "booting", "polls": 0, "proc": p}
+        events.append((spec["server"], "launch", booting()))
+        return p
+
+    def poll(p):
+        st = live[p.spec["server"]]
+        if st["state"] == "booting":
+            st["polls"] += 1
+            if st["polls"] >= 3 + len(live) % 4:
+                if p.spec["server"] == "s4":
+                    st["state"], p.exited = "exited", 1
+                else:
+                    st["state"], p.healthy_at = "healthy", time.monotonic()
+                events.append((p.spec["server"], "done", booting()))
+        return st["state"]
+
+    monkeypatch.setattr(fleet, "launch", launch)
+    monkeypatch.setattr(fleet, "poll", poll)
+    specs = [{"server": f"s{i}", "solo": i == 6} for i in range(7)]
+    procs = fleet.boot(None, specs, timeout=60, deadline=time.monotonic() + 600, wave_size=3)
+    assert list(procs) == ["s0", "s1", "s2", "s3", "s4", "s5", "s6"]
+    assert max(n for _, kind, n in events if kind == "launch") <= 3
+    order = [(srv, kind) for srv, kind, _ in events]
+    done_at = {srv: i for i, (srv, kind) in enumerate(order) if kind == "done"}
+    launched_at = {srv: i for i, (srv, kind) in enumerate(order) if kind == "launch"}
+    for later, earlier in ((("s3", "s4", "s5"), ("s0", "s1", "s2")), (("s6",), ("s3", "s4", "s5"))):
+        assert min(launched_at[s] for s in later) > max(done_at[s] for s in earlier), order
+    assert [p.spec["wave"] for p in procs.values() if "wave" in p.spec] == [0, 0, 0, 1, 1, 1]
+    assert fleet.waves(specs, 4) == [specs[:4], specs[4:6]]
+
+
+def test_boot_wave_setting_is_checked_and_the_plan_shows_the_waves(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLASH_E2E_BOOT_WAVE", "0")
+    with pytest.raises(SystemExit, match="FLASH_E2E_BOOT_WAVE='0': want a whole number >= 1"):
+        fleet.boot_wave()
+    monkeypatch.delenv("FLASH_E2E_BOOT_WAVE")
+    assert fleet.boot_wave() == 4
+    env = {**os.environ, "FLASH_E2E_WORK": str(tmp_path / "w"), "FLASH_E2E_OUT": str(tmp_path / "o"),
+           "FLASH_E2E_BOOT_WAVE": "3"}
+    proc = subprocess.run([sys.executable, str(FLEET), "plan", "-k", "probe"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    waves = [line for line in proc.stdout.splitlines() if line.strip().startswith("boot wave")]
+    assert waves == ["  boot wave 1 (at most 3 at once, FLASH_E2E_BOOT_WAVE): probe-off, probe-p1, probe-p3",
+                     "  boot wave 2 (at most 3 at once, FLASH_E2E_BOOT_WAVE): probe-p4, probe-p5, probe-p8",
+                     "  boot wave 3 (at most 3 at once, FLASH_E2E_BOOT_WAVE): probe-p13"]
+    assert "group 1 (one scenario at a time; groups side by side): probe_p1, probe_p3, probe_p4" in proc.stdout

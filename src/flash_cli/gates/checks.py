@@ -6,7 +6,9 @@ later check may use what an earlier one measured (prefix_cache repeats prefill's
 
 Prompts are sized to the server: the model check reads max_model_len from /v1/models and the
 prefill (and so prefix_cache) and decode checks scale their token counts down to fit it, saying
-so in their detail. A check can be declared not applicable (`n/a`, e.g. coherence on an
+so in their detail; the prefill prompt is then measured with the server's own tokenizer
+(`POST /tokenize`, gates/sizing.py) and trimmed until it fits, the detail giving the measured count
+(or, without /tokenize, saying the size is an estimate). A check can be declared not applicable (`n/a`, e.g. coherence on an
 untrained checkpoint): it is reported as "n/a: REASON", counted apart, never silently dropped.
 """
 
@@ -20,6 +22,7 @@ from typing import Any, Callable
 
 from . import metrics as M
 from . import prompts as P
+from . import sizing
 from .client import Client, Reply
 
 PASS, FAIL, SKIP, NA = "pass", "fail", "skip", "n/a"
@@ -86,8 +89,8 @@ NEEDS_TRAINED: dict[str, str] = {
     "tool_call": "expects a trained model to call the tool and use its result",
 }
 
-# Tokens kept free of the prompt: the completion, the prompt's question and the estimate's error
-# (ledger_prompt sizes by a words-per-token ratio, not the server's tokenizer).
+# Tokens kept free of the prompt: the completion, the prompt's question and, where the server has
+# no /tokenize, the estimate's error (ledger_prompt sizes by a words-per-token ratio).
 PROMPT_HEADROOM = 0.8
 PROMPT_RESERVE = 64
 
@@ -265,23 +268,23 @@ def check_tool_call(ctx: Context) -> Result:
 def check_prefill(ctx: Context) -> Result:
     th = ctx.thresholds
     tokens, scaled = fit_tokens(ctx, th.prefill_tokens, completion=1)
-    prompt = P.ledger_prompt(tokens, nonce=uuid.uuid4().hex[:12])
-    body = {"model": ctx.model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 3}
+    sized = sizing.ledger(ctx.client, ctx.model, tokens, nonce=uuid.uuid4().hex[:12], completion=1)
+    body = {"model": ctx.model, "prompt": sized.prompt, "max_tokens": 1, "temperature": 0, "logprobs": 3}
     reply = ctx.client.post("/v1/completions", body)
     if not reply.ok:
-        return Result("prefill", FAIL, f"/v1/completions ({tokens}-token prompt{'; ' + scaled if scaled else ''}): "
-                      f"{reply.why()}")
+        return Result("prefill", FAIL, f"/v1/completions ({sized.note}{'; ' + scaled if scaled else ''}): "
+                      f"{reply.why()}", data=sized.as_data())
     n = int((reply.body.get("usage") or {}).get("prompt_tokens") or 0)
     tps = n / reply.seconds if reply.seconds > 0 else 0.0
     ctx.prefill = {"body": body, "seconds": reply.seconds, "tokens": n, "first_logprobs": _first_logprobs(reply.body),
-                   "text": _text(reply.body), "scaled": scaled}
+                   "text": _text(reply.body), "scaled": scaled, "sizing": sized.note}
     ok = tps >= th.min_prefill_tps
     return Result("prefill", PASS if ok else FAIL,
                   f"{n:,} tok in {reply.seconds:.2f} s => {tps:,.0f} tok/s prefill (cold; includes one decoded token)"
-                  + (f"; prompt {scaled}" if scaled else "")
+                  + (f"; prompt {scaled}" if scaled else "") + f"; {sized.note}"
                   + ("" if ok else f", below TEST_MIN_PREFILL_TPS={th.min_prefill_tps:g}"),
                   data={"prompt_tokens": n, "seconds": reply.seconds, "tok_s": tps, "requested_tokens": th.prefill_tokens,
-                        **({"scaled_to_max_model_len": ctx.max_model_len} if scaled else {})})
+                        **sized.as_data(), **({"scaled_to_max_model_len": ctx.max_model_len} if scaled else {})})
 
 
 def check_prefix_cache(ctx: Context) -> Result:
@@ -312,7 +315,8 @@ def check_prefix_cache(ctx: Context) -> Result:
         ok = gained >= need
         detail = (f"hits {h0:,.0f} -> {h1:,.0f} (+{gained:,.0f} of {n:,} prompt tokens) in vllm:prefix_cache_hits_total; "
                   f"repeat {reply.seconds:.2f} s vs cold {ctx.prefill['seconds']:.2f} s"
-                  + (f"; prompt {ctx.prefill['scaled']}" if ctx.prefill.get("scaled") else ""))
+                  + (f"; prompt {ctx.prefill['scaled']}" if ctx.prefill.get("scaled") else "")
+                  + (f"; {ctx.prefill['sizing']}" if ctx.prefill.get("sizing") else ""))
         if not ok:
             detail = "NO prefix-cache hit: " + detail + f" (need {need:,.0f}; serve with PREFIX_CACHE=1?)"
         return Result("prefix_cache", PASS if ok else FAIL, detail,

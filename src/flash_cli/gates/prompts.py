@@ -50,17 +50,25 @@ PROBE_PROMPTS: tuple[str, ...] = (
 )
 
 
-def ledger_prompt(tokens: int, nonce: str = "", seed: int = 1) -> str:
+def ledger_words(tokens: int) -> int:
+    """The ledger's word count for ~`tokens` tokens of Qwen's tokenizer (an estimate: gates/sizing.py
+    measures with the server's own)."""
+    return max(1, int(tokens / TOKENS_PER_WORD))
+
+
+def ledger_prompt(tokens: int, nonce: str = "", seed: int = 1, words: int | None = None) -> str:
     """A deterministic ~`tokens`-token prompt (the upstream smoke test's shape: ledger words, 20%
     with a number) and a question. `nonce` goes FIRST so a new nonce shares no prefix block with
-    any earlier prompt: the "cold" measurement is then really cold, run after run."""
+    any earlier prompt: the "cold" measurement is then really cold, run after run. `words` gives
+    the ledger's length directly (the sizer's knob); the text for a word count never changes."""
     rng = random.Random(seed)
-    words = []
-    for _ in range(max(1, int(tokens / TOKENS_PER_WORD))):
+    count = ledger_words(tokens) if words is None else max(1, words)
+    words_out = []
+    for _ in range(count):
         w = rng.choice(LEDGER_WORDS)
         if rng.random() < 0.2:
             w += str(rng.randint(1, 9999))
-        words.append(w)
+        words_out.append(w)
     head = f"Session {nonce}. " if nonce else ""
-    return (head + "Here is a ledger: " + " ".join(words)
+    return (head + "Here is a ledger: " + " ".join(words_out)
             + "\n\nQuestion: which word appears most often in the ledger above? Answer with one word.")
