@@ -77,11 +77,12 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def layers(base, hf_config, checkpoint, tmp_path_factory):
+def layers(base, request, tmp_path_factory):
     """(stock, patched) `Qwen4ExpNGramEmbedding`, both loaded from the checkpoint."""
-    if not _storage_base(base):
+    if not _storage_base(base):  # 0.29 has no nvidia/ngram_embedding module (its own flavour)
         yield None
         return
+    hf_config, checkpoint = request.getfixturevalue("hf_config"), request.getfixturevalue("checkpoint")
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as ps
 
@@ -153,10 +154,11 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_patched_layer_forward_matches_stock(layers, base, case, checkpoint):
+def test_patched_layer_forward_matches_stock(layers, base, case, request):
     if layers is None:
         assert not _storage_base(base)
         return
+    checkpoint = request.getfixturevalue("checkpoint")
     lens, contexts = CASES[case]
     gen = torch.Generator().manual_seed(len(case))
     ids, qsl, ctx = _runner_inputs(lens, max_reqs=16, contexts=contexts, gen=gen)
