@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import os
 import secrets
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import state
 from .profiles import REPO
 from .spec import LABEL
 
@@ -205,17 +205,7 @@ def write_files(p: MonitorPlan) -> None:
         os.replace(tmp, path)
     secret = p.config_dir / "grafana-admin"
     if not secret.is_file():
-        fd, tmp = tempfile.mkstemp(dir=p.config_dir, prefix=".grafana-admin.", suffix=".tmp")  # 0600
-        try:
-            with os.fdopen(fd, "w") as fh:
-                fh.write(secrets.token_urlsafe(24))
-            os.replace(tmp, secret)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        state.write_private(secret, secrets.token_urlsafe(24))  # mkstemp: 0600, unique, atomic
     os.chmod(secret, 0o600)  # also repairs a file an older flash left 0644
     if p.uid == 0:
         os.chown(secret, GRAFANA_UID, GRAFANA_UID)

@@ -26,11 +26,11 @@ def ensure_api_key(name: str) -> tuple[Path, bool]:
         os.chmod(path, 0o600)
         return path, False
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    _write_atomic(path, f"sk-flash-{secrets.token_urlsafe(32)}\n")
+    write_private(path, f"sk-flash-{secrets.token_urlsafe(32)}\n")
     return path, True
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
     """A unique temp file in the same folder (mkstemp: mode 0600, O_EXCL), then rename over
     `path`: two concurrent writers never share a temp file, a reader sees old or new, never half."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -71,6 +71,6 @@ LOGGING_CONFIG = {
 def ensure_logging_config() -> Path:
     path = state_dir() / "logging.json"
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    _write_atomic(path, json.dumps(LOGGING_CONFIG, indent=2))
+    write_private(path, json.dumps(LOGGING_CONFIG, indent=2))
     os.chmod(path, 0o644)  # read by the container's user through a bind mount
     return path
