@@ -130,30 +130,17 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def layer(applied, checkpoint, tmp_path_factory):
+def layer(applied, checkpoint, tmp_path_factory, cpu_world):
     """The patched pinned-host class built as Qwen4ExpNGramEmbedding builds it (fp8 checkpoint)."""
     if applied is None:
         yield None
         return
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state as ps
-
-    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
-    dist = tmp_path_factory.mktemp("dist") / "init"
-    with set_current_vllm_config(cfg):
-        ps.init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{dist}",
-                                        local_rank=0, backend="gloo")
-        ps.initialize_model_parallel(1, 1)
-        cfg.model_config = SimpleNamespace(model=str(checkpoint))  # what the patch reads: the model path
-        try:
-            method = applied.common.Qwen4ExpPLEEmbeddingMethod.from_quant_config(None, PREFIX, "float8_e4m3fn")
-            emb = applied.ng.Qwen4ExpPLEPinnedHostEmbedding(
-                NUM_ROWS, WIDTH, params_dtype=torch.bfloat16, padding_size=4, prefix=PREFIX,
-                embedding_method=method, num_ngram_heads=2, max_total_tokens=16)
-            yield SimpleNamespace(emb=emb, method=method)
-        finally:
-            ps.destroy_model_parallel()
-            ps.destroy_distributed_environment()
+    with cpu_world(tmp_path_factory, checkpoint):  # the model path is what the patch reads
+        method = applied.common.Qwen4ExpPLEEmbeddingMethod.from_quant_config(None, PREFIX, "float8_e4m3fn")
+        emb = applied.ng.Qwen4ExpPLEPinnedHostEmbedding(
+            NUM_ROWS, WIDTH, params_dtype=torch.bfloat16, padding_size=4, prefix=PREFIX,
+            embedding_method=method, num_ngram_heads=2, max_total_tokens=16)
+        yield SimpleNamespace(emb=emb, method=method)
 
 
 def _reference(checkpoint, ids):

@@ -77,28 +77,19 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def layers(base, request, tmp_path_factory):
+def layers(base, request, tmp_path_factory, cpu_world):
     """(stock, patched) `Qwen4ExpNGramEmbedding`, both loaded from the checkpoint."""
     if not _storage_base(base):  # 0.29 has no nvidia/ngram_embedding module (its own flavour)
         yield None
         return
     hf_config, checkpoint = request.getfixturevalue("hf_config"), request.getfixturevalue("checkpoint")
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state as ps
-
     from flash_vllm import compat
     from flash_vllm.patches import ple_mmap
     from flash_vllm.registry import Context
 
     ng = importlib.import_module(NGRAM)
     stock_classes = (ng.Qwen4ExpPLEPinnedHostEmbedding, ng.Qwen4ExpPLEDeviceEmbedding)
-    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
-    dist = tmp_path_factory.mktemp("dist") / "init"
-    with set_current_vllm_config(cfg):
-        ps.init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{dist}",
-                                        local_rank=0, backend="gloo")
-        ps.initialize_model_parallel(1, 1)
-        cfg.model_config = SimpleNamespace(model=str(checkpoint.dir))
+    with cpu_world(tmp_path_factory, checkpoint.dir) as cfg:
         if getattr(cfg, "engram_config", None) is not None:
             cfg.engram_config.cpu_offload = False  # stock: the device class (pinned needs UVA, no CPU)
 
@@ -126,8 +117,6 @@ def layers(base, request, tmp_path_factory):
             fwd = ng.Qwen4ExpNGramEmbedding.forward
             if getattr(fwd, "__flash_patch__", None):
                 ng.Qwen4ExpNGramEmbedding.forward = fwd.__flash_original__
-            ps.destroy_model_parallel()
-            ps.destroy_distributed_environment()
 
 
 def _runner_inputs(lens, max_reqs, contexts, gen):

@@ -116,24 +116,15 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def rig(applied, served, hoist, checkpoint, tmp_path_factory):
+def rig(applied, served, hoist, checkpoint, tmp_path_factory, cpu_world):
     """An eager and a hoisted `Qwen4ExpNGramEmbedding` (the release's class, patched storage) and a
     real `Qwen4ExpModelState` whose model holds the hoisted one."""
     if not served:
         yield None
         return
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state as ps
-
     ng = importlib.import_module(NGRAM)
     st = importlib.import_module(STATE)
-    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"))
-    dist = tmp_path_factory.mktemp("dist") / "init"
-    with set_current_vllm_config(cfg):
-        ps.init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{dist}",
-                                        local_rank=0, backend="gloo")
-        ps.initialize_model_parallel(1, 1)
-        cfg.model_config = SimpleNamespace(model=str(checkpoint))
+    with cpu_world(tmp_path_factory, checkpoint):
         try:
             mods = {}
             for mode in ("eager", "hoisted"):
@@ -158,8 +149,6 @@ def rig(applied, served, hoist, checkpoint, tmp_path_factory):
             yield SimpleNamespace(eager=mods["eager"], hoisted=mods["hoisted"], state=state)
         finally:
             hoist.ACTIVE = applied.active
-            ps.destroy_model_parallel()
-            ps.destroy_distributed_environment()
 
 
 class Stream:

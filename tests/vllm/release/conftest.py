@@ -7,6 +7,8 @@ module level, so the project venv's pytest can load this conftest without vLLM.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -56,3 +58,33 @@ def registered(gates):
     plugin.reset_for_tests()
     summary = plugin.register(env=gates)
     return summary
+
+
+@contextlib.contextmanager
+def _cpu_world(tmp_path_factory, model_dir, cfg=None):
+    """A single-process vLLM world on CPU for building the release's layers: a current VllmConfig
+    (a fresh CPU one unless `cfg` is given) whose model path is `model_dir` (what patch 1 reads),
+    gloo TP/ETP groups of size 1; torn down on exit."""
+    from types import SimpleNamespace
+
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    cfg = cfg if cfg is not None else VllmConfig(device_config=DeviceConfig(device="cpu"))
+    init = tmp_path_factory.mktemp("dist") / "init"
+    with set_current_vllm_config(cfg):
+        ps.init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{init}",
+                                        local_rank=0, backend="gloo")
+        ps.initialize_model_parallel(1, 1)
+        cfg.model_config = SimpleNamespace(model=str(model_dir))
+        try:
+            yield cfg
+        finally:
+            ps.destroy_model_parallel()
+            ps.destroy_distributed_environment()
+
+
+@pytest.fixture(scope="session")
+def cpu_world():
+    """`with cpu_world(tmp_path_factory, model_dir) as cfg:` (see `_cpu_world`)."""
+    return _cpu_world
