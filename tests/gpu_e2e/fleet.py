@@ -334,46 +334,46 @@ def wait(procs: list[Proc], timeout: float) -> None:
         time.sleep(POLL_S)
 
 
+def _signal(p: Proc, sig: int) -> None:
+    """`sig` to the process group this harness started (vLLM's engine and worker children too)."""
+    try:
+        os.killpg(p.popen.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _reap(p: Proc, timeout: float) -> None:
+    """Wait up to `timeout` for the group leader, SIGKILL the group when it is still there."""
+    try:
+        p.popen.wait(timeout)
+    except subprocess.TimeoutExpired:
+        _signal(p, signal.SIGKILL)
+        p.popen.wait(10)
+
+
+def _ended(p: Proc) -> None:
+    if p.exited is None:
+        p.exited, p.ended_at = p.popen.returncode, time.monotonic()
+
+
 def stop_all(procs: list[Proc], grace: float = 20) -> None:
     """SIGTERM to every process group this harness started, one shared grace period, then SIGKILL."""
     live = [p for p in procs if p.popen.poll() is None]
     for p in live:
-        try:
-            os.killpg(p.popen.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        _signal(p, signal.SIGTERM)
     end = time.monotonic() + grace
     for p in live:
-        try:
-            p.popen.wait(max(0.1, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.popen.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.popen.wait(10)
+        _reap(p, max(0.1, end - time.monotonic()))
     for p in procs:
-        if p.exited is None:
-            p.exited, p.ended_at = p.popen.returncode, time.monotonic()
+        _ended(p)
 
 
 def stop(p: Proc, grace: float = 30) -> None:
     """SIGTERM to the process group this harness started (vLLM's engine/worker children too), then SIGKILL."""
     if p.popen.poll() is None:
-        try:
-            os.killpg(p.popen.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            p.popen.wait(grace)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(p.popen.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.popen.wait(10)
-    if p.exited is None:
-        p.exited, p.ended_at = p.popen.returncode, time.monotonic()
+        _signal(p, signal.SIGTERM)
+        _reap(p, grace)
+    _ended(p)
 
 
 def boot_wave() -> int:
