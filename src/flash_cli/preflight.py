@@ -129,7 +129,7 @@ def graph_regime(s: Settings) -> list[Problem]:
     load). COMPILE_FLAGS replaces flash's default and EXTRA can override it: check both now. The
     hoisted mode (PLE_MODE=hoisted) gathers before the forward, so FULL graphs are legal with it,
     on the bases the plugin's registry serves it on (refused elsewhere)."""
-    from .spec import compilation_args, ple_hoisted
+    from .spec import compilation_args, ple_hoisted, ple_patch_off
 
     out = []
     if s["PLE_MODE"] == "hoisted" and not ple_hoisted(s):
@@ -149,7 +149,7 @@ def graph_regime(s: Settings) -> list[Problem]:
     # FULL_AND_PIECEWISE, NONE at -O0.
     level = next((a[2:].lstrip("=") for a in argv if a.startswith("-O") and len(a) > 2), None)
     mode = str(cc.get("cudagraph_mode", "NONE" if level == "0" else "FULL_AND_PIECEWISE")).upper()
-    if "FULL" in mode and not ple_hoisted(s):
+    if "FULL" in mode and not ple_hoisted(s) and not ple_patch_off(s):
         out.append(Problem(ConfigError, f"cudagraph_mode {mode} (from COMPILE_FLAGS/EXTRA) would capture the PLE "
                            "gather in a FULL CUDA graph and replay stale rows; patch 1 needs PIECEWISE (or NONE)",
                            "set cudagraph_mode PIECEWISE in the JSON config, or add -cc.cudagraph_mode=PIECEWISE: dotted "

@@ -106,6 +106,14 @@ def ple_hoisted(s: Settings) -> bool:
     return s["PLE_MODE"] == "hoisted" and releases.has(s["BASE"], "ple_hoisted")
 
 
+def ple_patch_off(s: Settings) -> bool:
+    """Patch 1 turned off by the user's CONTAINER_ENV (VLLM_PLE_MMAP=0, or 1 in FLASH_DISABLE_PATCHES):
+    the release's own PLE storage serves, and FULL graphs are vLLM's business again."""
+    env = extra_env(s["CONTAINER_ENV"])
+    disabled = {w.strip() for w in env.get("FLASH_DISABLE_PATCHES", "").split(",")}
+    return env.get("VLLM_PLE_MMAP", "1").strip().lower() in ("0", "false", "no", "off") or "1" in disabled
+
+
 def compilation_args(s: Settings) -> list[str]:
     """Graph regime per base. Patch 1's eager mode gathers the PLE rows on the host inside the
     forward, which a FULL decode graph would capture as a constant: PIECEWISE (vllm-releases.md

@@ -18,7 +18,12 @@ breaker's sitecustomize.
 Environment: FLASH_E2E_VLLM_ENV (the device payload's env.sh, sourced for every server), FLASH_E2E_OUT
 (results; default a new tmp dir), FLASH_E2E_WORK (fixtures, caches; default a tmp dir),
 FLASH_E2E_EXTRA (more `vllm serve` words for every server, appended to EXTRA, e.g.
---language-model-only if the vision tower gets in the way), FLASH_E2E_GPU_MEM (one server's share, default 0.07: 12 servers fit), FLASH_E2E_PORT (first port, 18400),
+--language-model-only if the vision tower gets in the way), FLASH_E2E_GPU_MEM (a server's share for vLLM's
+startup free-memory check, default 0.05), FLASH_E2E_KV_MEM (the fixed KV pool, KV_CACHE_MEM, of every server
+that does not boot alone, default 2G: vLLM then skips its memory profiling, so servers booting side by side
+cannot starve each other's KV pool; `off` profiles every one), FLASH_E2E_SOLO_GPU_MEM (GPU_MEM of a server
+that boots alone for a kv_plan scenario, default 0.20: a profiled pool, compared with the plan),
+FLASH_E2E_PORT (first port, 18400),
 FLASH_E2E_BOOT_TIMEOUT (s per boot wave, 420), FLASH_E2E_BOOT_WAVE (at most this many servers boot at once, 4:
 vLLM sizes its KV pool from the whole GPU's use at profiling time, so many concurrent boots starve the
 later ones), FLASH_E2E_PARALLEL (scenario groups at a time, 6), FLASH_E2E_DEADLINE (s after start when unfinished scenarios are
@@ -88,13 +93,19 @@ class Server:
     breaks: bool = False
 
 
+HX_CHUNK = 512  # --max-num-batched-tokens of the hoisted-mode servers
+
+
+def _graphs(mode: str) -> str:
+    return "COMPILE_FLAGS=--compilation-config " + shlex.quote(json.dumps({"cudagraph_mode": mode}, separators=(",", ":")))
+
+
 def _disable_all_but(keep: int | None, among: tuple[int, ...] = ALL_PATCHES) -> str:
     return "FLASH_DISABLE_PATCHES=" + ",".join(str(n) for n in among if n != keep)
 
 
 def _servers() -> dict[str, Server]:
     out = {f"{x}-default": Server(f"{x}-default", x) for x in "abc"}
-    out["a-nople"] = Server("a-nople", "a", container_env=("VLLM_PLE_MMAP=0",))
     # greedy neutrality: the output-neutral patches all off vs exactly one on, same graph mode (the
     # default PIECEWISE). The others stay at the recipe's default: with patch 2 (Mamba block size)
     # off the tiny model's state blocks do not fit a small memory share (measured on the H200).
@@ -105,6 +116,18 @@ def _servers() -> dict[str, Server]:
         env = (_disable_all_but(n, NEUTRAL),) + (() if n == 1 else ("VLLM_PLE_MMAP=0",))
         out[f"probe-p{n}"] = Server(f"probe-p{n}", "a", words=gate, container_env=env)
     out["broken-p1"] = Server("broken-p1", "a", expect="refuse", breaks=True)
+    # patch 1's hoisted mode (issue 12): greedy token ids against the eager gather in one graph mode
+    # (PIECEWISE), and against stock vLLM in FULL_AND_PIECEWISE; with MTP=2 (the recipe's) and
+    # without; a 4,096-token context and 512-token prefill chunks so the 3,000-token case is chunked
+    for mtp in (2, 0):
+        tag = "hx" if mtp else "hx0"
+        common = ("CTX=4096", f"BATCHED_TOKENS={HX_CHUNK}", f"MTP={mtp}")
+        out[f"{tag}-eager-pw"] = Server(f"{tag}-eager-pw", "a", words=common)
+        out[f"{tag}-hoist-pw"] = Server(f"{tag}-hoist-pw", "a", words=common + ("PLE_MODE=hoisted", _graphs("PIECEWISE")))
+        if mtp:
+            out[f"{tag}-stock-full"] = Server(f"{tag}-stock-full", "a", words=common + (_graphs("FULL_AND_PIECEWISE"),),
+                                              container_env=("VLLM_PLE_MMAP=0",))
+            out[f"{tag}-hoist-full"] = Server(f"{tag}-hoist-full", "a", words=common + ("PLE_MODE=hoisted",))
     # diagnosis of patch 1's ids (VLLM_PLE_MMAP_DEBUG) and the stock device-table class on the same ids
     out["diag-p1"] = Server("diag-p1", "a", container_env=("VLLM_PLE_MMAP_DEBUG=1",))
     out["diag-stockdev"] = Server("diag-stockdev", "a", words=(
@@ -143,8 +166,16 @@ def _scenarios() -> dict[str, Scenario]:
                        lambda ctx: check_prefix_hit(ctx, "a-default")))
     sc.append(Scenario("prefix_hit_off", ("probe-off",), "the same with the output-neutral patches off (is a difference ours?)",
                        lambda ctx: check_prefix_hit(ctx, "probe-off")))
-    sc.append(Scenario("ple_memory", ("a-default", "a-nople"), "GPU memory and pinned bytes with/without patch 1; "
-                       "vllm:ple_mmap_* counters move", lambda ctx: check_ple_memory(ctx, "a-default", "a-nople")))
+    sc.append(Scenario("ple_memory", ("probe-p1", "probe-off"), "GPU memory and pinned bytes with/without patch 1 "
+                       "(the two differ in patch 1 only); vllm:ple_mmap_* counters move",
+                       lambda ctx: check_ple_memory(ctx, "probe-p1", "probe-off")))
+    for tag, (a, b), what in (("pw", ("hx-eager-pw", "hx-hoist-pw"), "eager vs hoisted gather, both PIECEWISE, MTP=2"),
+                              ("pw_nomtp", ("hx0-eager-pw", "hx0-hoist-pw"), "eager vs hoisted gather, both PIECEWISE, MTP=0"),
+                              ("full", ("hx-stock-full", "hx-hoist-full"),
+                               "stock vLLM (patch 1 off) vs hoisted, both FULL_AND_PIECEWISE, MTP=2")):
+        sc.append(Scenario(f"hoist_exact_{tag}", (a, b), f"greedy token ids (tools/bench_decode.py greedy: EOS inside, "
+                           f"a 3,000-token prompt in {HX_CHUNK}-token chunks, the same again as a prefix hit, a shared "
+                           f"prefix), {what}: identical", lambda ctx, a=a, b=b: check_greedy_pair(ctx, a, b)))
     sc.append(Scenario("diag_ple_ids", ("diag-p1", "diag-stockdev"), "patch 1 with VLLM_PLE_MMAP_DEBUG and "
                        "stock vLLM with the PLE table on the GPU: records the id checks and how each boot ended",
                        lambda ctx: check_diag(ctx, ("diag-p1", "diag-stockdev"))))
@@ -185,7 +216,9 @@ class Context:
     base_env: dict[str, str]
     snaps: dict[str, Path]
     port0: int = 18400
-    gpu_mem: float = 0.07
+    gpu_mem: float = 0.05
+    kv_mem: str | None = "2G"
+    solo_gpu_mem: float = 0.20
     dry: bool = False
     procs: dict = field(default_factory=dict)
     artefacts: list[Path] = field(default_factory=list)
@@ -208,7 +241,10 @@ def draft_vocab(ctx: Context) -> Path:
     return path
 
 
-def words_for(ctx: Context, server: Server, index: int) -> list[str]:
+def words_for(ctx: Context, server: Server, index: int, solo: bool = False) -> list[str]:
+    """The settings of one server. A server booting alone (kv_plan) keeps vLLM's profiled pool at
+    FLASH_E2E_SOLO_GPU_MEM; the others get a fixed pool (KV_CACHE_MEM), which skips the profiling that
+    side-by-side boots disturb (H200 run30: a-nople 1.21 GiB of KV vs a-default 8.95 GiB at one share)."""
     from fakes import tiny_model
 
     fx = tiny_model.recipe_for(server.fixture, ctx.snaps) if ctx.snaps else {
@@ -217,9 +253,11 @@ def words_for(ctx: Context, server: Server, index: int) -> list[str]:
         "MODE": {"a": "nvfp4", "b": "hybrid", "c": "hybrid-mtp"}[server.fixture]}
     words = list(TINY_WORDS) + [f"{k}={v}" for k, v in fx.items()]
     words += [f"HF_CACHE={ctx.cache}", f"PORT={ctx.port0 + index}", f"NAME=e2e-{server.name}",
-              f"GPU_MEM={ctx.gpu_mem:.2f}", f"DRAFT_VOCAB={draft_vocab(ctx)}",
+              f"GPU_MEM={(ctx.solo_gpu_mem if solo else ctx.gpu_mem):.2f}", f"DRAFT_VOCAB={draft_vocab(ctx)}",
               f"EXTRA={TINY_EXTRA} {os.environ.get('FLASH_E2E_EXTRA', '')}".rstrip(),
               "CONTAINER_ENV=" + " ".join(TINY_CONTAINER_ENV + server.container_env)]
+    if not solo and ctx.kv_mem:
+        words.append(f"KV_CACHE_MEM={ctx.kv_mem}")
     return words + list(server.words)
 
 
@@ -231,12 +269,12 @@ def _translate(value: str, binds: list[tuple[str, str]]) -> str:
     return value
 
 
-def render(ctx: Context, server: Server, index: int) -> dict:
+def render(ctx: Context, server: Server, index: int, solo: bool = False) -> dict:
     """RunSpec (what `flash serve` would run in a container) → one plain process."""
     from flash_cli import preflight, recipe
     from flash_cli.commands import serve
 
-    words = words_for(ctx, server, index)
+    words = words_for(ctx, server, index, solo)
     r = recipe.load(["default", *words], env={})
     snap = r.snapshot()
     spec = serve.plan(r, snap.name if snap else "<SNAPSHOT>")
@@ -260,7 +298,7 @@ def render(ctx: Context, server: Server, index: int) -> dict:
         harness.update({"FLASH_E2E_BREAK": json.dumps({k: BREAK[k] for k in ("module", "old", "new")}),
                         "FLASH_E2E_BREAK_DIR": str(ctx.work / "broken-src")})
     port = r.settings["PORT"]
-    return {"server": server.name, "fixture": server.fixture, "expect": server.expect, "solo": False,
+    return {"server": server.name, "fixture": server.fixture, "expect": server.expect, "solo": solo,
             "words": words, "argv": argv, "spec_env": spec_env, "harness_env": harness,
             "url": f"http://127.0.0.1:{port}", "port": port, "model": r.settings["SERVED_MODEL_NAME"],
             "unmapped_mounts": [f"{m.kind}:{m.target}" for m in unmapped],
@@ -591,6 +629,47 @@ def check_probe(ctx: Context, off: str, on: str) -> dict:
     return _diff(ctx, a, b)
 
 
+def _greedy(ctx: Context, name: str) -> Path:
+    p = need_up(ctx, name)
+    cfg = json.loads((ctx.snaps[p.spec["fixture"]] / "config.json").read_text())
+    eos = (cfg.get("text_config") or cfg)["eos_token_id"]
+    out = ctx.work / "artefacts" / f"greedy-{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # ids below 1,024 only: the tiny vocabulary's plain tokens (the added ones sit above)
+    proc = subprocess.run([ctx.python, str(ROOT / "tools" / "bench_decode.py"), "greedy", p.spec["url"], "--eos", str(eos),
+                           "--vocab", "1024", "--out", str(out)], capture_output=True, text=True, timeout=400,
+                          env={**ctx.base_env, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), ctx.base_env.get("PYTHONPATH", "")])})
+    keep(ctx, f"greedy-{name}.log", proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"greedy on {name}: exit {proc.returncode}: {(proc.stdout + proc.stderr)[-1200:]}"
+    ctx.artefacts.append(out)
+    return out
+
+
+def check_greedy_pair(ctx: Context, a: str, b: str) -> dict:
+    """Both servers get the same requests in the same order (prefix hits alike), so any token that
+    differs comes from what differs between them."""
+    with ThreadPoolExecutor(2) as pool:
+        fa, fb = pool.map(lambda n: _greedy(ctx, n), (a, b))
+    ca, cb = (json.loads(f.read_text())["cases"] for f in (fa, fb))
+    first = None
+    for x, y in zip(ca, cb):
+        n = next((i for i, (t, u) in enumerate(zip(x["token_ids"], y["token_ids"])) if t != u), None)
+        if n is None and len(x["token_ids"]) != len(y["token_ids"]):
+            n = min(len(x["token_ids"]), len(y["token_ids"]))
+        if n is not None:
+            first = {"case": x["name"], "token": n, a: x["token_ids"][n:n + 4], b: y["token_ids"][n:n + 4]}
+            break
+    hits = {n: sum(v for k, v in metrics(ctx.procs[n].spec["url"]).items() if k.startswith("vllm:prefix_cache_hits"))
+            for n in (a, b)}
+    res = {"cases": [c["name"] for c in ca], "tokens": sum(len(c["token_ids"]) for c in ca),
+           "prefix_cache_hit_tokens": hits, "first_difference": first,
+           "graph_modes": {n: ctx.procs[n].spec["argv"][ctx.procs[n].spec["argv"].index("--compilation-config") + 1]
+                           for n in (a, b)}}
+    assert first is None, f"greedy ids differ: {first}"
+    assert all(hits.values()), f"no prefix-cache hits registered on {hits}: the hit case did not test a hit"
+    return res
+
+
 def block_size(spec: dict) -> int:
     """The server's KV block size: its `--block-size` (TINY_EXTRA), else vLLM's default 16."""
     argv = spec["argv"]
@@ -622,14 +701,17 @@ def check_prefix_hit(ctx: Context, name: str) -> dict:
         reply = client.post("/v1/completions", body)
         assert reply.ok, f"{label} request: {reply.why()}"
         choice = reply.body["choices"][0]
+        lp = choice.get("logprobs") or {}
         runs.append({"label": label, "text": choice.get("text") or "", "usage": reply.body.get("usage"),
-                     "first_logprobs": ((choice.get("logprobs") or {}).get("top_logprobs") or [None])[0],
-                     "seconds": round(reply.seconds, 3)})
+                     "first_logprobs": (lp.get("top_logprobs") or [None])[0], "tokens": lp.get("tokens") or [],
+                     "top_logprobs": lp.get("top_logprobs") or [], "seconds": round(reply.seconds, 3)})
     after = metrics(url)
     hits = sum(v for k, v in after.items() if k.startswith("vllm:prefix_cache_hits")) - sum(
         v for k, v in before.items() if k.startswith("vllm:prefix_cache_hits"))
+    divergence = first_divergence(runs[0], runs[1])
     keep(ctx, f"prefix-hit-{name}.json", json.dumps({"sizing": sized.as_data(), "note": sized.note, "block_size": block,
-                                                     "prefix_cache_hit_tokens": hits, "runs": runs}, indent=2))
+                                                     "prefix_cache_hit_tokens": hits, "divergence": divergence,
+                                                     "runs": runs}, indent=2))
     res = {"prompt_tokens": sized.tokens, "measured": sized.measured, "block_size": block,
            "full_blocks": sized.tokens // block, "prefix_cache_hit_tokens": hits}
     from flash_cli.gates.checks import _logprob_delta
@@ -637,9 +719,26 @@ def check_prefix_hit(ctx: Context, name: str) -> dict:
     same = runs[0]["text"].encode() == runs[1]["text"].encode()
     delta = _logprob_delta(runs[0]["first_logprobs"], runs[1]["first_logprobs"])
     assert hits > 0, f"the second request registered no prefix-cache hits ({sized.note}, block {block})"
-    assert same, f"prefix-hit answer differs from the cold one: {runs[0]['text'][:80]!r} vs {runs[1]['text'][:80]!r}"
+    assert same, (f"prefix-hit answer differs from the cold one at {divergence}: "
+                  f"{runs[0]['text'][:80]!r} vs {runs[1]['text'][:80]!r}")
     assert delta <= PREFIX_LOGPROB_TOL, f"prefix-hit first-token logprobs differ by {delta:.3g} (> {PREFIX_LOGPROB_TOL})"
     return {**res, "identical": True, "first_logprob_delta": delta}
+
+
+def first_divergence(cold: dict, warm: dict) -> dict | None:
+    """Where two greedy runs part: the token index, both tokens, and the cold run's margin there
+    (top-1 minus top-2 logprob): a margin near bf16 noise says a near-tie flipped, not a wrong row."""
+    a, b = cold.get("tokens") or [], warm.get("tokens") or []
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if i is None:
+        return None if len(a) == len(b) else {"token": min(len(a), len(b)), "lengths": [len(a), len(b)]}
+    out = {"token": i, "cold": a[i], "warm": b[i]}
+    for label, run in (("cold", cold), ("warm", warm)):
+        top = (run.get("top_logprobs") or [None] * (i + 1))[i] or {}
+        vals = sorted(top.values(), reverse=True)
+        if len(vals) >= 2:
+            out[f"{label}_margin"] = round(vals[0] - vals[1], 5)
+    return out
 
 
 def check_ple_memory(ctx: Context, on: str, off: str) -> dict:
@@ -836,15 +935,39 @@ def make_context(dry: bool) -> Context:
     python = os.environ.get("FLASH_E2E_PYTHON") or (shutil.which("python3", path=env.get("PATH")) if env else None) or sys.executable
     return Context(work=work, out=out, python=python, base_env=env, snaps={},
                    port0=int(os.environ.get("FLASH_E2E_PORT", "18400")),
-                   gpu_mem=float(os.environ.get("FLASH_E2E_GPU_MEM", "0.07")), dry=dry)
+                   gpu_mem=_share("FLASH_E2E_GPU_MEM", "0.05"), solo_gpu_mem=_share("FLASH_E2E_SOLO_GPU_MEM", "0.20"),
+                   kv_mem=kv_mem(), dry=dry)
+
+
+def _share(name: str, default: str) -> float:
+    raw = os.environ.get(name, default)
+    try:
+        val = float(raw)
+    except ValueError:
+        val = -1.0
+    if not 0 < val <= 0.95:
+        raise SystemExit(f"gpu-e2e: {name}={raw!r}: want a GPU memory share in (0, 0.95], e.g. {default}")
+    return val
+
+
+def kv_mem() -> str | None:
+    """FLASH_E2E_KV_MEM: a size flash's KV_CACHE_MEM accepts, or off."""
+    from flash_cli.settings import parse_size
+
+    raw = os.environ.get("FLASH_E2E_KV_MEM", "2G").strip()
+    if raw.lower() in ("", "off", "0", "none"):
+        return None
+    try:
+        parse_size(raw)
+    except ValueError as exc:
+        raise SystemExit(f"gpu-e2e: FLASH_E2E_KV_MEM={raw!r}: {exc} (or off)") from None
+    return raw
 
 
 def plan(ctx: Context, chosen: list[Scenario]) -> list[dict]:
     names = [n for n in SERVERS if any(n in s.servers for s in chosen)]
-    specs = [render(ctx, SERVERS[n], i) for i, n in enumerate(names)]
-    for spec in specs:
-        spec["solo"] = any(s.solo and spec["server"] in s.servers for s in chosen)
-    return specs
+    solo = {n for s in chosen if s.solo for n in s.servers}
+    return [render(ctx, SERVERS[n], i, n in solo) for i, n in enumerate(names)]
 
 
 def print_plan(specs: list[dict], chosen: list[Scenario]) -> None:

@@ -52,6 +52,15 @@ def test_every_server_is_the_default_profiles_runspec(planned):
         argv = s["argv"]
         assert argv[argv.index("--block-size") + 1] == "256" and argv[argv.index("--gdn-prefill-backend") + 1] == "triton"
         assert argv[argv.index("--port") + 1] == str(s["port"]) and argv[argv.index("--host") + 1] == "127.0.0.1"
+        # a fixed KV pool for side-by-side boots; a profiled one (and a larger share) for those booting alone
+        solo = name in ("a-default", "b-default", "c-default")
+        assert s["solo"] is solo
+        assert argv[argv.index("--gpu-memory-utilization") + 1] == ("0.20" if solo else "0.05")
+        assert ("--kv-cache-memory-bytes" in argv) is not solo
+        if not solo:
+            assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(2 << 30)
+        if name.startswith("hx"):
+            continue  # the hoisted-mode servers: test_hoisted_mode_servers
         assert argv[argv.index("--max-model-len") + 1] == "2048"
         spec_cfg = json.loads(argv[argv.index("--speculative-config") + 1])
         assert spec_cfg == {"method": "mtp", "num_speculative_tokens": 2}  # the default recipe's MTP=2
@@ -84,10 +93,69 @@ def test_patch_switches(planned):
         # same graph mode as the all-off server
         assert specs[f"probe-p{n}"]["argv"][specs[f"probe-p{n}"]["argv"].index("--compilation-config") + 1] == \
             specs["probe-off"]["argv"][specs["probe-off"]["argv"].index("--compilation-config") + 1]
-    assert specs["a-nople"]["spec_env"]["VLLM_PLE_MMAP"] == "0" and specs["a-default"]["spec_env"]["VLLM_PLE_MMAP"] == "1"
+    assert specs["a-default"]["spec_env"]["VLLM_PLE_MMAP"] == "1"
     brk = specs["broken-p1"]["harness_env"]
     assert brk["PYTHONPATH"].split(os.pathsep)[0].endswith("tests/gpu_e2e/breaker")
     assert json.loads(brk["FLASH_E2E_BREAK"])["module"] == fleet.BREAK["module"]
+
+
+def test_hoisted_mode_servers(planned):
+    _, _, specs = planned
+
+    def arg(name, flag):
+        argv = specs[name]["argv"]
+        return argv[argv.index(flag) + 1] if flag in argv else None
+
+    graphs = {n: json.loads(arg(n, "--compilation-config"))["cudagraph_mode"] for n in specs if n.startswith("hx")}
+    assert graphs == {"hx-eager-pw": "PIECEWISE", "hx-hoist-pw": "PIECEWISE", "hx-stock-full": "FULL_AND_PIECEWISE",
+                      "hx-hoist-full": "FULL_AND_PIECEWISE", "hx0-eager-pw": "PIECEWISE", "hx0-hoist-pw": "PIECEWISE"}
+    for n in graphs:
+        env = specs[n]["spec_env"]
+        assert env["VLLM_PLE_MMAP_MODE"] == ("hoisted" if "hoist" in n else "eager"), n
+        assert env["VLLM_PLE_MMAP"] == ("0" if "stock" in n else "1"), n
+        assert arg(n, "--max-model-len") == "4096" and arg(n, "--max-num-batched-tokens") == str(fleet.HX_CHUNK)
+        assert (arg(n, "--speculative-config") is None) is n.startswith("hx0"), n
+        assert not specs[n]["preflight"], (n, specs[n]["preflight"])  # stock FULL passes: patch 1 is off there
+    pairs = {s.name: s.servers for s in fleet.select("hoist_exact")}
+    assert pairs == {"hoist_exact_pw": ("hx-eager-pw", "hx-hoist-pw"), "hoist_exact_pw_nomtp": ("hx0-eager-pw", "hx0-hoist-pw"),
+                     "hoist_exact_full": ("hx-stock-full", "hx-hoist-full")}
+
+
+def test_greedy_pair_names_the_first_difference(tmp_path, monkeypatch):
+    ctx = fleet.Context(work=tmp_path, out=tmp_path, python=sys.executable, base_env={}, snaps={})
+    runs = {"x": [{"name": "short", "token_ids": [1, 2, 3]}, {"name": "long", "token_ids": [4, 5, 6, 7]}],
+            "y": [{"name": "short", "token_ids": [1, 2, 3]}, {"name": "long", "token_ids": [4, 5, 9, 7]}]}
+
+    def fake_greedy(_ctx, name):
+        f = tmp_path / f"{name}.json"
+        f.write_text(json.dumps({"cases": runs[name]}))
+        return f
+
+    class P:
+        def __init__(self, port):
+            self.spec = {"url": f"http://127.0.0.1:{port}", "argv": ["--compilation-config", "{}"]}
+
+    ctx.procs = {"x": P(1), "y": P(2)}
+    monkeypatch.setattr(fleet, "_greedy", fake_greedy)
+    monkeypatch.setattr(fleet, "metrics", lambda url: {"vllm:prefix_cache_hits_total": 512.0})
+    with pytest.raises(AssertionError, match=r"'case': 'long', 'token': 2, 'x': \[6, 7\], 'y': \[9, 7\]"):
+        fleet.check_greedy_pair(ctx, "x", "y")
+    runs["y"][1]["token_ids"][2] = 6
+    assert fleet.check_greedy_pair(ctx, "x", "y")["first_difference"] is None
+    monkeypatch.setattr(fleet, "metrics", lambda url: {})
+    with pytest.raises(AssertionError, match="no prefix-cache hits"):
+        fleet.check_greedy_pair(ctx, "x", "y")
+
+
+def test_bad_shares_are_named(monkeypatch):
+    monkeypatch.setenv("FLASH_E2E_SOLO_GPU_MEM", "2")
+    with pytest.raises(SystemExit, match=r"FLASH_E2E_SOLO_GPU_MEM='2': want a GPU memory share"):
+        fleet._share("FLASH_E2E_SOLO_GPU_MEM", "0.20")
+    monkeypatch.setenv("FLASH_E2E_KV_MEM", "lots")
+    with pytest.raises(SystemExit, match="FLASH_E2E_KV_MEM='lots'"):
+        fleet.kv_mem()
+    monkeypatch.setenv("FLASH_E2E_KV_MEM", "off")
+    assert fleet.kv_mem() is None
 
 
 def test_only_kv_plan_servers_boot_alone(planned):
@@ -103,7 +171,8 @@ def test_selection_is_pytest_like():
     names = lambda e: [s.name for s in fleet.select(e)]  # noqa: E731
     assert names("probe and not p13") == [f"probe_p{n}" for n in fleet.NEUTRAL if n != 13]
     assert names("boot_a or broken") == ["boot_a", "broken_patch_p1"]
-    assert len(names(None)) == len(fleet.SCENARIOS) == 3 * 3 + len(fleet.NEUTRAL) + 5  # + diag_ple_ids, prefix_hit_off
+    # + prefix_hit_a/off, ple_memory, diag_ple_ids, broken_patch_p1, 3 hoist_exact
+    assert len(names(None)) == len(fleet.SCENARIOS) == 3 * 3 + len(fleet.NEUTRAL) + 5 + 3
 
 
 def test_plugin_site_declares_our_entry_point(planned):
@@ -219,8 +288,9 @@ def test_scenarios_sharing_a_server_are_one_group():
     assert sorted(n for g in names for n in g) == sorted(fleet.SCENARIOS)
     by = {n: i for i, g in enumerate(names) for n in g}
     # every probe compares against probe-off, so the probes and prefix_hit_off queue on one server
-    assert len({by[f"probe_p{n}"] for n in fleet.NEUTRAL} | {by["prefix_hit_off"]}) == 1
-    assert by["flash_test_a"] == by["prefix_hit_a"] == by["ple_memory"] == by["boot_a"] == by["kv_plan_a"]
+    assert len({by[f"probe_p{n}"] for n in fleet.NEUTRAL} | {by["prefix_hit_off"], by["ple_memory"]}) == 1
+    assert by["flash_test_a"] == by["prefix_hit_a"] == by["boot_a"] == by["kv_plan_a"]
+    assert len({by["hoist_exact_pw"], by["hoist_exact_pw_nomtp"], by["hoist_exact_full"], by["probe_p1"]}) == 4
     assert by["flash_test_b"] != by["flash_test_a"] != by["broken_patch_p1"]  # different servers: side by side
     assert names[by["probe_p1"]][:2] == ["probe_p1", "probe_p3"]  # selection order kept inside a group
 

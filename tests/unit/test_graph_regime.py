@@ -99,3 +99,15 @@ def test_hoisted_env_reaches_the_container():
 
     assert container_env(resolve(overrides={"PLE_MODE": "hoisted"}), False)["VLLM_PLE_MMAP_MODE"] == "hoisted"
     assert container_env(resolve(overrides={}), False)["VLLM_PLE_MMAP_MODE"] == "eager"
+
+
+@pytest.mark.parametrize("env", ["VLLM_PLE_MMAP=0", "FLASH_DISABLE_PATCHES=3,1,5", "VLLM_PLE_MMAP=off NCCL_DEBUG=INFO"])
+def test_full_graphs_pass_when_the_user_turned_patch_1_off(env):
+    # stock vLLM's PLE storage serves then (the gpu-e2e tier's stock FULL_AND_PIECEWISE baseline)
+    assert problems(CONTAINER_ENV=env, EXTRA="-cc.cudagraph_mode=FULL_AND_PIECEWISE") == []
+
+
+@pytest.mark.parametrize("env", ["VLLM_PLE_MMAP=1", "FLASH_DISABLE_PATCHES=3,10", "NCCL_DEBUG=INFO"])
+def test_full_graphs_still_refused_while_patch_1_serves(env):
+    (p,) = problems(CONTAINER_ENV=env, EXTRA="-cc.cudagraph_mode=FULL_AND_PIECEWISE")
+    assert "cudagraph_mode FULL_AND_PIECEWISE " in p.message
