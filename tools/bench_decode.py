@@ -60,11 +60,19 @@ def is_qsa(i: int) -> bool:
     return i % 4 == 3
 
 
-def text_config(ngram_base: int) -> dict:
-    """Every field of the real text_config (reference §1), none left to transformers' defaults."""
+def check_layers(layers: int) -> int:
+    """The real model's 3:1 GDN/QSA pattern repeats every 4 layers; the PLE layer (id 2) needs >= 3."""
+    if layers < 4 or layers > LAYERS or layers % 4:
+        raise SystemExit(f"--layers {layers}: give a multiple of 4 from 4 to {LAYERS} (the 3 GDN + 1 QSA pattern)")
+    return layers
+
+
+def text_config(ngram_base: int, layers: int = LAYERS) -> dict:
+    """Every field of the real text_config (reference §1), none left to transformers' defaults;
+    `layers` < 48 keeps every per-layer shape and the pattern, with fewer repeats (said in meta.json)."""
     return {
-        "model_type": "qwen4_exp_text", "hidden_size": HIDDEN, "num_hidden_layers": LAYERS,
-        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 12, "full_attention_interval": 4,
+        "model_type": "qwen4_exp_text", "hidden_size": HIDDEN, "num_hidden_layers": layers,
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4), "full_attention_interval": 4,
         "vocab_size": VOCAB, "max_position_embeddings": 262144,
         "num_attention_heads": 24, "num_key_value_heads": 2, "head_dim": 256, "partial_rotary_factor": 0.25,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
@@ -90,19 +98,19 @@ def text_config(ngram_base: int) -> dict:
     }
 
 
-def quant_config(quant: str) -> tuple[dict, dict]:
+def quant_config(quant: str, layers: int = LAYERS) -> tuple[dict, dict]:
     """(config.json's quantization_config, hf_quant_config.json): the nvidia checkpoint's
     MIXED_PRECISION layout; --quant fp8 turns the routed experts into FP8_PB_WO (block 128)."""
     producer = {"name": "modelopt", "version": "0.46.0"}
     algo = {"nvfp4": {"quant_algo": "NVFP4", "group_size": 16},
             "fp8": {"quant_algo": "FP8_PB_WO", "group_size": 128}}[quant]
-    layers = {f"{P}layers.{i}.mlp.experts": dict(algo) for i in range(LAYERS)}
-    layers[f"{P}layers.1.ple.ple_embedding.ngram_embedding"] = {"quant_algo": "FP8"}
+    quantized = {f"{P}layers.{i}.mlp.experts": dict(algo) for i in range(layers)}
+    quantized[f"{P}layers.1.ple.ple_embedding.ngram_embedding"] = {"quant_algo": "FP8"}
     ignore = ["lm_head", f"{P}embed_tokens", "model.visual*"] + [
-        f"{P}layers.{i}.{m}*" for i in range(LAYERS)
+        f"{P}layers.{i}.{m}*" for i in range(layers)
         for m in (("self_attn",) if is_qsa(i) else ("linear_attn",)) + ("mlp.shared_expert",)]
     qc = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "producer": producer,
-          "quantized_layers": {**layers, "mtp.layers.0.mlp.experts": {"quant_algo": "FP8_PB_WO", "group_size": 128}},
+          "quantized_layers": {**quantized, "mtp.layers.0.mlp.experts": {"quant_algo": "FP8_PB_WO", "group_size": 128}},
           "ignore": ignore}
     hq_layers = {k: ({"quant_algo": "FP8_BLOCK_SCALES", "group_size": 128} if v.get("quant_algo") == "FP8_PB_WO" else v)
                  for k, v in qc["quantized_layers"].items()}
@@ -111,18 +119,46 @@ def quant_config(quant: str) -> tuple[dict, dict]:
     return qc, hq
 
 
-def memory_estimate(quant: str) -> dict:
+def memory_estimate(quant: str, layers: int = LAYERS) -> dict:
     """Weight bytes in GiB (experts dominate), to check a config fits before a boot."""
-    expert_params = LAYERS * EXPERTS * 3 * HIDDEN * MOE_INTER
+    expert_params = layers * EXPERTS * 3 * HIDDEN * MOE_INTER
     bytes_per = {"nvfp4": 0.5 + 1 / 16, "fp8": 1.0 + 4 / (128 * 128)}[quant]  # + block scales
     gib = 1 << 30
     experts = expert_params * bytes_per / gib
     mtp_experts = EXPERTS * 3 * HIDDEN * MOE_INTER * (1 + 4 / 128 ** 2) / gib
-    side = LAYERS * 60e6 * 2 / gib  # attention/GDN/shared expert/router/HC per layer, bf16 (~60M params)
+    side = layers * 60e6 * 2 / gib  # attention/GDN/shared expert/router/HC per layer, bf16 (~60M params)
     embed = 2 * VOCAB * HIDDEN * 2 / gib
     return {"experts_gib": round(experts, 1), "mtp_experts_gib": round(mtp_experts, 1),
             "side_layers_gib": round(side, 1), "embed_lm_head_gib": round(embed, 1),
             "total_gib": round(experts + mtp_experts + side + embed, 1)}
+
+
+ADDED = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+         "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+         "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
+         "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
+         "<think>", "</think>", "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>",
+         "<tts_text_bos_single>", "<|audio_pad|>")  # 248044.. (reference: the tokenizer section)
+FIRST_ADDED = 248_044
+
+
+PX = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+      "image_std": [0.5, 0.5, 0.5], "size": {"shortest_edge": 4096, "longest_edge": 65536}}
+
+
+def tokenizer_json() -> dict:
+    """A word-level tokenizer with one entry for every one of the 248,320 ids (`<t123>`) and Qwen's
+    33 added tokens at their real ids: the server can detokenize any id the random model emits
+    (the real BPE vocabulary is not needed: prompts are token ids, text is never read)."""
+    vocab = {f"<t{i}>": i for i in range(VOCAB)}
+    for i, name in enumerate(ADDED):
+        del vocab[f"<t{FIRST_ADDED + i}>"]
+        vocab[name] = FIRST_ADDED + i
+    added = [{"id": FIRST_ADDED + i, "content": name, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": name.startswith("<|")} for i, name in enumerate(ADDED)]
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+            "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None, "decoder": None,
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<t0>"}}
 
 
 def ngram_base_for(rows: int) -> int:
@@ -136,11 +172,12 @@ def prepare(args) -> int:
 
     out = Path(args.dir)
     base = FULL_NGRAM_BASE if args.ple_rows == "full" else ngram_base_for(int(args.ple_rows))
-    text = text_config(base)
+    layers = check_layers(args.layers)
+    text = text_config(base, layers)
     layout = PLELayout.from_config(text)
     table_bytes = layout.num_rows * layout.head_dim
     free = shutil.disk_usage(out.parent if not out.exists() else out).free
-    mem = memory_estimate(args.quant)
+    mem = memory_estimate(args.quant, layers)
     mem["stock_with_table_on_gpu_gib"] = round(mem["total_gib"] + table_bytes / (1 << 30), 1)
     print(json.dumps({"ple_rows": layout.num_rows, "ple_gib": round(table_bytes / (1 << 30), 2),
                       "disk_free_gib": round(free / (1 << 30), 1), "weights": mem}))
@@ -152,7 +189,7 @@ def prepare(args) -> int:
                          f"{free / (1 << 30):.1f} GiB free at {out}; give a smaller --ple-rows (e.g. 32000000)")
     model, ple = out / "model", out / "ple"
     model.mkdir(parents=True, exist_ok=True)
-    qc, hq = quant_config(args.quant)
+    qc, hq = quant_config(args.quant, layers)
     cfg = {"architectures": ["Qwen4ExpForConditionalGeneration"], "model_type": "qwen4_exp",
            "tie_word_embeddings": False, "text_config": text, "quantization_config": qc,
            "image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
@@ -163,13 +200,17 @@ def prepare(args) -> int:
     files = {
         "config.json": cfg, "hf_quant_config.json": hq,
         "generation_config.json": {"bos_token_id": 248044, "eos_token_id": [248046, 248044], "pad_token_id": 248044},
-        # A tokenizer is needed to boot; prompts are token ids, so an empty BPE vocabulary will do.
-        "tokenizer.json": {"version": "1.0", "added_tokens": [], "model": {"type": "BPE", "vocab": {}, "merges": []}},
-        "tokenizer_config.json": {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
-        "preprocessor_config.json": {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2},
+        # prompts are token ids; the server still detokenizes every generated id
+        "tokenizer.json": tokenizer_json(),
+        "tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+                                  "pad_token": "<|endoftext|>"},
+        # the processors transformers maps qwen4_exp to (as the tiny fixtures that booted on the H200)
+        "preprocessor_config.json": {"image_processor_type": "Qwen2VLImageProcessor", **PX},
+        "video_preprocessor_config.json": {"video_processor_type": "Qwen3VLVideoProcessor", **PX, "fps": 2,
+                                           "min_frames": 2, "max_frames": 8},
     }
     for name, obj in files.items():
-        (model / name).write_text(json.dumps(obj, indent=1))
+        (model / name).write_text(json.dumps(obj, indent=None if name == "tokenizer.json" else 1))
     (model / "chat_template.jinja").write_text(
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
     rps = layout.rows_per_shard
@@ -178,9 +219,12 @@ def prepare(args) -> int:
     if not (ple / "model.safetensors.index.json").exists():
         synth.write_checkpoint(ple, layout="nvidia", rows_per_shard=rps, num_shards=layout.num_shards,
                                last_rows=last, width=layout.head_dim, scale=0.03125, finite=True)
-    meta = {"quant": args.quant, "ple_rows": layout.num_rows, "ngram_vocab_size_base": base,
+    meta = {"quant": args.quant, "layers": layers, "ple_rows": layout.num_rows, "ngram_vocab_size_base": base,
             "full_table": args.ple_rows == "full", "ple_write_s": round(time.monotonic() - t0, 1),
             "weights_estimate": mem,
+            "layers_note": ("all 48 layers" if layers == LAYERS else
+                            f"{layers} of the real 48 layers ({layers // 4} repeats of 3 GDN + 1 QSA; every per-layer "
+                            "shape, the PLE layer, the MTP layer, embeddings and lm_head real)"),
             "note": ("full 320,001,536-row table" if args.ple_rows == "full" else
                      f"reduced table: ngram_vocab_size_base {base} (real: {FULL_NGRAM_BASE}) so ids stay in range; "
                      "real row width (160 fp8 bytes) and heads (16)")}
@@ -189,14 +233,21 @@ def prepare(args) -> int:
     return 0
 
 
-def server_plan(d: Path, port: int) -> dict:
-    """The three servers: env + argv. Common: dummy weights, MTP=2, 8 sequences, short context."""
-    common = ["vllm", "serve", str(d / "model"), "--load-format", "dummy", "--served-model-name", "bench",
-              "--port", str(port), "--max-model-len", "4096", "--max-num-seqs", "8",
-              "--gpu-memory-utilization", "0.95", "--block-size", "256", "--no-enable-prefix-caching",
-              "--max-num-batched-tokens", "2048",
-              "--gdn-prefill-backend", "triton",
-              "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2}, separators=(",", ":"))]
+def server_plan(d: Path, port: int, side_by_side: bool = False) -> dict:
+    """The three servers: env + argv. Common: dummy weights, MTP=2, 8 sequences, short context.
+    side_by_side: ports port, port+1, port+2 and a fixed 4 GiB KV pool each (no memory profiling,
+    so three boots at once cannot starve each other), for `matrix`; else one at a time at 0.95."""
+    mem = ["--gpu-memory-utilization", "0.30", "--kv-cache-memory-bytes", str(4 << 30)] if side_by_side else \
+        ["--gpu-memory-utilization", "0.95"]
+
+    def common(i: int) -> list[str]:
+        return ["vllm", "serve", str(d / "model"), "--load-format", "dummy", "--served-model-name", "bench",
+                "--port", str(port + i if side_by_side else port), "--max-model-len", "4096", "--max-num-seqs", "8",
+                *mem, "--block-size", "256", "--no-enable-prefix-caching",
+                "--language-model-only",  # no vision tower, no image profiling: decode is text only
+                "--max-num-batched-tokens", "2048",
+                "--gdn-prefill-backend", "triton",
+                "--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2}, separators=(",", ":"))]
     base_env = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
     ple_env = {**base_env, "VLLM_PLE_MMAP": "1", "VLLM_PLE_MMAP_DIR": str(d / "ple")}
 
@@ -207,10 +258,11 @@ def server_plan(d: Path, port: int) -> dict:
 
     return {
         # the ceiling: the release's own storage with the whole table on the GPU, vLLM's default graphs
-        "stock": {"env": base_env, "argv": common + ["--engram-config", '{"cpu_offload":false}']
-                  + cc("FULL_AND_PIECEWISE")},
-        "eager": {"env": {**ple_env, "VLLM_PLE_MMAP_MODE": "eager"}, "argv": common + cc("PIECEWISE")},
-        "hoisted": {"env": {**ple_env, "VLLM_PLE_MMAP_MODE": "hoisted"}, "argv": common + cc("FULL_AND_PIECEWISE")},
+        # (patch 1 off explicitly: the plugin is installed in all three; the other patches are alike)
+        "stock": {"env": {**base_env, "VLLM_PLE_MMAP": "0"},
+                  "argv": common(0) + ["--engram-config", '{"cpu_offload":false}'] + cc("FULL_AND_PIECEWISE")},
+        "eager": {"env": {**ple_env, "VLLM_PLE_MMAP_MODE": "eager"}, "argv": common(1) + cc("PIECEWISE")},
+        "hoisted": {"env": {**ple_env, "VLLM_PLE_MMAP_MODE": "hoisted"}, "argv": common(2) + cc("FULL_AND_PIECEWISE")},
     }
 
 
@@ -273,32 +325,37 @@ def measure(url: str, label: str, levels: list[int], tokens: int, repeats: int, 
     rng = random.Random(12)
     for rep in range(repeats):
         for conc in levels:
-            before = _metric(url, SPEC)
-            recs = [{} for _ in range(conc)]
-            threads = [threading.Thread(target=_one, args=(url, [rng.randrange(1000, 240000) for _ in range(64)],
-                                                           tokens, recs[i])) for i in range(conc)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            after = _metric(url, SPEC)
-            errors = [r["error"] for r in recs if "error" in r]
-            row = {"label": label, "concurrency": conc, "repeat": rep, "max_tokens": tokens, "time": time.time()}
-            if errors:
-                row["error"] = errors[0]
-            else:
-                total = sum(r.get("tokens") or 0 for r in recs)
-                wall = max(r["end"] for r in recs) - min(r["sent"] for r in recs)
-                per = [((r["tokens"] or 0) - 1) / (r["end"] - r["first"]) for r in recs
-                       if r.get("first") and r["end"] > r["first"] and (r.get("tokens") or 0) > 1]
-                drafts = after[SPEC[0]] - before[SPEC[0]]
-                acc = after[SPEC[1]] - before[SPEC[1]]
-                row.update(aggregate_tok_s=total / wall, per_stream_tok_s=statistics.median(per) if per else None,
-                           tokens=total, wall_s=wall, ttft_s=statistics.median([r["first"] - r["sent"] for r in recs]),
-                           mtp_drafts=drafts, mtp_accepted=acc,
-                           mtp_acceptance_length=(1 + acc / drafts) if drafts else None)
-            sink(row)
-            print(json.dumps(row), flush=True)
+            measure_one(url, label, conc, tokens, rep, rng, sink)
+
+
+def measure_one(url: str, label: str, conc: int, tokens: int, rep: int, rng, sink, extra: dict | None = None) -> dict:
+    """`conc` streams at once, each a distinct random 64-id prompt and `tokens` greedy tokens: one raw row."""
+    before = _metric(url, SPEC)
+    recs = [{} for _ in range(conc)]
+    threads = [threading.Thread(target=_one, args=(url, [rng.randrange(1000, 240000) for _ in range(64)], tokens, recs[i]))
+               for i in range(conc)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = _metric(url, SPEC)
+    errors = [r["error"] for r in recs if "error" in r]
+    row = {"label": label, "concurrency": conc, "repeat": rep, "max_tokens": tokens, "time": time.time(), **(extra or {})}
+    if errors:
+        row["error"] = errors[0]
+    else:
+        total = sum(r.get("tokens") or 0 for r in recs)
+        wall = max(r["end"] for r in recs) - min(r["sent"] for r in recs)
+        per = [((r["tokens"] or 0) - 1) / (r["end"] - r["first"]) for r in recs
+               if r.get("first") and r["end"] > r["first"] and (r.get("tokens") or 0) > 1]
+        drafts = after[SPEC[0]] - before[SPEC[0]]
+        acc = after[SPEC[1]] - before[SPEC[1]]
+        row.update(aggregate_tok_s=total / wall, per_stream_tok_s=statistics.median(per) if per else None,
+                   tokens=total, wall_s=wall, ttft_s=statistics.median([r["first"] - r["sent"] for r in recs]),
+                   mtp_drafts=drafts, mtp_accepted=acc, mtp_acceptance_length=(1 + acc / drafts) if drafts else None)
+    sink(row)
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def _sink(path: str):
@@ -356,6 +413,93 @@ def serve_run(args) -> int:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
     return 0
+
+
+def _stop(procs: dict) -> None:
+    for proc in procs.values():
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    end = time.monotonic() + 60
+    for proc in procs.values():
+        try:
+            proc.wait(max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _configs(text: str) -> list[str]:
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in names if c not in CONFIGS]
+    if bad or not names:
+        raise SystemExit(f"--configs {text!r}: give a comma-separated subset of {', '.join(CONFIGS)}")
+    return names
+
+
+def matrix(args) -> int:
+    """All configurations booted side by side (fixed KV pools), then measured one server at a time,
+    the order rotated every repeat, so the three are compared inside one window of this machine's
+    noise; idle servers do not touch the GPU. Raw rows carry the model's layer count (meta.json)."""
+    import random
+
+    d = Path(args.dir).resolve()
+    meta = json.loads((d / "meta.json").read_text())
+    configs, levels = _configs(args.configs), _levels(args.levels)
+    plan = server_plan(d, args.port, side_by_side=True)
+    sink = _sink(args.out)
+    logs = Path(args.logs or Path(args.out).parent)
+    logs.mkdir(parents=True, exist_ok=True)
+    extra = {"layers": meta.get("layers", LAYERS), "quant": meta.get("quant"), "ple_rows": meta.get("ple_rows")}
+    t0, deadline = time.monotonic(), time.monotonic() + args.deadline
+    procs, urls, booted = {}, {}, {}
+    try:
+        for c in configs:
+            spec = plan[c]
+            port = int(spec["argv"][spec["argv"].index("--port") + 1])
+            urls[c] = f"http://127.0.0.1:{port}"
+            log = open(logs / f"{c}-L{extra['layers']}.log", "w")  # noqa: SIM115 - the child owns it
+            procs[c] = subprocess.Popen(spec["argv"], env={**os.environ, **spec["env"]}, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+            time.sleep(3)
+        import requests
+
+        while len(booted) < len(procs) and time.monotonic() < min(deadline, t0 + args.boot_timeout):
+            for c, proc in procs.items():
+                if c in booted:
+                    continue
+                if proc.poll() is not None:
+                    booted[c] = None
+                    tail = (logs / f"{c}-L{extra['layers']}.log").read_text(errors="replace")[-1500:]
+                    row = {"label": c, "event": "boot_failed", "exit": proc.returncode, "tail": tail, **extra}
+                    sink(row)
+                    print(json.dumps(row), flush=True)
+                    continue
+                try:
+                    up = requests.get(urls[c] + "/health", timeout=3).status_code == 200
+                except requests.RequestException:
+                    up = False
+                if up:
+                    booted[c] = round(time.monotonic() - t0, 1)
+                    row = {"label": c, "event": "booted", "boot_s": booted[c], "argv": plan[c]["argv"],
+                           "env": plan[c]["env"], **extra}
+                    sink(row)
+                    print(json.dumps(row), flush=True)
+            time.sleep(2)
+        live = [c for c in configs if booted.get(c)]
+        for c in configs:
+            if c not in booted:
+                sink({"label": c, "event": "boot_timeout", **extra})
+        rngs = {c: random.Random(12) for c in live}  # each config sees the same prompts in the same order
+        for rep in range(args.repeats):
+            order = live[rep % len(live):] + live[:rep % len(live)] if live else []
+            for c in order:
+                for conc in levels:
+                    if time.monotonic() > deadline:
+                        sink({"event": "deadline", "repeat": rep, "at_s": round(time.monotonic() - t0, 1), **extra})
+                        return 0 if live else 1
+                    measure_one(urls[c], c, conc, args.tokens, rep, rngs[c], sink, extra)
+        return 0 if live == configs else 1
+    finally:
+        _stop(procs)
 
 
 def run_cmd(args) -> int:
@@ -420,13 +564,22 @@ def greedy_diff(args) -> int:
     return 0
 
 
+def key(r: dict) -> str:
+    """A row's series: its config, and the layer count when the row has one (`matrix`)."""
+    return f"{r['label']}/L{r['layers']}" if r.get("layers") else r["label"]
+
+
+def stock_of(series: str) -> str:
+    return "stock" + (series[series.index("/"):] if "/" in series else "")
+
+
 def summarize(rows: list[dict]) -> dict:
-    """{label: {concurrency: {median aggregate/per-stream tok/s, acceptance}}}."""
+    """{series: {concurrency: {median aggregate/per-stream tok/s, acceptance}}}."""
     out: dict = {}
     for r in rows:
         if "aggregate_tok_s" not in r:
             continue
-        out.setdefault(r["label"], {}).setdefault(r["concurrency"], []).append(r)
+        out.setdefault(key(r), {}).setdefault(r["concurrency"], []).append(r)
     res = {}
     for lab, by in out.items():
         res[lab] = {}
@@ -439,28 +592,77 @@ def summarize(rows: list[dict]) -> dict:
     return res
 
 
+def ratios(summ: dict) -> dict:
+    """{series: {concurrency: per-stream and aggregate tok/s as a ratio of stock's at the same layer count}}."""
+    out: dict = {}
+    for series, by in summ.items():
+        ref = summ.get(stock_of(series))
+        if not ref or series == stock_of(series):
+            continue
+        for c, v in by.items():
+            r = ref.get(c) or {}
+            out.setdefault(series, {})[c] = {
+                k: round(v[k] / r[k], 3) for k in ("aggregate_tok_s", "per_stream_tok_s") if v.get(k) and r.get(k)}
+    return out
+
+
+def extrapolate(summ: dict, layers: int = LAYERS, bw_h200_gbs: float | None = None, bw_gb10_gbs: float = 273.0) -> dict:
+    """Per config, at concurrency 1: ms per decoded token against the layer count, a least-squares
+    line through the measured counts, read at `layers` (an estimate: it assumes the per-layer cost
+    is the same in every repeat of the pattern). With the H200's measured copy bandwidth, the GB10
+    figure scales that time by the bandwidth ratio (an estimate that assumes decode is
+    bandwidth-bound, which small batches on an H200 are not: it is a floor on the GB10's time)."""
+    pts: dict = {}
+    for series, by in summ.items():
+        if "/L" not in series or not (by.get(1) or {}).get("per_stream_tok_s"):
+            continue
+        cfg, L = series.split("/L")
+        pts.setdefault(cfg, []).append((int(L), 1000.0 / by[1]["per_stream_tok_s"]))
+    out = {}
+    for cfg, xy in pts.items():
+        xy.sort()
+        if len({x for x, _ in xy}) < 2:
+            out[cfg] = {"points": xy, "note": "one layer count: no line to extrapolate"}
+            continue
+        n = len(xy)
+        mx, my = sum(x for x, _ in xy) / n, sum(y for _, y in xy) / n
+        b = sum((x - mx) * (y - my) for x, y in xy) / sum((x - mx) ** 2 for x, _ in xy)
+        a = my - b * mx
+        ms = a + b * layers
+        row = {"points": xy, "ms_fixed": round(a, 3), "ms_per_layer": round(b, 4), f"ms_per_token_L{layers}": round(ms, 3),
+               f"tok_s_L{layers}_h200_estimate": round(1000.0 / ms, 1)}
+        if bw_h200_gbs:
+            row["gb10_tok_s_estimate"] = round(1000.0 / (ms * bw_h200_gbs / bw_gb10_gbs), 1)
+        out[cfg] = row
+    return out
+
+
 def plot_cmd(args) -> int:
     rows = [json.loads(line) for f in args.files for line in open(f) if line.strip()]
     summ = summarize(rows)
-    print(json.dumps(summ, indent=1))
+    report = {"summary": summ, "ratios_vs_stock": ratios(summ),
+              "extrapolated": extrapolate(summ, bw_h200_gbs=args.bandwidth_gbs)}
+    print(json.dumps(report, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [c for c in CONFIGS if c in summ] + [c for c in summ if c not in CONFIGS]
+    labels = sorted(summ, key=lambda k: (k.split("/")[1:], CONFIGS.index(k.split("/")[0]) if k.split("/")[0] in CONFIGS else 9))
     levels = sorted({c for lab in summ.values() for c in lab})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / max(1, len(labels))
-    for ax, key, title in ((axes[0], "aggregate_tok_s", "decode tok/s, all streams"),
-                           (axes[1], "per_stream_tok_s", "decode tok/s per stream")):
+    for ax, metric, title in ((axes[0], "aggregate_tok_s", "decode tok/s, all streams"),
+                              (axes[1], "per_stream_tok_s", "decode tok/s per stream")):
         for i, lab in enumerate(labels):
             xs = [j + i * width for j in range(len(levels))]
-            ys = [(summ[lab].get(c) or {}).get(key) or 0 for c in levels]
+            ys = [(summ[lab].get(c) or {}).get(metric) or 0 for c in levels]
             bars = ax.bar(xs, ys, width, label=lab)
-            if "stock" in summ and lab != "stock":
+            if stock_of(lab) in summ and lab != stock_of(lab):
                 for b, c in zip(bars, levels):
-                    ref = (summ["stock"].get(c) or {}).get(key)
+                    ref = (summ[stock_of(lab)].get(c) or {}).get(metric)
                     if ref and b.get_height():
                         ax.annotate(f"{b.get_height() / ref:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
                                     ha="center", va="bottom", fontsize=7)
@@ -482,6 +684,7 @@ def main(argv=None) -> int:
     p.add_argument("dir")
     p.add_argument("--quant", choices=("nvfp4", "fp8"), default="nvfp4")
     p.add_argument("--ple-rows", default="full", help="'full' (320,001,536 rows, 47.68 GiB) or a row count")
+    p.add_argument("--layers", type=int, default=LAYERS, help="decoder layers: a multiple of 4 up to 48 (the real 48)")
     p.set_defaults(func=prepare)
     p = sub.add_parser("plan")
     p.add_argument("dir")
@@ -504,6 +707,18 @@ def main(argv=None) -> int:
         p.add_argument("--levels", default="1,4,8")
         p.add_argument("--tokens", type=int, default=256)
         p.add_argument("--repeats", type=int, default=3)
+    p = sub.add_parser("matrix", help="boot the configs side by side, measure them in turn (rotated), stop")
+    p.add_argument("dir")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--out", required=True, help="JSONL file, appended")
+    p.add_argument("--logs", help="server logs go here (default: beside --out)")
+    p.add_argument("--levels", default="1,4,8")
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--boot-timeout", type=float, default=600)
+    p.add_argument("--deadline", type=float, default=3600, help="s from start: stop measuring (rows so far are kept)")
+    p.set_defaults(func=matrix)
     p = sub.add_parser("greedy", help="fixed token-id prompts, greedy, token ids to a JSON file")
     p.add_argument("url")
     p.add_argument("--out", required=True)
@@ -518,6 +733,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("plot")
     p.add_argument("files", nargs="+")
     p.add_argument("--out", required=True)
+    p.add_argument("--json", help="also write the summary, ratios and extrapolation here")
+    p.add_argument("--bandwidth-gbs", type=float, help="the H200's measured copy bandwidth (GB10 estimate)")
     p.set_defaults(func=plot_cmd)
     args = ap.parse_args(argv)
     if getattr(args, "ple_rows", "full") != "full" and not str(args.ple_rows).isdigit():

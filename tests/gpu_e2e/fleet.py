@@ -26,7 +26,7 @@ that boots alone for a kv_plan scenario, default 0.20: a profiled pool, compared
 FLASH_E2E_PORT (first port, 18400),
 FLASH_E2E_BOOT_TIMEOUT (s per boot wave, 420), FLASH_E2E_BOOT_WAVE (at most this many servers boot at once, 4:
 vLLM sizes its KV pool from the whole GPU's use at profiling time, so many concurrent boots starve the
-later ones), FLASH_E2E_PARALLEL (scenario groups at a time, 6), FLASH_E2E_DEADLINE (s after start when unfinished scenarios are
+later ones), FLASH_E2E_PARALLEL (scenario groups at a time; default all: a group waits for its servers' boots), FLASH_E2E_DEADLINE (s after start when unfinished scenarios are
 cut, servers stopped and results packed; 540, inside a 10-minute device call), FLASH_E2E_TEST_ARGS (how `flash test` declares the checks a random
 model cannot pass; default TEST_NA_ARGS), FLASH_E2E_COMMIT (the commit, when .git is absent).
 Results: at most 8 flat files: results.json, summary.txt, logs.tar.gz (every server's full log and
@@ -221,6 +221,7 @@ class Context:
     solo_gpu_mem: float = 0.20
     dry: bool = False
     procs: dict = field(default_factory=dict)
+    ready: dict = field(default_factory=dict)  # server → threading.Event, set once its boot settled
     artefacts: list[Path] = field(default_factory=list)
 
     @property
@@ -431,14 +432,18 @@ def waves(specs: list[dict], size: int) -> list[list[dict]]:
     return [rest[i:i + size] for i in range(0, len(rest), size)]
 
 
-def boot(ctx: Context, specs: list[dict], timeout: float, deadline: float, wave_size: int | None = None) -> dict[str, Proc]:
+def boot(ctx: Context, specs: list[dict], timeout: float, deadline: float, wave_size: int | None = None,
+         solos: bool = True) -> dict[str, Proc]:
     """The non-solo servers in waves of at most FLASH_E2E_BOOT_WAVE (staggered by 2 s inside a wave;
     a wave starts once every server of the previous one is healthy or dead, or its FLASH_E2E_BOOT_TIMEOUT
-    ran out), then, once those are up and idle, the solo servers one at a time. vLLM sizes its KV pool
+    ran out), then (solos=True) the solo servers one at a time (boot_solos). vLLM sizes its KV pool
     from the whole GPU's used memory at profiling time (mem_get_info): 6-12 servers profiling at once
     at a 0.07-0.13 share each left the later ones "No available memory for the cache blocks" (H200,
-    vLLM 0.33); a solo server's pool is clean and comparable with the plan."""
-    procs: dict[str, Proc] = {}
+    vLLM 0.33); hence fixed pools (FLASH_E2E_KV_MEM) side by side, and a profiled pool only alone.
+    Each server's ctx.ready event is set once its boot settled (healthy, dead or timed out)."""
+    procs = ctx.procs
+    for spec in specs:
+        ctx.ready.setdefault(spec["server"], threading.Event())
     size = wave_size or boot_wave()
     for i, wave in enumerate(waves(specs, size)):
         group = []
@@ -450,12 +455,26 @@ def boot(ctx: Context, specs: list[dict], timeout: float, deadline: float, wave_
         wait(group, min(timeout, deadline - time.monotonic() - 90))
         for p in group:
             say(f"  {p.spec['server']}: {poll(p)} after {time.monotonic() - p.started:.0f}s (boot wave {i + 1})")
+            ctx.ready[p.spec["server"]].set()
+    if solos:
+        boot_solos(ctx, specs, timeout, deadline)
+    return procs
+
+
+def boot_solos(ctx: Context, specs: list[dict], timeout: float, deadline: float) -> None:
+    """The solo servers one at a time, after the waves. Scenarios of the servers already up may run
+    meanwhile: a booted server with a fixed pool allocates nothing new for a request (its graphs and
+    pools exist), so the solo boot's profiling sees only its own memory."""
     for spec in [s for s in specs if s["solo"]]:
+        if time.monotonic() > deadline - 120:
+            say(f"  {spec['server']}: not started (deadline)")
+            ctx.ready[spec["server"]].set()
+            continue
         p = launch(ctx, spec)
-        procs[spec["server"]] = p
+        ctx.procs[spec["server"]] = p
         wait([p], min(timeout, deadline - time.monotonic() - 90))
         say(f"  {spec['server']}: {poll(p)} after {time.monotonic() - p.started:.0f}s (alone)")
-    return procs
+        ctx.ready[spec["server"]].set()
 
 
 # --- helpers the scenarios use -----------------------------------------------------------------------
@@ -868,13 +887,20 @@ def run_scenarios(ctx: Context, chosen: list[Scenario], deadline: float) -> dict
         say(f"{'PASS' if r['ok'] else 'FAIL'} {s.name} ({r['s']}s)")
 
     def group(g: list[Scenario]) -> None:
+        for name in {n for s in g for n in s.servers}:  # boots settle first (solo ones come last)
+            ev = ctx.ready.get(name)
+            if ev is not None and not ev.wait(max(0.0, deadline - 45 - time.monotonic())):
+                return
         for s in g:
             if time.monotonic() > deadline - 45:
                 return
             one(s)
 
     groups = scenario_groups(chosen)
-    pool = ThreadPoolExecutor(max_workers=max(1, int(os.environ.get("FLASH_E2E_PARALLEL", "6"))))
+    raw = os.environ.get("FLASH_E2E_PARALLEL", "")
+    if raw and not raw.isdigit():
+        raise SystemExit(f"gpu-e2e: FLASH_E2E_PARALLEL={raw!r}: want a whole number (groups at a time), or unset for all")
+    pool = ThreadPoolExecutor(max_workers=max(1, int(raw) if raw else len(groups)))
     futures = [pool.submit(group, g) for g in groups]
     futures_wait(futures, timeout=max(5.0, deadline - time.monotonic() - 45))
     pool.shutdown(wait=False, cancel_futures=True)
@@ -1063,11 +1089,17 @@ def run_selected(chosen: list[Scenario], dry: bool = False) -> dict:
         except (OSError, subprocess.TimeoutExpired) as exc:
             results["device"] = f"unknown ({exc})"
         say(f"gpu-e2e: booting {len(specs)} server(s)")
-        ctx.procs = boot(ctx, specs, timeout, deadline)
+        boot(ctx, specs, timeout, deadline, solos=False)
         (ctx.out / "results.json").write_text(json.dumps({**results, "phase": "booted"}, indent=2, default=str))
 
         results["scenario_groups"] = [[s.name for s in g] for g in scenario_groups(chosen)]
-        results["scenarios"] = run_scenarios(ctx, chosen, deadline)
+        # the groups whose servers are up start now; the solo boots go on beside them
+        holder: dict = {}
+        runner = threading.Thread(target=lambda: holder.update(v=run_scenarios(ctx, chosen, deadline)), daemon=True)
+        runner.start()
+        boot_solos(ctx, specs, timeout, deadline)
+        runner.join(max(1.0, deadline - time.monotonic()))
+        results["scenarios"] = holder.get("v") or {s.name: {"ok": False, "error": "scenarios did not finish"} for s in chosen}
     finally:
         states = {name: poll(p) for name, p in ctx.procs.items()}
         stop_all(list(ctx.procs.values()))

@@ -60,7 +60,7 @@ def test_quant_configs(bd):
 def test_plan_modes(bd, prepared):
     plan = bd.server_plan(prepared, 8123)
     assert set(plan) == {"stock", "eager", "hoisted"}
-    assert "VLLM_PLE_MMAP" not in plan["stock"]["env"] and '{"cpu_offload":false}' in plan["stock"]["argv"]
+    assert plan["stock"]["env"]["VLLM_PLE_MMAP"] == "0" and '{"cpu_offload":false}' in plan["stock"]["argv"]
     stock_cc = json.loads(plan["stock"]["argv"][plan["stock"]["argv"].index("--compilation-config") + 1])
     assert stock_cc["cudagraph_mode"] == "FULL_AND_PIECEWISE"  # vLLM's default, spelled out
     for name, mode, graphs in (("eager", "eager", "PIECEWISE"), ("hoisted", "hoisted", "FULL_AND_PIECEWISE")):
@@ -105,3 +105,113 @@ def test_greedy_cases_and_diff(bd, tmp_path, capsys):
     assert bd.main(["greedy-diff", str(tmp_path / "a.json"), str(tmp_path / "a.json")]) == 0
     assert bd.main(["greedy-diff", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 1
     assert "token 2: 3 vs 4" in capsys.readouterr().out
+
+
+def test_fewer_layers_keep_the_pattern(bd, tmp_path):
+    d = tmp_path / "L8"
+    assert bd.main(["prepare", str(d), "--quant", "fp8", "--ple-rows", "50000", "--layers", "8"]) == 0
+    text = json.loads((d / "model" / "config.json").read_text())["text_config"]
+    assert text["num_hidden_layers"] == 8 and text["layer_types"] == (["linear_attention"] * 3 + ["full_attention"]) * 2
+    qc = json.loads((d / "model" / "config.json").read_text())["quantization_config"]["quantized_layers"]
+    assert sorted(k for k in qc if k.endswith("mlp.experts") and k.startswith("model.")) == \
+        sorted(f"model.language_model.layers.{i}.mlp.experts" for i in range(8))
+    meta = json.loads((d / "meta.json").read_text())
+    assert meta["layers"] == 8 and "8 of the real 48 layers" in meta["layers_note"]
+    assert bd.memory_estimate("fp8", 8)["experts_gib"] * 6 == pytest.approx(bd.memory_estimate("fp8")["experts_gib"], rel=0.01)
+    with pytest.raises(SystemExit, match="--layers 6"):
+        bd.main(["prepare", str(tmp_path / "x"), "--layers", "6"])
+
+
+def test_side_by_side_plan_gives_each_config_its_port_and_a_fixed_pool(bd, prepared):
+    plan = bd.server_plan(prepared, 9000, side_by_side=True)
+    ports = {c: p["argv"][p["argv"].index("--port") + 1] for c, p in plan.items()}
+    assert ports == {"stock": "9000", "eager": "9001", "hoisted": "9002"}
+    for p in plan.values():
+        assert p["argv"][p["argv"].index("--kv-cache-memory-bytes") + 1] == str(4 << 30)
+
+
+FAKE_VLLM = r"""#!PYTHON
+import json, os, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+argv = sys.argv[1:]
+port = int(argv[argv.index("--port") + 1])
+mode = "stock" if os.environ.get("VLLM_PLE_MMAP") == "0" else os.environ["VLLM_PLE_MMAP_MODE"]
+if mode in os.environ.get("FAKE_FAIL", ""):
+    print("boom: cannot boot", mode, flush=True)
+    sys.exit(7)
+delay = {"stock": 0.002, "eager": 0.004, "hoisted": 0.0022}[mode]
+drafts = [0]
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def do_GET(self):
+        body = b"ok" if self.path == "/health" else (
+            "# TYPE vllm:spec_decode_num_drafts_total counter\nvllm:spec_decode_num_drafts_total{model_name=\"bench\"} %d\n"
+            "vllm:spec_decode_num_accepted_tokens_total{model_name=\"bench\"} %d\n" % (drafts[0], drafts[0] // 4)).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert isinstance(req["prompt"], list) and req["ignore_eos"] and req["stream"]
+        self.send_response(200); self.send_header("Content-Type", "text/event-stream"); self.end_headers()
+        for i in range(req["max_tokens"]):
+            time.sleep(delay)
+            drafts[0] += 1
+            self.wfile.write(b"data: " + json.dumps({"choices": [{"text": "x"}]}).encode() + b"\n\n")
+        self.wfile.write(b"data: " + json.dumps({"choices": [], "usage": {"completion_tokens": req["max_tokens"]}}).encode() + b"\n\n")
+        self.wfile.write(b"data: [DONE]\n\n")
+ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def _fake_vllm(tmp_path, monkeypatch):
+    import sys
+
+    binp = tmp_path / "bin"
+    binp.mkdir()
+    exe = binp / "vllm"
+    exe.write_text(FAKE_VLLM.replace("#!PYTHON", "#!" + sys.executable))
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{binp}:{__import__('os').environ['PATH']}")
+
+
+def test_matrix_boots_side_by_side_and_measures_in_turn(bd, prepared, tmp_path, monkeypatch):
+    _fake_vllm(tmp_path, monkeypatch)
+    out = tmp_path / "raw.jsonl"
+    rc = bd.main(["matrix", str(prepared), "--port", "18770", "--out", str(out), "--levels", "1,2", "--tokens", "40",
+                  "--repeats", "2", "--boot-timeout", "60"])
+    assert rc == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["label"] for r in rows if r.get("event") == "booted") == ["eager", "hoisted", "stock"]
+    meas = [r for r in rows if "aggregate_tok_s" in r]
+    assert len(meas) == 3 * 2 * 2 and all(r["layers"] == 48 and r["tokens"] == 40 * r["concurrency"] for r in meas)
+    # the order rotates every repeat; the same prompts go to every config
+    assert [r["label"] for r in meas if r["concurrency"] == 1] == ["stock", "eager", "hoisted", "eager", "hoisted", "stock"]
+    assert all(r["mtp_drafts"] > 0 for r in meas)
+    summ = bd.summarize(rows)
+    ratio = bd.ratios(summ)
+    assert set(summ) == {"stock/L48", "eager/L48", "hoisted/L48"}
+    assert ratio["eager/L48"][1]["per_stream_tok_s"] < 0.8 < ratio["hoisted/L48"][1]["per_stream_tok_s"]
+
+
+def test_matrix_records_a_config_that_cannot_boot(bd, prepared, tmp_path, monkeypatch):
+    _fake_vllm(tmp_path, monkeypatch)
+    monkeypatch.setenv("FAKE_FAIL", "hoisted")
+    out = tmp_path / "raw.jsonl"
+    rc = bd.main(["matrix", str(prepared), "--port", "18780", "--out", str(out), "--levels", "1", "--tokens", "8",
+                  "--repeats", "1", "--boot-timeout", "60"])
+    assert rc == 1
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    (failed,) = [r for r in rows if r.get("event") == "boot_failed"]
+    assert failed["label"] == "hoisted" and failed["exit"] == 7 and "cannot boot" in failed["tail"]
+    assert sorted(r["label"] for r in rows if "aggregate_tok_s" in r) == ["eager", "stock"]
+
+
+def test_extrapolation_reads_the_line_at_48_layers(bd):
+    # ms per token = 2 + 0.5 * layers  → at 48: 26 ms (38.5 tok/s); bandwidth 4,000 vs 273 GB/s
+    summ = {f"hoisted/L{L}": {1: {"per_stream_tok_s": 1000.0 / (2 + 0.5 * L)}} for L in (4, 8)}
+    est = bd.extrapolate(summ, bw_h200_gbs=4000.0)["hoisted"]
+    assert est["ms_fixed"] == pytest.approx(2.0) and est["ms_per_layer"] == pytest.approx(0.5)
+    assert est["ms_per_token_L48"] == pytest.approx(26.0) and est["tok_s_L48_h200_estimate"] == pytest.approx(38.5, abs=0.1)
+    assert est["gb10_tok_s_estimate"] == pytest.approx(1000 / (26 * 4000 / 273), abs=0.1)
+    one = bd.extrapolate({"eager/L8": {1: {"per_stream_tok_s": 50.0}}})["eager"]
+    assert "one layer count" in one["note"]

@@ -295,7 +295,11 @@ def test_scenarios_sharing_a_server_are_one_group():
     assert names[by["probe_p1"]][:2] == ["probe_p1", "probe_p3"]  # selection order kept inside a group
 
 
-def test_run_scenarios_never_overlaps_two_on_one_server(monkeypatch):
+def _ctx(tmp_path):
+    return fleet.Context(work=tmp_path, out=tmp_path, python=sys.executable, base_env={}, snaps={})
+
+
+def test_run_scenarios_never_overlaps_two_on_one_server(monkeypatch, tmp_path):
     import threading
     import time
 
@@ -314,7 +318,7 @@ def test_run_scenarios_never_overlaps_two_on_one_server(monkeypatch):
     layout = {"x1": ("s1",), "x2": ("s1", "s2"), "x3": ("s2",), "y1": ("s3",), "y2": ("s3",), "z": ("s4",)}
     chosen = [fleet.Scenario(n, srv, n, body(n, srv)) for n, srv in layout.items()]
     monkeypatch.setenv("FLASH_E2E_PARALLEL", "6")
-    res = fleet.run_scenarios(None, chosen, time.monotonic() + 120)
+    res = fleet.run_scenarios(_ctx(tmp_path), chosen, time.monotonic() + 120)
     assert all(r["ok"] for r in res.values()) and set(res) == set(layout)
     overlaps_across = 0
     for i, (a, sa, a0, a1) in enumerate(spans):
@@ -335,7 +339,25 @@ class _FakePopen:
         return self.returncode
 
 
-def test_boot_waves_start_when_the_previous_wave_is_up_or_dead(monkeypatch):
+def test_a_group_waits_for_its_servers_boot(tmp_path):
+    """A solo server boots after the waves: its scenarios start when its boot settled, the others at once."""
+    import threading
+    import time
+
+    started: dict[str, float] = {}
+    chosen = [fleet.Scenario(n, srv, n, lambda ctx, n=n: started.setdefault(n, time.monotonic()))
+              for n, srv in (("early", ("w1",)), ("late", ("solo",)))]
+    ctx = _ctx(tmp_path)
+    ctx.ready = {"w1": threading.Event(), "solo": threading.Event()}
+    ctx.ready["w1"].set()
+    t0 = time.monotonic()
+    threading.Timer(0.5, ctx.ready["solo"].set).start()
+    res = fleet.run_scenarios(ctx, chosen, time.monotonic() + 120)
+    assert all(r["ok"] for r in res.values())
+    assert started["early"] - t0 < 0.3 and started["late"] - t0 >= 0.5
+
+
+def test_boot_waves_start_when_the_previous_wave_is_up_or_dead(monkeypatch, tmp_path):
     """7 servers, waves of 3: never more than 3 booting at once, a wave launched only once every server
     of the one before is healthy or dead (here one dies), and the solo server last, alone."""
     import time
@@ -369,7 +391,9 @@ def test_boot_waves_start_when_the_previous_wave_is_up_or_dead(monkeypatch):
     monkeypatch.setattr(fleet, "launch", launch)
     monkeypatch.setattr(fleet, "poll", poll)
     specs = [{"server": f"s{i}", "solo": i == 6} for i in range(7)]
-    procs = fleet.boot(None, specs, timeout=60, deadline=time.monotonic() + 600, wave_size=3)
+    ctx = _ctx(tmp_path)
+    procs = fleet.boot(ctx, specs, timeout=60, deadline=time.monotonic() + 600, wave_size=3)
+    assert all(ev.is_set() for ev in ctx.ready.values()) and set(ctx.ready) == {s["server"] for s in specs}
     assert list(procs) == ["s0", "s1", "s2", "s3", "s4", "s5", "s6"]
     assert max(n for _, kind, n in events if kind == "launch") <= 3
     order = [(srv, kind) for srv, kind, _ in events]

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# One device session's GPU work, detached so it outlives the 10-minute call that starts it
+# (the device tool kills a call's processes when it returns, except a new process session, which
+# lives until the machine goes back). Later calls only watch and bring back what is done.
+#
+#   tools/gpu_session.sh start COMMIT BUDGET_S [PHASES]   copy this tree to /var/tmp/flash-repo,
+#                                 launch the phases (setsid), return at once
+#   tools/gpu_session.sh watch SECONDS   progress every 20 s; copies the results so far to $OUT;
+#                                 returns after SECONDS or once every phase ended
+#
+# Needs the vLLM payload installed (tools/device_payload.py install, docs/GPU-E2E.md). Phases, in
+# order, each skipped when the budget left is shorter than it needs (said in phases.log):
+#   e2e      tests/run gpu-e2e, every scenario but diag_ple_ids: 14 servers with fixed KV pools
+#            side by side, then a/b/c-default alone (kv_plan) while the others' scenarios run
+#   decode8  tools/bench_decode.py matrix, 8 of the 48 layers (real per-layer shapes, dummy weights)
+#   kernels  tools/bench_step_kernels.py (draft head, QSA top-k, copy bandwidth) + tests/gpu
+#   decode4  the same matrix at 4 layers (two layer counts: the line read at 48 layers)
+# Results: /var/tmp/gs (phases.log, e2e/, decode/, kernels/). PHASES: a comma list, default all.
+set -uo pipefail
+
+GS=/var/tmp/gs
+REPO=/var/tmp/flash-repo
+ENV_SH=${FLASH_E2E_VLLM_ENV:-/var/tmp/flash-vllm-0.33.0/env.sh}
+BENCH=/var/tmp/bench-decode
+
+log() { echo "$(date -u +%H:%M:%S) $*" | tee -a "$GS/phases.log"; }
+left() { echo $(( $(cat "$GS/end") - $(date +%s) )); }
+
+# name, seconds it needs, command...: run it unless the budget left is too short
+phase() {
+  local name=$1 need=$2; shift 2
+  case ",${PHASES}," in *",$name,"*) ;; *) log "skip $name (not asked)"; return 0 ;; esac
+  if [ "$(left)" -lt "$need" ]; then log "skip $name: $(left) s left, needs $need"; return 0; fi
+  log "start $name ($(left) s left)"
+  "$@" >"$GS/$name.log" 2>&1
+  log "end $name rc=$?"
+}
+
+run_phases() {
+  cd "$REPO" || exit 1
+  set -a; . "$ENV_SH"; set +a
+  export PYTHONUNBUFFERED=1 FLASH_E2E_VLLM_ENV="$ENV_SH" FLASH_E2E_COMMIT="$COMMIT"
+  # bench model dirs: written beside the e2e boots (disk and CPU only); one table for both counts
+  ( mkdir -p "$BENCH/L4" && ln -sfn "$BENCH/L8/ple" "$BENCH/L4/ple" &&
+    nice -n 5 python3 tools/bench_decode.py prepare "$BENCH/L8" --quant fp8 --ple-rows 32000000 --layers 8 &&
+    nice -n 5 python3 tools/bench_decode.py prepare "$BENCH/L4" --quant fp8 --ple-rows 32000000 --layers 4
+  ) >"$GS/prepare.log" 2>&1 &
+  local prep=$!
+
+  phase e2e 420 env FLASH_E2E_OUT="$GS/e2e" FLASH_E2E_WORK="$GS/work" FLASH_E2E_BOOT_WAVE=14 \
+    FLASH_E2E_DEADLINE=$(( $(left) < 720 ? $(left) - 30 : 690 )) tests/run gpu-e2e -- -k "not diag"
+  wait "$prep"; log "prepare rc=$? ($(tail -c 300 "$GS/prepare.log" | tr '\n' ' '))"
+  # the plugin as vLLM finds it (an entry point): the dist-info the e2e tier writes
+  local site
+  site=$(python3 -c "import sys, pathlib; sys.path[:0] = ['tests/gpu_e2e', 'tests', 'src']; import fleet
+print(fleet.plugin_site(fleet.Context(work=pathlib.Path('$GS/work'), out=pathlib.Path('$GS'), python='', base_env={}, snaps={})))")
+  export PYTHONPATH="$site:$REPO/src:$PYTHONPATH"
+  mkdir -p "$GS/decode" "$GS/kernels"
+  phase decode8 300 python3 tools/bench_decode.py matrix "$BENCH/L8" --port 18600 --out "$GS/decode/raw.jsonl" \
+    --logs "$GS/decode" --deadline $(( $(left) - 20 < 420 ? $(left) - 20 : 420 ))
+  phase kernels 100 bash -c "python3 tools/bench_step_kernels.py --out '$GS/kernels/kernels.jsonl';
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu"
+  phase decode4 280 python3 tools/bench_decode.py matrix "$BENCH/L4" --port 18610 --out "$GS/decode/raw.jsonl" \
+    --logs "$GS/decode" --deadline $(( $(left) - 20 < 420 ? $(left) - 20 : 420 ))
+  log "all phases ended"
+  touch "$GS/done"
+}
+
+# what a watch call brings back: flat files under $OUT (the e2e tier packs its own three)
+collect() {
+  local out=${OUT:?OUT is the device tool\'s result folder}
+  cp -f "$GS"/phases.log "$GS"/*.log "$out"/ 2>/dev/null
+  mkdir -p "$out/e2e" "$out/decode" "$out/kernels"
+  cp -f "$GS"/e2e/* "$out/e2e/" 2>/dev/null
+  cp -f "$GS"/kernels/* "$out/kernels/" 2>/dev/null
+  cp -f "$GS"/decode/raw.jsonl "$out/decode/" 2>/dev/null
+  for f in "$GS"/decode/*.log; do [ -f "$f" ] && tail -c 2000000 "$f" >"$out/decode/$(basename "$f")"; done
+  return 0
+}
+
+case "${1:-}" in
+  start)
+    COMMIT=${2:?start COMMIT BUDGET_S [PHASES]}; BUDGET=${3:?start COMMIT BUDGET_S [PHASES]}
+    PHASES=${4:-e2e,decode8,kernels,decode4}
+    [ -f "$ENV_SH" ] || { echo "gpu_session: $ENV_SH missing: install the payload first (docs/GPU-E2E.md)" >&2; exit 3; }
+    rm -rf "$GS" "$REPO"; mkdir -p "$GS" "$REPO"
+    tar --exclude=./.payload --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C "$REPO"
+    echo $(( $(date +%s) + BUDGET )) >"$GS/end"
+    export COMMIT PHASES
+    setsid bash -c "$(declare -f log left phase run_phases); GS=$GS REPO=$REPO ENV_SH=$ENV_SH BENCH=$BENCH run_phases" \
+      </dev/null >"$GS/driver.log" 2>&1 &
+    log "launched (pid $!, budget ${BUDGET}s, phases $PHASES, commit $COMMIT)"
+    ;;
+  watch)
+    SECS=${2:?watch SECONDS}
+    t_end=$(( $(date +%s) + SECS ))
+    while [ "$(date +%s)" -lt "$t_end" ] && [ ! -f "$GS/done" ]; do
+      sleep 20
+      echo "--- $(date -u +%H:%M:%S): $(tail -n 1 "$GS/phases.log" 2>/dev/null)"
+      tail -n 3 "$GS"/e2e.log "$GS"/decode8.log "$GS"/decode4.log 2>/dev/null | cut -c1-220
+    done
+    collect
+    echo "=== phases"; cat "$GS/phases.log" 2>/dev/null
+    [ -f "$GS/done" ] && echo "=== all phases ended"
+    ;;
+  *)
+    echo "usage: tools/gpu_session.sh start COMMIT BUDGET_S [PHASES] | watch SECONDS" >&2
+    exit 2 ;;
+esac
