@@ -20,9 +20,10 @@ Environment: FLASH_E2E_VLLM_ENV (the device payload's env.sh, sourced for every 
 FLASH_E2E_EXTRA (more `vllm serve` words for every server, appended to EXTRA, e.g.
 --language-model-only if the vision tower gets in the way), FLASH_E2E_GPU_MEM (a server's share for vLLM's
 startup free-memory check, default 0.05), FLASH_E2E_KV_MEM (the fixed KV pool, KV_CACHE_MEM, of every server
-that does not boot alone, default 2G: vLLM then skips its memory profiling, so servers booting side by side
+that does not boot alone, default 1G: vLLM then skips its memory profiling, so servers booting side by side
 cannot starve each other's KV pool; `off` profiles every one), FLASH_E2E_SOLO_GPU_MEM (GPU_MEM of a server
-that boots alone for a kv_plan scenario, default 0.20: a profiled pool, compared with the plan),
+that boots alone for a kv_plan scenario, default 0.12: a profiled pool, compared with the plan; 14 servers
+of ~5 GiB beside three solo ones of 16.8 GiB fit the H200's 139.8 GiB),
 FLASH_E2E_PORT (first port, 18400),
 FLASH_E2E_BOOT_TIMEOUT (s per boot wave, 420), FLASH_E2E_BOOT_WAVE (at most this many servers boot at once, 4:
 vLLM sizes its KV pool from the whole GPU's use at profiling time, so many concurrent boots starve the
@@ -217,8 +218,8 @@ class Context:
     snaps: dict[str, Path]
     port0: int = 18400
     gpu_mem: float = 0.05
-    kv_mem: str | None = "2G"
-    solo_gpu_mem: float = 0.20
+    kv_mem: str | None = "1G"
+    solo_gpu_mem: float = 0.12
     dry: bool = False
     procs: dict = field(default_factory=dict)
     ready: dict = field(default_factory=dict)  # server → threading.Event, set once its boot settled
@@ -961,7 +962,7 @@ def make_context(dry: bool) -> Context:
     python = os.environ.get("FLASH_E2E_PYTHON") or (shutil.which("python3", path=env.get("PATH")) if env else None) or sys.executable
     return Context(work=work, out=out, python=python, base_env=env, snaps={},
                    port0=int(os.environ.get("FLASH_E2E_PORT", "18400")),
-                   gpu_mem=_share("FLASH_E2E_GPU_MEM", "0.05"), solo_gpu_mem=_share("FLASH_E2E_SOLO_GPU_MEM", "0.20"),
+                   gpu_mem=_share("FLASH_E2E_GPU_MEM", "0.05"), solo_gpu_mem=_share("FLASH_E2E_SOLO_GPU_MEM", "0.12"),
                    kv_mem=kv_mem(), dry=dry)
 
 
@@ -980,7 +981,7 @@ def kv_mem() -> str | None:
     """FLASH_E2E_KV_MEM: a size flash's KV_CACHE_MEM accepts, or off."""
     from flash_cli.settings import parse_size
 
-    raw = os.environ.get("FLASH_E2E_KV_MEM", "2G").strip()
+    raw = os.environ.get("FLASH_E2E_KV_MEM", "1G").strip()
     if raw.lower() in ("", "off", "0", "none"):
         return None
     try:

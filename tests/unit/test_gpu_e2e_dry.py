@@ -55,10 +55,10 @@ def test_every_server_is_the_default_profiles_runspec(planned):
         # a fixed KV pool for side-by-side boots; a profiled one (and a larger share) for those booting alone
         solo = name in ("a-default", "b-default", "c-default")
         assert s["solo"] is solo
-        assert argv[argv.index("--gpu-memory-utilization") + 1] == ("0.20" if solo else "0.05")
+        assert argv[argv.index("--gpu-memory-utilization") + 1] == ("0.12" if solo else "0.05")
         assert ("--kv-cache-memory-bytes" in argv) is not solo
         if not solo:
-            assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(2 << 30)
+            assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(1 << 30)
         if name.startswith("hx"):
             continue  # the hoisted-mode servers: test_hoisted_mode_servers
         assert argv[argv.index("--max-model-len") + 1] == "2048"
