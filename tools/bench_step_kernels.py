@@ -74,6 +74,7 @@ class Plan:
     warmup: int
     iters: int
     graph_reps: int
+    graph_replays: int
     copy_bytes: int
     copy_iters: int
 
@@ -85,11 +86,12 @@ class Plan:
 def make_plan(mode: str) -> Plan:
     if mode == "cpu-smoke":
         return Plan("cpu", 64, 1000, 256, (1, 3), (1, 2), (512, 1024), (2048,), 32,
-                    warmup=1, iters=3, graph_reps=0, copy_bytes=8 << 20, copy_iters=3)
+                    warmup=1, iters=3, graph_reps=0, graph_replays=0, copy_bytes=8 << 20, copy_iters=3)
     quick = mode == "quick"
     return Plan("cuda", HIDDEN, VOCAB, DRAFT_IDS, (1, 3, 4, 8, 12, 24), (1, 4, 8),
                 (8192, 32768, 131072), (131072, 500000), TOKEN_TOPK,
                 warmup=5 if quick else 20, iters=50 if quick else 200, graph_reps=10 if quick else 20,
+                graph_replays=20 if quick else 40,
                 copy_bytes=(1 if quick else 4) << 30, copy_iters=5 if quick else 10)
 
 
@@ -160,7 +162,8 @@ def time_eager(torch, fn: Callable[[], object], plan: Plan) -> list[float]:
 
 
 def time_graph(torch, fn: Callable[[], object], plan: Plan) -> list[float]:
-    """Per-call microseconds inside a CUDA graph of `graph_reps` calls (replay time / reps)."""
+    """Per-call microseconds inside a CUDA graph of `graph_reps` calls: one sample per replay
+    (replay time / reps), `graph_replays` samples."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -175,8 +178,8 @@ def time_graph(torch, fn: Callable[[], object], plan: Plan) -> list[float]:
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(plan.iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(plan.iters)]
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(plan.graph_replays)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(plan.graph_replays)]
     for s, e in zip(starts, ends):
         s.record()
         graph.replay()
@@ -186,19 +189,22 @@ def time_graph(torch, fn: Callable[[], object], plan: Plan) -> list[float]:
     return [s.elapsed_time(e) * 1e3 / plan.graph_reps for s, e in zip(starts, ends)]
 
 
-def measure(torch, sink: Sink, plan: Plan, base: dict, impls: dict[str, Callable[[], object]]) -> None:
+def measure(torch, sink: Sink, plan: Plan, jobs: list[tuple[dict, dict[str, Callable[[], object]]]]) -> None:
+    """Time every (shape, implementations) job: all eager first, then all in CUDA graphs, so a
+    capture that fails (recorded, the others go on) comes after every eager number."""
     modes = ("eager", "graph") if plan.device == "cuda" and plan.graph_reps else ("eager",)
     for mode in modes:
-        for impl, fn in impls.items():
-            rec = dict(base, kind=base["bench"], impl=impl, mode=mode)
-            try:
-                us = (time_graph if mode == "graph" else time_eager)(torch, fn, plan)
-                rec.update(stats(us), raw_us=[round(u, 3) for u in us])
-            except Exception as e:  # one failed measurement must not cost the others
-                rec["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:400]
-                if plan.device == "cuda":
-                    torch.cuda.synchronize()
-            sink.emit(rec)
+        for base, impls in jobs:
+            for impl, fn in impls.items():
+                rec = dict(base, kind=base["bench"], impl=impl, mode=mode)
+                try:
+                    us = (time_graph if mode == "graph" else time_eager)(torch, fn, plan)
+                    rec.update(stats(us), raw_us=[round(u, 3) for u in us])
+                except Exception as e:  # one failed measurement must not cost the others
+                    rec["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:400]
+                    if plan.device == "cuda":
+                        torch.cuda.synchronize()
+                sink.emit(rec)
 
 
 # --- 1. draft head (patch 10) ----------------------------------------------------------------
@@ -217,7 +223,7 @@ class _PlainProcessor:
         return F.linear(hidden_states, lm_head.weight)[..., : self.org_vocab_size]
 
 
-def stock_head(torch, weight, vocab: int):
+def stock_head(torch, weight, vocab: int, device: str):
     """(lm_head, logits_processor, label): vLLM's own LogitsProcessor and unquantized head method
     when vLLM imports, else the plain equivalent (labelled)."""
     head = torch.nn.Module()
@@ -230,12 +236,12 @@ def stock_head(torch, weight, vocab: int):
         return head, _PlainProcessor(vocab), f"F.linear (vLLM not importable: {e})"
     head.quant_method = UnquantizedEmbeddingMethod()
     try:  # LogitsProcessor reads the current VllmConfig (head_dtype); a default one where none is set
-        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
         from vllm.config.vllm import get_current_vllm_config_or_none
 
         if get_current_vllm_config_or_none() is not None:
             return head, LogitsProcessor(vocab), "vllm.LogitsProcessor"
-        with set_current_vllm_config(VllmConfig()):
+        with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device=device))):
             return head, LogitsProcessor(vocab), "vllm.LogitsProcessor"
     except Exception as e:  # labelled, and the equality check still guards the comparison
         return head, _PlainProcessor(vocab), f"F.linear (vLLM's LogitsProcessor failed: {type(e).__name__}: {e})"[:300]
@@ -246,7 +252,7 @@ def draft_ids(plan: Plan):
 
     from flash_vllm.patches import draft_vocab
 
-    if plan.device == "cpu":
+    if (plan.vocab, plan.n_ids) != (VOCAB, DRAFT_IDS):  # smoke shapes: a seeded random id set
         rng = np.random.default_rng(10)
         return np.sort(rng.choice(plan.vocab, plan.n_ids, replace=False)).astype(np.int64), "random (smoke)"
     path = draft_vocab.data_dir() / draft_vocab.DEFAULT_FILE
@@ -288,11 +294,12 @@ def bench_draft_head(torch, sink: Sink, plan: Plan) -> None:
     gen = torch.Generator(device=plan.device).manual_seed(0)
     weight = (torch.randn(plan.vocab, plan.hidden, generator=gen, device=plan.device) /
               math.sqrt(plan.hidden)).to(torch.bfloat16)
-    head, proc, stock_label = stock_head(torch, weight, plan.vocab)
+    head, proc, stock_label = stock_head(torch, weight, plan.vocab, plan.device)
     state = draft_vocab.build_reduced(SimpleNamespace(lm_head=head, logits_processor=proc), ids_np)
     if state is draft_vocab._PASS:
         raise BenchError("patch 10's build_reduced passed through on a plain bf16 head")
     ids = torch.as_tensor(ids_np, device=plan.device)
+    jobs = []
     for t in plan.draft_tokens:
         h = (torch.randn(t, plan.hidden, generator=gen, device=plan.device)).to(torch.bfloat16)
         base = {"bench": "draft_head", "tokens": t, "hidden": plan.hidden, "vocab": plan.vocab,
@@ -302,10 +309,10 @@ def bench_draft_head(torch, sink: Sink, plan: Plan) -> None:
             full, reduced = proc(head, h), draft_vocab.reduced_logits(state, proc, h)
             sink.emit(dict(base, kind="check", **check_reduced(torch, full, reduced, ids)))
             del full, reduced
-            measure(torch, sink, plan, base, {
-                "stock": lambda h=h: proc(head, h),
-                "patched": lambda h=h: draft_vocab.reduced_logits(state, proc, h),
-            })
+        jobs.append((base, {"stock": lambda h=h: proc(head, h),
+                            "patched": lambda h=h: draft_vocab.reduced_logits(state, proc, h)}))
+    with torch.inference_mode():
+        measure(torch, sink, plan, jobs)
 
 
 # --- 2. QSA block top-k (patch 8) ------------------------------------------------------------
@@ -358,20 +365,20 @@ def visible_for(torch, batch: int, context: int, device: str):
     return (pos + 1).div(COMPRESS_RATIO, rounding_mode="floor").to(torch.int32)
 
 
-def planted_logits(torch, rows: int, columns: int, visible, k: int, gen, device: str):
-    """Scores without ties: background -|N(0,1)| below 0, and in each row k+64 visible columns with
-    distinct positive values exact in fp16 (1 + i/1024), so the top k is unique for any kernel
-    that bins in fp16. Returns (logits, expected sorted top-k columns per row)."""
-    logits = -torch.randn(rows, columns, generator=gen, device=device).abs()
+def planted_logits(torch, rows: int, columns: int, visible: list[int], k: int, gen):
+    """Scores without ties (built on the CPU, seeded): background -|N(0,1)| below 0, and in each
+    row k+64 visible columns with distinct positive values exact in fp16 (1 + i/1024), so the top
+    k is unique even for a kernel that bins in fp16. Returns (logits, expected top-k columns per
+    row, sorted)."""
+    logits = -torch.randn(rows, columns, generator=gen).abs()
     n = k + 64
-    vals = 1.0 + torch.arange(n, device=device, dtype=torch.float32) / 1024
+    vals = 1.0 + torch.arange(n, dtype=torch.float32) / 1024
     expected = []
-    for r in range(rows):
-        v = int(visible[r])
+    for r, v in enumerate(visible):
         if v < n:
             raise BenchError(f"context too short for the check: {v} visible blocks < {n}")
-        cols = torch.randperm(v, generator=gen, device=device)[:n]
-        logits[r, cols] = vals[torch.randperm(n, generator=gen, device=device)]
+        cols = torch.randperm(v, generator=gen)[:n]
+        logits[r, cols] = vals[torch.randperm(n, generator=gen)]
         top = cols[logits[r, cols].argsort(descending=True)[:k]]
         expected.append(sorted(top.tolist()))
     return logits, expected
@@ -398,7 +405,9 @@ def bench_qsa_topk(torch, sink: Sink, plan: Plan) -> None:
         label = "cpu stand-in (smoke)"
     impls["patched"] = _qsa_topk.make_hook(impls["stock"], "det", "v0.30")
     k = plan.block_topk
-    gen = torch.Generator(device=plan.device).manual_seed(8)
+    gen = torch.Generator().manual_seed(8)  # the scores are made on the CPU, then moved
+    ws = torch.empty(TOPK_WORKSPACE_BYTES, dtype=torch.uint8, device=plan.device)
+    jobs = []
     for mml in plan.max_model_lens:
         columns = columns_for(mml)
         for ctx in plan.contexts:
@@ -408,9 +417,9 @@ def bench_qsa_topk(torch, sink: Sink, plan: Plan) -> None:
                 base = {"bench": "qsa_topk", "batch": batch, "rows": rows, "context": ctx,
                         "max_model_len": mml, "columns": columns, "block_topk": k,
                         "stock_impl": label, "device": plan.device}
-                ws = torch.empty(TOPK_WORKSPACE_BYTES, dtype=torch.uint8, device=plan.device)
-                planted, expected = planted_logits(torch, rows, columns, visible, k, gen, plan.device)
-                random = torch.randn(rows, columns, generator=gen, device=plan.device)
+                planted, expected = planted_logits(torch, rows, columns, visible.tolist(), k, gen)
+                planted = planted.to(plan.device)
+                random = torch.randn(rows, columns, generator=gen).to(plan.device)
                 check = dict(base, kind="check")
                 random_sets = {}
                 for name, fn in impls.items():
@@ -427,10 +436,10 @@ def bench_qsa_topk(torch, sink: Sink, plan: Plan) -> None:
                 sink.emit(check)
                 bufs = {n: (random.clone(), torch.full((rows, k), -1, dtype=torch.int32, device=plan.device))
                         for n in impls}
-                measure(torch, sink, plan, base, {
-                    n: (lambda fn=fn, b=bufs[n]: fn(b[0], visible, plan.token_topk, COMPRESS_RATIO, b[1], ws))
-                    for n, fn in impls.items()
-                })
+                jobs.append((base, {
+                    n: (lambda fn=fn, b=bufs[n], v=visible: fn(b[0], v, plan.token_topk, COMPRESS_RATIO, b[1], ws))
+                    for n, fn in impls.items()}))
+    measure(torch, sink, plan, jobs)
 
 
 def _dispatch_label(torch) -> str:
