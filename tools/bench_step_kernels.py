@@ -553,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import vllm
 
-            env["vllm"] = vllm.__version__
+            env["vllm"] = getattr(vllm, "__version__", None)
         except ImportError:
             env["vllm"] = None
         sink.emit(env)
