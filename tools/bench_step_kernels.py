@@ -487,7 +487,7 @@ def summarize(records: list[dict]) -> dict:
                                  ("tokens", "batch", "context", "max_model_len")))
             med[(r["kind"], shape, r["mode"], r["impl"])] = r["median_us"]
     ratios = []
-    for (kind, shape, mode, impl), us in sorted(med.items(), key=str):
+    for (kind, shape, mode, impl), us in sorted(med.items(), key=lambda kv: kv[0][:3]):
         if impl != "patched":
             continue
         for ref in ("stock", "persistent"):
@@ -508,6 +508,20 @@ def summarize(records: list[dict]) -> dict:
         rs = [r["ratio"] for r in ratios if r["bench"] == kind and r["vs"] == "stock"]
         out[f"{kind}_ratio_vs_stock_max"] = max(rs) if rs else None
     return out
+
+
+def table(summary: dict) -> str:
+    """The summary for a person (stderr): one line per ratio, then checks, errors, bandwidth."""
+    lines = [f"{'bench':<11} {'shape':<44} {'mode':<5} {'vs':<10} {'patched_us':>10} {'ref_us':>10} "
+             f"{'ratio':>6} goal"]
+    for r in summary["ratios"]:
+        shape = " ".join(f"{k}={r[k]}" for k in ("tokens", "batch", "context", "max_model_len") if k in r)
+        lines.append(f"{r['bench']:<11} {shape:<44} {r['mode']:<5} {r['vs']:<10} {r['patched_us']:>10.1f} "
+                     f"{r['ref_us']:>10.1f} {r['ratio']:>6.3f} {'<=' if r['meets_goal'] else '> '}{r['goal']}")
+    lines.append(f"checks passed {summary['checks_passed']}/{summary['checks']}; errors {len(summary['errors'])}; "
+                 f"copy {summary['copy_gbps_read_plus_write']} GB/s (read+write); wall {summary.get('wall_s')} s")
+    lines += [f"  error: {e}" for e in summary["errors"]]
+    return "\n".join(lines)
 
 
 # --- CLI -------------------------------------------------------------------------------------
@@ -571,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = summarize(sink.records)
         summary["wall_s"] = round(time.monotonic() - t0, 1)
         sink.emit(summary)
+        print(table(summary), file=sys.stderr)
     finally:
         if fh:
             fh.close()
