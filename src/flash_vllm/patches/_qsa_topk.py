@@ -158,11 +158,16 @@ def _make_029(orig, hook_mode):
     return qsa_select_paged_tokens
 
 
+def make_hook(orig, hook_mode: str | None, base: str):
+    """The replacement `install_hook` puts in place of `orig` on `base` (0.29: the whole
+    `qsa_select_paged_tokens`; 0.30+: `_topk`). tools/bench_step_kernels.py times the 0.30+ one."""
+    return (_make_029 if base == "v0.29" else _make_030)(orig, hook_mode)
+
+
 def install_hook(ctx: Context) -> None:
     module, name = target(ctx.base.name)
     hook_mode = mode(ctx.env)
-    make = _make_029 if ctx.base.name == "v0.29" else _make_030
-    installed = install(HOOK_NUMBER, module, name, lambda orig: make(orig, hook_mode))
+    installed = install(HOOK_NUMBER, module, name, lambda orig: make_hook(orig, hook_mode, ctx.base.name))
     if installed.flash_mode != hook_mode:
         raise TargetMissing(f"QSA top-k hook already installed in mode {installed.flash_mode!r}, "
                             f"asked for {hook_mode!r}")

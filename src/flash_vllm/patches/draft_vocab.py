@@ -88,7 +88,11 @@ class _Reduced:
 _PASS = object()
 
 
-def _build(model, ids_np):
+def build_reduced(model, ids_np):
+    """The reduced head for `model` (its `lm_head` and `logits_processor`) and the sorted id set:
+    a private contiguous copy of the head's rows for the ids, or `_PASS` where the head is not a
+    plain unsharded weight. compute_logits builds it on its first call; the per-step kernel bench
+    (tools/bench_step_kernels.py) builds it the same way and times `reduced_logits` on it."""
     import torch
 
     head, proc = model.lm_head, model.logits_processor
@@ -111,6 +115,8 @@ def _build(model, ids_np):
 
 
 def reduced_logits(state: _Reduced, proc, hidden_states):
+    """One draft step's logits: the reduced GEMM, the processor's soft cap and scale, then the
+    scatter into a full-width -inf tensor (what the patched compute_logits returns)."""
     import torch
     import torch.nn.functional as F
 
@@ -133,7 +139,7 @@ def _wrap(orig):
         state = self.__dict__.get("_flash_draft_vocab")
         if state is None:
             ids = _config.get("ids")
-            state = _PASS if ids is None else _build(self, ids)
+            state = _PASS if ids is None else build_reduced(self, ids)
             self.__dict__["_flash_draft_vocab"] = state
         if state is _PASS:
             return orig(self, hidden_states, spec_step_idx)

@@ -69,16 +69,16 @@ def test_probabilistic_drafting_sees_a_proper_distribution(registered, draft_ids
 
 
 def test_sharded_or_quantized_head_passes_through(registered, draft_ids):
-    from flash_vllm.patches.draft_vocab import _PASS, _build
+    from flash_vllm.patches.draft_vocab import _PASS, build_reduced
 
     model = _mtp()
     model.lm_head.tp_size = 2  # vocab-parallel head: the slice would be per rank
-    assert _build(model, draft_ids[0]) is _PASS
+    assert build_reduced(model, draft_ids[0]) is _PASS
     model = _mtp()
     model.lm_head.weight = model.lm_head.weight.to(torch.int8)  # a quantized draft head
-    assert _build(model, draft_ids[0]) is _PASS
+    assert build_reduced(model, draft_ids[0]) is _PASS
     model = _mtp()
-    assert _build(model, draft_ids[0]) is not _PASS
+    assert build_reduced(model, draft_ids[0]) is not _PASS
 
 
 def test_bad_id_files_are_refused(tmp_path):

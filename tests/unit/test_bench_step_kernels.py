@@ -1,0 +1,161 @@
+"""tools/bench_step_kernels.py without a GPU: the --cpu-smoke run (tiny shapes, CPU torch) goes
+through every path but the CUDA kernels and graphs; its equality checks pass, they fail when the
+compared results differ, and its JSON lines have the shape the summary and KERNELS.md rely on."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch  # the unit tier's venv has CPU torch (the test extra)
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = ROOT / "tools" / "bench_step_kernels.py"
+
+
+@pytest.fixture(scope="module")
+def bk():
+    spec = importlib.util.spec_from_file_location("bench_step_kernels", TOOL)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses resolve their module by name
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop(spec.name, None)
+
+
+def _run(*args, **env):
+    e = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT / "src"), **env)
+    return subprocess.run([sys.executable, str(TOOL), *args], env=e, capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bk") / "smoke.jsonl"
+    proc = _run("--cpu-smoke", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stdout = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert stdout == [json.loads(line) for line in out.read_text().splitlines()]
+    return stdout
+
+
+def test_smoke_runs_every_part_once_per_shape(bk, smoke):
+    plan = bk.make_plan("cpu-smoke")
+    assert smoke[0]["kind"] == "env" and smoke[0]["device"] == "cpu" and smoke[-1]["kind"] == "summary"
+    timed = [r for r in smoke if r["kind"] in ("draft_head", "qsa_topk")]
+    draft = {(r["tokens"], r["impl"]) for r in timed if r["kind"] == "draft_head"}
+    assert draft == {(t, i) for t in plan.draft_tokens for i in ("stock", "patched")}
+    qsa = {(r["batch"], r["context"], r["max_model_len"], r["impl"]) for r in timed if r["kind"] == "qsa_topk"}
+    assert qsa == {(b, c, m, i) for b in plan.batches for c in plan.contexts for m in plan.max_model_lens
+                   for i in ("stock", "patched")}
+    for r in timed:
+        assert r["mode"] == "eager" and "error" not in r
+        assert r["n"] == plan.iters == len(r["raw_us"])
+        assert min(r["raw_us"]) == r["min_us"] <= r["p10_us"] <= r["median_us"] <= r["p90_us"] <= max(r["raw_us"])
+    rows = {r["batch"]: r["rows"] for r in timed if r["kind"] == "qsa_topk"}
+    assert rows == {b: 3 * b for b in plan.batches}  # MTP=2: 1 + 2 positions per request
+    bw = [r for r in smoke if r["kind"] == "copy_bandwidth"]
+    assert len(bw) == 1 and bw[0]["ok"] and bw[0]["bytes"] == plan.copy_bytes
+    per_s = bw[0]["bytes"] / (bw[0]["median_us"] * 1e-6) / 1e9  # both figures are rounded to 0.1 GB/s
+    assert bw[0]["gbps_copied"] == pytest.approx(per_s, abs=0.051)
+    assert bw[0]["gbps_read_plus_write"] == pytest.approx(2 * per_s, abs=0.051)
+
+
+def test_smoke_checks_prove_equal_results(smoke):
+    draft = [r for r in smoke if r["kind"] == "check" and r["bench"] == "draft_head"]
+    assert len(draft) == 2
+    for c in draft:
+        assert c["ok"] and c["minus_inf_elsewhere"] and c["finite_on_set"] and c["within_2ulp"] and c["shape_ok"]
+        assert c["ids"] == 256 and c["ids_source"] == "random (smoke)"
+    qsa = [r for r in smoke if r["kind"] == "check" and r["bench"] == "qsa_topk"]
+    assert len(qsa) == 4
+    for c in qsa:
+        assert c["ok"] and c["stock_equals_expected"] and c["patched_equals_expected"]
+        assert c["random_sets_equal"] == {"stock": True, "patched": True}
+
+
+def test_summary_ratios_are_patched_over_stock(smoke):
+    s = smoke[-1]
+    med = {(r["kind"], r.get("tokens"), r.get("batch"), r.get("context"), r["impl"]): r["median_us"]
+           for r in smoke if r["kind"] in ("draft_head", "qsa_topk")}
+    assert len(s["ratios"]) == len(med) // 2 and s["checks"] == s["checks_passed"] == 6 and s["errors"] == []
+    for r in s["ratios"]:
+        key = (r["bench"], r.get("tokens"), r.get("batch"), r.get("context"))
+        assert r["vs"] == "stock" and r["patched_us"] == med[key + ("patched",)] and r["ref_us"] == med[key + ("stock",)]
+        assert r["ratio"] == round(r["patched_us"] / r["ref_us"], 3)
+        assert r["meets_goal"] == (r["patched_us"] / r["ref_us"] <= {"draft_head": 0.30, "qsa_topk": 1.0}[r["bench"]])
+    assert s["draft_head_ratio_vs_stock_max"] == max(r["ratio"] for r in s["ratios"] if r["bench"] == "draft_head")
+    assert s["gb10_over_this_device_bandwidth"] == round(273.0 / s["copy_gbps_read_plus_write"], 4)
+
+
+def test_draft_check_fails_on_a_wrong_scatter_or_value(bk):
+    g = torch.Generator().manual_seed(1)
+    full = torch.randn(3, 50, generator=g).to(torch.bfloat16)
+    ids = torch.tensor([2, 7, 11, 40])
+    good = torch.full_like(full, float("-inf"))
+    good[:, ids] = full[:, ids]
+    assert bk.check_reduced(torch, full, good, ids)["ok"]
+    shifted = torch.full_like(full, float("-inf"))
+    shifted[:, ids + 1] = full[:, ids]  # scattered one column off
+    res = bk.check_reduced(torch, full, shifted, ids)
+    assert not res["ok"] and not res["minus_inf_elsewhere"] and not res["finite_on_set"]
+    zero_fill = good.clone()
+    zero_fill[:, 0] = 0.0  # a column outside the set that is not -inf
+    assert not bk.check_reduced(torch, full, zero_fill, ids)["ok"]
+    off = good.clone()
+    off[1, 7] = off[1, 7] + 0.25 * max(1.0, float(off[1, 7].abs()))  # far beyond 2 bf16 ulps
+    res = bk.check_reduced(torch, full, off, ids)
+    assert not res["ok"] and not res["within_2ulp"] and not res["bitwise_equal"]
+
+
+def test_qsa_check_fails_when_the_stock_side_selects_a_wrong_block(bk, monkeypatch, capsys):
+    real = bk.cpu_standin_topk
+
+    def drops_the_best(logits, visible, token_topk, ratio, out, ws):
+        real(logits, visible, token_topk, ratio, out, ws)
+        k = token_topk // ratio
+        v = int(visible[0])
+        out[0, k - 1] = torch.topk(logits[0, :v], k + 1).indices[k]  # swaps the best for the (k+1)-th
+
+    monkeypatch.setattr(bk, "cpu_standin_topk", drops_the_best)
+    assert bk.main(["--cpu-smoke", "--only", "qsa_topk"]) == bk.EXIT_CHECK_FAILED
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    checks = [r for r in lines if r["kind"] == "check"]
+    assert checks and all(not c["ok"] and not c["stock_equals_expected"] and c["patched_equals_expected"]
+                          for c in checks)
+    assert lines[-1]["checks_passed"] == 0
+
+
+def test_patched_qsa_is_patch_8s_installed_hook(bk, monkeypatch, capsys):
+    """The `patched` side is what patch 8 installs: `_qsa_topk.make_hook(stock, "det", ...)`."""
+    from flash_vllm.patches import _qsa_topk
+
+    seen = []
+    real = _qsa_topk.make_hook
+    monkeypatch.setattr(_qsa_topk, "make_hook", lambda orig, mode, base: seen.append((orig, mode, base))
+                        or real(orig, mode, base))
+    assert bk.main(["--cpu-smoke", "--only", "qsa_topk"]) == 0
+    capsys.readouterr()
+    assert seen == [(bk.cpu_standin_topk, "det", "v0.30")]
+    hook = real(bk.cpu_standin_topk, "det", "v0.30")
+    assert hook.flash_mode == "det"
+
+
+def test_without_cuda_it_exits_3_with_a_reason():
+    proc = _run()
+    assert proc.returncode == 3 and proc.stdout == ""
+    assert "no CUDA device" in proc.stderr and "--cpu-smoke" in proc.stderr
+
+
+def test_bad_arguments_are_refused(tmp_path):
+    proc = _run("--cpu-smoke", "--out", str(tmp_path / "missing" / "x.jsonl"))
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+    proc = _run("--cpu-smoke", "--quick")
+    assert proc.returncode == 2 and "not allowed with" in proc.stderr
+    proc = _run("--cpu-smoke", "--only", "nope")
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr
