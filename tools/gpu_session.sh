@@ -58,8 +58,8 @@ print(fleet.plugin_site(fleet.Context(work=pathlib.Path('$GS/work'), out=pathlib
   mkdir -p "$GS/decode" "$GS/kernels"
   phase decode8 300 python3 tools/bench_decode.py matrix "$BENCH/L8" --port 18600 --out "$GS/decode/raw.jsonl" \
     --logs "$GS/decode" --deadline $(( $(left) - 20 < 420 ? $(left) - 20 : 420 ))
-  phase kernels 100 bash -c "python3 tools/bench_step_kernels.py --out '$GS/kernels/kernels.jsonl';
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu"
+  phase kernels 100 bash -c "timeout 120 python3 tools/bench_step_kernels.py --out '$GS/kernels/kernels.jsonl';
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu"
   phase decode4 280 python3 tools/bench_decode.py matrix "$BENCH/L4" --port 18610 --out "$GS/decode/raw.jsonl" \
     --logs "$GS/decode" --deadline $(( $(left) - 20 < 420 ? $(left) - 20 : 420 ))
   log "all phases ended"
