@@ -48,7 +48,7 @@ run_phases() {
   local prep=$!
 
   phase e2e 420 env FLASH_E2E_OUT="$GS/e2e" FLASH_E2E_WORK="$GS/work" FLASH_E2E_BOOT_WAVE=14 \
-    FLASH_E2E_DEADLINE=$(( $(left) < 720 ? $(left) - 30 : 690 )) tests/run gpu-e2e -- -k "not diag"
+    FLASH_E2E_DEADLINE=$(( $(left) < 720 ? $(left) - 30 : 690 )) tests/run gpu-e2e -- -k "${E2E_K:-not diag}"
   wait "$prep"; log "prepare rc=$? ($(tail -c 300 "$GS/prepare.log" | tr '\n' ' '))"
   # the plugin as vLLM finds it (an entry point): the dist-info the e2e tier writes
   local site
@@ -66,16 +66,23 @@ print(fleet.plugin_site(fleet.Context(work=pathlib.Path('$GS/work'), out=pathlib
   touch "$GS/done"
 }
 
-# what a watch call brings back: flat files under $OUT (the e2e tier packs its own three)
+# what a watch call brings back: ONE archive (the device tool returns a handful of files a call:
+# 16 loose ones came back as "(count)", left out) of the results so far, server logs capped
 collect() {
-  local out=${OUT:?OUT is the device tool\'s result folder}
-  cp -f "$GS"/phases.log "$GS"/*.log "$out"/ 2>/dev/null
-  mkdir -p "$out/e2e" "$out/decode" "$out/kernels"
-  cp -f "$GS"/e2e/* "$out/e2e/" 2>/dev/null
-  cp -f "$GS"/kernels/* "$out/kernels/" 2>/dev/null
-  cp -f "$GS"/decode/raw.jsonl "$out/decode/" 2>/dev/null
-  for f in "$GS"/decode/*.log; do [ -f "$f" ] && tail -c 2000000 "$f" >"$out/decode/$(basename "$f")"; done
-  return 0
+  local out=${OUT:?OUT is the device tool\'s result folder} tmp
+  tmp=$(mktemp -d)
+  mkdir -p "$tmp/gs"
+  cp -f "$GS"/*.log "$tmp/gs/" 2>/dev/null
+  for d in e2e kernels decode; do
+    [ -d "$GS/$d" ] || continue
+    mkdir -p "$tmp/gs/$d"
+    for f in "$GS/$d"/*; do
+      [ -f "$f" ] || continue
+      case "$f" in *.log) tail -c 3000000 "$f" >"$tmp/gs/$d/$(basename "$f")" ;; *) cp -f "$f" "$tmp/gs/$d/" ;; esac
+    done
+  done
+  tar czf "$out/gs.tar.gz" -C "$tmp" gs
+  rm -rf "$tmp"
 }
 
 case "${1:-}" in

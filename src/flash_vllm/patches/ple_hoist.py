@@ -58,9 +58,12 @@ NOT_PORTED = {b: ("patch 1's splitting-op flavour: the lookup is a torch.compile
               for b in releases.where("ple_storage", "splitting-op")}
 STATE_MOD = "vllm.models.qwen4_exp.nvidia.model_state"
 PREPARE = (STATE_MOD, "Qwen4ExpModelState.prepare_inputs")
+# CUDA-graph capture builds its inputs here, not through prepare_inputs (cudagraph_utils'
+# `model_state.prepare_dummy_inputs`), and runs an eager warm-up forward on them
+PREPARE_DUMMY = (STATE_MOD, "Qwen4ExpModelState.prepare_dummy_inputs")
 RUNNER = ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.execute_model")
 DUMMY = ("vllm.v1.worker.gpu.input_batch", "InputBatch.make_dummy")
-TARGETS = (PREPARE, RUNNER, DUMMY)
+TARGETS = (PREPARE, PREPARE_DUMMY, RUNNER, DUMMY)
 NUMBER = 1
 log = logging.getLogger("vllm.flash")
 
@@ -95,6 +98,11 @@ def check(ctx: Context) -> None:
                   "self.cudagraph_manager.run_fullgraph(batch_desc)")
     # Dummy batches are told apart by request ids the request states never registered.
     expect_source(*DUMMY, 'req_ids = [f"req_{i}_{random_uuid()}"')
+    # Capture's own dummy inputs (the model state's method, called by the graph manager).
+    expect_source(*PREPARE_DUMMY, "super().prepare_dummy_inputs(num_reqs, num_tokens)",
+                  "ngram_context=ngram_context")
+    expect_source("vllm.v1.worker.gpu.cudagraph_utils", "ModelCudaGraphManager.capture",
+                  "model_state.prepare_dummy_inputs(num_reqs, num_tokens)")
     expect_source("vllm.v1.worker.gpu.states", "RequestState.__init__", "self.req_id_to_index")
     expect_source("vllm.models.qwen4_exp.nvidia.ngram_embedding", "Qwen4ExpNGramEmbedding.forward",
                   "self.compute_ngram_ids(", "input_ids, query_start_loc, ngram_context")
@@ -103,6 +111,7 @@ def check(ctx: Context) -> None:
 def apply(ctx: Context) -> None:
     global ACTIVE, CHECK
     install(NUMBER, *PREPARE, make_prepare_inputs)
+    install(NUMBER, *PREPARE_DUMMY, make_prepare_dummy_inputs)
     from ..ple import config_from_env
 
     CHECK = config_from_env(ctx.env).hoist_check
@@ -111,6 +120,7 @@ def apply(ctx: Context) -> None:
 
 def verify(ctx: Context) -> None:
     expect_installed(NUMBER, *PREPARE)
+    expect_installed(NUMBER, *PREPARE_DUMMY)
 
 
 def wanted(ctx: Context) -> bool:
@@ -193,11 +203,15 @@ class Hoister:
                 self.layers.append(m)
         self.step = 0
 
+    def dummy(self) -> None:
+        """A forward on dummy inputs follows: nothing to gather, nothing to check."""
+        for m in self.layers:
+            m.ngram_embedding._flash_hoist.skip()
+
     def stage(self, input_batch, req_states, inputs) -> None:
         known = req_states.req_id_to_index
-        if not all(r in known for r in input_batch.req_ids):
-            for m in self.layers:
-                m.ngram_embedding._flash_hoist.skip()
+        if not input_batch.req_ids or not all(r in known for r in input_batch.req_ids):
+            self.dummy()
             return
         import torch
 
@@ -231,6 +245,24 @@ def make_prepare_inputs(orig):
         return inputs
 
     return prepare_inputs
+
+
+def make_prepare_dummy_inputs(orig):
+    """Capture's warm-up forward runs eagerly on these inputs after whatever step was staged last
+    (H200, real-shape boot: "the forward reads 32 PLE rows but the runner's hook staged 1"):
+    mark the step a dummy, as the runner's own dummy batches are."""
+    from ..registry import wraps
+
+    @wraps(orig)
+    def prepare_dummy_inputs(self, num_reqs, num_tokens):
+        inputs = orig(self, num_reqs, num_tokens)
+        if self.uses_ngram_embedding:
+            h = hoister(self)
+            if h.layers:
+                h.dummy()
+        return inputs
+
+    return prepare_dummy_inputs
 
 
 def slot_for_new_storage():
