@@ -535,6 +535,33 @@ print(json.dumps(out))
 """
 
 
+# The parsers the recipe's `vllm serve` loads lazily at boot (--reasoning-parser qwen3,
+# --tool-call-parser qwen3_coder): their imports reach packages no top-level import does
+# (H200, twice: qwen3's parser imports mistral_common's language codes, which need pycountry).
+PARSERS_CODE = r"""
+import importlib
+try:
+    from vllm.reasoning import ReasoningParserManager
+    ReasoningParserManager.get_reasoning_parser("qwen3")
+    for where in ("vllm.tool_parsers", "vllm.entrypoints.openai.tool_parsers"):
+        try:
+            mod = importlib.import_module(where)
+        except ImportError:
+            continue
+        mod.ToolParserManager.get_tool_parser("qwen3_coder")
+        break
+except Exception as e:
+    raise SystemExit(f"{type(e).__name__}: {e}")
+"""
+
+
+def parsers_problem(prefix: Path, timeout: float = 300) -> str | None:
+    """None when the recipe's reasoning and tool parsers load from the prefix, else why not."""
+    r = subprocess.run([sys.executable, "-c", PARSERS_CODE], env=prefix_env(prefix), capture_output=True, text=True,
+                       timeout=timeout)
+    return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["(no message)"])[-1][-600:]
+
+
 def imported_versions(prefix: Path, modules: Iterable[str] = VERSION_MODULES, timeout: float = 300) -> dict:
     r = subprocess.run([sys.executable, "-c", VERSIONS_CODE, *modules], env=prefix_env(prefix),
                        capture_output=True, text=True, timeout=timeout)
@@ -669,6 +696,12 @@ def cmd_install(a) -> int:
     bad = [mod for mod, v in versions.items() if "error" in v]
     if bad:
         raise PayloadError(f"installed, but {bad} do not import from {prefix}", 4)
+    problem = parsers_problem(prefix)
+    if problem:
+        raise PayloadError(f"installed, but the recipe's parsers (reasoning qwen3, tool qwen3_coder) do not load "
+                           f"from {prefix}: {problem} (add the missing wheel to tools/payload/vllm-"
+                           f"{m['release']}-extra.txt and pack again)", 4)
+    print("  parsers    qwen3 (reasoning), qwen3_coder (tool): load")
     return 0
 
 

@@ -317,3 +317,26 @@ def test_release_without_a_list_is_resolved_by_pip_minus_the_image(dp, tmp_path,
     assert names == ["torch-2.9.0-cp312-cp312-manylinux_2_28_x86_64.whl",
                      "vllm-0.29.0-cp38-abi3-manylinux_2_28_x86_64.whl"]
     assert all((tmp_path / "cache" / n).is_file() for n in names)
+
+
+def _fake_vllm_prefix(root: Path, reasoning_body: str) -> Path:
+    (root / "vllm" / "reasoning").mkdir(parents=True)
+    (root / "vllm" / "tool_parsers").mkdir(parents=True)
+    (root / "vllm" / "__init__.py").write_text("")
+    (root / "vllm" / "reasoning" / "__init__.py").write_text(
+        "class ReasoningParserManager:\n    @classmethod\n    def get_reasoning_parser(cls, name):\n"
+        f"        assert name == 'qwen3'\n        {reasoning_body}\n")
+    (root / "vllm" / "tool_parsers" / "__init__.py").write_text(
+        "class ToolParserManager:\n    @classmethod\n    def get_tool_parser(cls, name):\n"
+        "        assert name == 'qwen3_coder'\n        return object\n")
+    return root
+
+
+def test_install_names_a_parser_that_cannot_load(dp, tmp_path):
+    """The recipe's lazily loaded parsers are imported at install time: a wheel missing from the
+    payload (pycountry, twice on the H200) is named there, not at the first boot."""
+    bad = _fake_vllm_prefix(tmp_path / "bad", "import pycountry_not_carried")
+    problem = dp.parsers_problem(bad)
+    assert problem and "ModuleNotFoundError" in problem and "pycountry_not_carried" in problem
+    good = _fake_vllm_prefix(tmp_path / "good", "return object")
+    assert dp.parsers_problem(good) is None
