@@ -10,7 +10,7 @@
 #
 # Needs the vLLM payload installed (tools/device_payload.py install, docs/GPU-E2E.md). Phases, in
 # order, each skipped when the budget left is shorter than it needs (said in phases.log):
-#   e2e      tests/run gpu-e2e, every scenario but diag_ple_ids: 14 servers with fixed KV pools
+#   e2e      tests/run gpu-e2e, every scenario but diag_ple_ids: servers with fixed KV pools in waves of 4
 #            side by side, then a/b/c-default alone (kv_plan) while the others' scenarios run
 #   decode8  tools/bench_decode.py matrix, 8 of the 48 layers (real per-layer shapes, dummy weights)
 #   kernels  tools/bench_step_kernels.py (draft head, QSA top-k, copy bandwidth) + tests/gpu
@@ -47,7 +47,7 @@ run_phases() {
   ) >"$GS/prepare.log" 2>&1 &
   local prep=$!
 
-  phase e2e 420 env FLASH_E2E_OUT="$GS/e2e" FLASH_E2E_WORK="$GS/work" FLASH_E2E_BOOT_WAVE=14 \
+  phase e2e 420 env FLASH_E2E_OUT="$GS/e2e" FLASH_E2E_WORK="$GS/work" FLASH_E2E_BOOT_WAVE=4 \
     FLASH_E2E_DEADLINE=$(( $(left) < 720 ? $(left) - 30 : 690 )) tests/run gpu-e2e -- -k "${E2E_K:-not diag}"
   wait "$prep"; log "prepare rc=$? ($(tail -c 300 "$GS/prepare.log" | tr '\n' ' '))"
   # the plugin as vLLM finds it (an entry point): the dist-info the e2e tier writes
