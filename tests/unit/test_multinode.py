@@ -292,7 +292,7 @@ def box_facts(i: int, **over) -> dict:
          "probe": {"memlock_unlimited": True, "ipc_lock": True, "infiniband": ["rdma_cm", "uverbs0"],
                    "ib_ports": [{"dev": "rocep1s0f1", "port": "1", "state": "4: ACTIVE", "rate": "200 Gb/sec (2X NDR)"}],
                    "revision": "abc", "snapshot": True, "variant": True, "variant_marker": {"format": 2},
-                   "lingering": ["spark"], "remove_ipc": None},
+                   "lingering": ["spark"], "remove_ipc": None, "key_file": None},
          "nccl": "ib"}
     for k, v in over.items():
         if k in f["probe"]:
@@ -338,6 +338,8 @@ def test_doctor_all_good():
     (1, {"variant_marker": {"format": 1}}, "prepared variants differ"),
     (1, {"image_id": None}, "is not there"),
     (1, {"unreachable": "box 1 (b) is unreachable"}, "unreachable"),
+    (1, {"key_file": False, "key_path": "/home/spark/.local/state/flash/api-key.qwen38-flash"},
+     "API key file /home/spark/.local/state/flash/api-key.qwen38-flash is not there"),
 ])
 def test_doctor_catches(box, over, needle):
     facts = [box_facts(0), box_facts(1)]
