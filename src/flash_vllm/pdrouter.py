@@ -22,9 +22,10 @@ openai/*/protocol.py) and its tests' proxy:
 Both requests carry the same `X-Request-Id` (the client's, or a new one) and the API key.
 Errors: a 4xx from a server is the client's (passed through as it is); a 5xx, a refused
 connection or a timeout is a 502 whose message and `stage` name the server that failed.
-`/health` is 200 only when both servers answer 200. `/metrics` is Prometheus text: the router's
-own `flash_router_*` families plus both servers' families with a `stage` label, so dashboards and
-`flash test` read one endpoint. Other paths go to the decode server.
+`/v1/messages` (Anthropic) takes the same path. `/health` is 200 only when both servers answer
+200. `/metrics` is Prometheus text: the router's own `flash_router_*` families plus both servers'
+families with a `stage` label, so dashboards and `flash test` read one endpoint. Other paths go
+to the decode server.
 
 The API key comes as on one box: `flash_vllm.launch` reads the mounted key file into
 VLLM_API_KEY before exec; requests to /v1/* must carry it, and the router sends it to both servers.
@@ -45,7 +46,10 @@ import urllib.parse
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-PD_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+# The Anthropic Messages API (Claude Code) takes the same handoff: vLLM 0.29-0.33's
+# AnthropicMessagesRequest/Response carry kv_transfer_params (0.31+ skip the thinking-budget check
+# on prefill legs for this reason).
+PD_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/messages": "messages"}
 # vLLM's tests' proxy sends exactly these (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py);
 # base_scheduler.on_new_request() truncates the prompt when do_remote_decode is set, and
 # pull_scheduler.request_finished() answers with the params the decode server needs.

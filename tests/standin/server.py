@@ -1096,6 +1096,7 @@ class Handler(BaseHTTPRequestHandler):
         tail = msgs[-1]["content"]
         rid = f"msg_{uuid.uuid4().hex[:24]}"
         self.log_inputs(rid, prompt, len(tokenize(prompt)), body)
+        kv = self.engine.kv_handoff(body, rid, len(tokenize(prompt)))
         tool = pick_tool(self.engine, tools, body.get("tool_choice"), msgs[-1]["role"])
         forced = None
         if tool is not None:
@@ -1139,7 +1140,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_json(200, {"id": rid, "type": "message", "role": "assistant", "model": model,
                              "content": content, "stop_reason": stop, "stop_sequence": None,
                              "usage": {"input_tokens": res["n_prompt"], "output_tokens": len(res["tokens"]),
-                                       "cache_read_input_tokens": res["cached"]}})
+                                       "cache_read_input_tokens": res["cached"]}, "kv_transfer_params": kv})
 
 
 # ---------------------------------------------------------------------------------------------

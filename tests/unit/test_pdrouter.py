@@ -263,6 +263,12 @@ def test_flash_test_passes_through_the_router_in_front_of_two_standins(capsys):
             rc = main(["test", "TEST_PREFILL_TOKENS=1024", "TEST_DECODE_TOKENS=32", "TEST_DET_TOKENS=8",
                        "TEST_DET_RUNS=2", "--url", url, "--json"])
             report = json.loads(capsys.readouterr().out)
+            # Claude Code's API takes the same handoff (streamed back as Anthropic events)
+            msg = {"model": "qwen3.8-flash-next", "max_tokens": 16, "stream": True,
+                   "messages": [{"role": "user", "content": "Say hi"}]}
+            with requests.post(f"{url}/v1/messages", json=msg, stream=True, timeout=30) as r:
+                events = [x for x in r.iter_lines() if x.startswith(b"event: ")]
+            assert r.status_code == 200 and events[0] == b"event: message_start" and events[-1] == b"event: message_stop"
             seen_p = requests.get(f"{p.url}/standin/argv", timeout=5).json()["kv_seen"]
             seen_d = requests.get(f"{d.url}/standin/argv", timeout=5).json()["kv_seen"]
         finally:
@@ -274,3 +280,4 @@ def test_flash_test_passes_through_the_router_in_front_of_two_standins(capsys):
     assert seen_p and all(k["do_remote_decode"] is True for k in seen_p)
     assert seen_d and all(k["do_remote_prefill"] is True and k["remote_host"] == "10.9.8.7" and k["remote_port"] == 5600
                           for k in seen_d)
+    assert seen_d[-1]["remote_request_id"].startswith("msg_")  # the last handoff was the Messages request's
