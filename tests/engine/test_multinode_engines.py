@@ -254,6 +254,8 @@ def test_pd_router_is_one_endpoint_on_two_engines(flash, docker_client, second_e
     assert [(r["node"], r["role"], r["state"]) for r in st] == [(0, "prefill", "running"), (1, "decode", "running"),
                                                                ("router", "router", "running")]
     assert st[2]["api"] == "up" and st[2]["url"] == f"{flash.url}/v1"
+    text = flash("status").stdout
+    assert f"pd deployment on 2 boxes, endpoint {flash.url}/v1 (P/D router)" in text and "router on localhost: " in text
     logs = flash("logs", "--node", "router", "50")
     assert "pdrouter: listening on 127.0.0.1:" in logs.stdout + logs.stderr and "API key required" in logs.stdout + logs.stderr
 
