@@ -177,6 +177,21 @@ def serve(dep: "Deployment", s, *, force: bool, start_check: float, kv_label: st
             b.index == 0 and engine.state(c).status == "running" for b, c in one_box)
         for p in preflight.port(s, held_by_us=head_held):
             p.raise_()
+    if dep.router is not None:  # pd: the servers' own ports (PD_PORT, PD_PORT+1) on the boxes of this machine
+        for b, n in zip(boxes, dep.nodes):
+            port = int(n.spec.labels[f"{LABEL}.port"])
+            if not same_machine(b.url) or b in held:
+                continue
+            try:
+                free = preflight.port_free(n.addr, port)
+            except OSError:  # the address is not this machine's: that box's engine is local by socket only
+                continue
+            if not free:
+                from .errors import PortInUse
+
+                raise PortInUse(f"port {n.addr}:{port} (the {n.role} server's: PD_PORT{'+1' if n.index else ''}) is "
+                                "already in use by another program; nothing was started",
+                                hint=f"pick another: PD_PORT={s['PD_PORT'] + 2}")
     front = boxes[-1] if dep.router is not None else boxes[0]  # where users' requests come in
     if front.container is not None and front in held and s["DRAIN_TIMEOUT"] > 0 and endpoint_url(front):
         left, _ = running.drain(running.Endpoint(endpoint_url(front), running.endpoint(front.container).key, ""),

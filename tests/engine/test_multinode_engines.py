@@ -277,3 +277,18 @@ def test_pd_router_is_one_endpoint_on_two_engines(flash, docker_client, second_e
     assert res.returncode == 0 and "router on localhost: removed" in res.stdout, res.stdout + res.stderr
     for client in (docker_client, client2):
         assert not client.containers.list(all=True, filters={"label": f"org.flash.name={flash.name}"})
+
+
+def test_pd_server_port_in_use_changes_nothing(flash, docker_client, second_engine):
+    import socket
+
+    url, client2 = second_engine
+    pd = two_free_ports()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", pd + 1))
+        held.listen(1)
+        res = flash("serve", "pd", "--start-check", "1", env=boxes_env(url, PD_PORT=str(pd)))
+    assert res.returncode == 9, res.stdout + res.stderr
+    assert f"port 127.0.0.1:{pd + 1} (the decode server's: PD_PORT+1) is already in use" in res.stderr
+    for client in (docker_client, client2):
+        assert not client.containers.list(all=True, filters={"label": f"org.flash.name={flash.name}"})
