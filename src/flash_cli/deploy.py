@@ -2,8 +2,9 @@
 
 The plan is multinode.py's (pure); this module only talks to engines. Every box's engine is
 reached before anything starts (an unreachable box changes nothing); containers are found by
-their labels (org.flash.name + org.flash.node), and the boxes of a running deployment come from
-the head's own labels (org.flash.nodes) when NODES is not given again.
+their labels (org.flash.name + org.flash.node: 0, 1, or `router` for pd's P/D router on box 0),
+and the boxes of a running deployment come from the head's own labels (org.flash.nodes) when
+NODES is not given again.
 """
 
 from __future__ import annotations
@@ -52,21 +53,34 @@ def same_machine(url: str) -> bool:
     return url == "" or url.startswith("unix://") or url.split("://", 1)[-1].split(":")[0] in ("127.0.0.1", "localhost")
 
 
+ROUTER = "router"  # org.flash.node of pd's P/D router (on box 0)
+
+
 @dataclass
 class Box:
-    index: int
+    index: int  # the box (0 = head); the router runs on box 0
     box: str
     url: str
     client: "DockerClient"
     container: "Container | None"
+    node: str = ""  # org.flash.node: str(index), or "router"
+
+    def __post_init__(self) -> None:
+        self.node = self.node or str(self.index)
+
+    @property
+    def is_router(self) -> bool:
+        return self.node == ROUTER
 
     @property
     def label(self) -> str:
+        if self.is_router:
+            return f"router on {self.box}"
         role = self.container.labels.get(f"{LABEL}.role", "?") if self.container is not None else "?"
         return f"node {self.index} ({role}) on {self.box}"
 
 
-def find_node(client: "DockerClient", name: str, index: int) -> "Container | None":
+def find_node(client: "DockerClient", name: str, index: int | str) -> "Container | None":
     found = client.containers.list(all=True, filters={"label": [f"{LABEL}.name={name}", f"{LABEL}.node={index}"]})
     return found[0] if found else None
 
@@ -97,6 +111,9 @@ def locate(settings) -> list[Box] | None:
         url = engine_url(box)
         client = connect(url, box, i)
         out.append(Box(i, box, url, client, find_node(client, settings["NAME"], i)))
+    router = find_node(out[0].client, settings["NAME"], ROUTER)
+    if router is not None or (out[0].container is not None and out[0].container.labels.get(f"{LABEL}.parallel") == "pd"):
+        out.append(Box(0, out[0].box, out[0].url, out[0].client, router, ROUTER))
     if all(b.container is None for b in out):
         raise ContainerMissing(f"no flash deployment named {settings['NAME']!r} on {', '.join(boxes)}",
                                hint="start one: flash serve tp2|dp2|pd NODES=… NODE_ADDRS=…")
@@ -114,6 +131,7 @@ def endpoint_url(b: Box) -> str | None:
     if bind in ("127.0.0.1", "::1"):
         return None
     host = bind if bind not in ("0.0.0.0", "::") else b.container.labels.get(f"{LABEL}.node-addrs", "").split(",")[b.index]
+    host = f"[{host}]" if ":" in host else host
     return f"http://{host}:{b.container.labels.get(f'{LABEL}.port')}"
 
 
@@ -131,7 +149,7 @@ def died(b: Box, st: engine.State, n: int = 25) -> ContainerDied:
     oom = ", OOM-killed" if st.oom_killed else ""
     return ContainerDied(f"{b.label}: container {b.container.name} is {st.status} (exit code {st.exit_code}{oom}); "
                          "its last log lines are above",
-                         hint=f"flash logs --node {b.index} for more; the deployment cannot come up without every box")
+                         hint=f"flash logs --node {b.node} for more; the deployment cannot come up without every box")
 
 
 # -- serve -----------------------------------------------------------------------------------
@@ -139,15 +157,17 @@ def serve(dep: "Deployment", s, *, force: bool, start_check: float, kv_label: st
     from . import preflight
 
     boxes = [Box(n.index, n.box, n.engine, connect(n.engine, n.box, n.index), None) for n in dep.nodes]
-    for b, n in zip(boxes, dep.nodes):  # the image on every box, before anything changes
+    if dep.router is not None:  # on box 0, through the same engine
+        boxes.append(Box(0, boxes[0].box, boxes[0].url, boxes[0].client, None, ROUTER))
+    for b, n in zip(boxes, dep.containers()):  # the image on every box, before anything changes
         for p in preflight.image(s, n.spec.image, engine.image_labels(b.client, n.spec.image)):
             raise p.error(f"box {b.index} ({b.box}): {p.message}", hint=p.hint)
-        b.container = find_node(b.client, s["NAME"], b.index)
+        b.container = find_node(b.client, s["NAME"], b.node)
     # a one-box server of that NAME on any box is replaced (after every check passed, below)
     one_box = [(b, c) for b in boxes for c in engine.find_all(b.client, s["NAME"]) if f"{LABEL}.node" not in c.labels]
     held = [b for b in boxes if b.container is not None and engine.state(b.container).status == "running"]
     same = all(b.container is not None and b.container.labels.get(f"{LABEL}.settings") == n.spec.labels[f"{LABEL}.settings"]
-               and b.container.labels.get(f"{LABEL}.nodes") == s["NODES"] for b, n in zip(boxes, dep.nodes))
+               and b.container.labels.get(f"{LABEL}.nodes") == s["NODES"] for b, n in zip(boxes, dep.containers()))
     if len(held) == len(boxes) and same and not force:
         print(f"{s['NAME']} already runs this deployment on {s['NODES']} (settings "
               f"{dep.head.spec.labels[f'{LABEL}.settings']}); nothing to do (--force replaces it)")
@@ -157,8 +177,24 @@ def serve(dep: "Deployment", s, *, force: bool, start_check: float, kv_label: st
             b.index == 0 and engine.state(c).status == "running" for b, c in one_box)
         for p in preflight.port(s, held_by_us=head_held):
             p.raise_()
-    if boxes[0].container is not None and boxes[0] in held and s["DRAIN_TIMEOUT"] > 0 and endpoint_url(boxes[0]):
-        left, _ = running.drain(running.Endpoint(endpoint_url(boxes[0]), running.endpoint(boxes[0].container).key, ""),
+    if dep.router is not None:  # pd: the servers' own ports (PD_PORT, PD_PORT+1) on the boxes of this machine
+        for b, n in zip(boxes, dep.nodes):
+            port = int(n.spec.labels[f"{LABEL}.port"])
+            if not same_machine(b.url) or b in held:
+                continue
+            try:
+                free = preflight.port_free(n.addr, port)
+            except OSError:  # the address is not this machine's: that box's engine is local by socket only
+                continue
+            if not free:
+                from .errors import PortInUse
+
+                raise PortInUse(f"port {n.addr}:{port} (the {n.role} server's: PD_PORT{'+1' if n.index else ''}) is "
+                                "already in use by another program; nothing was started",
+                                hint=f"pick another: PD_PORT={s['PD_PORT'] + 2}")
+    front = boxes[-1] if dep.router is not None else boxes[0]  # where users' requests come in
+    if front.container is not None and front in held and s["DRAIN_TIMEOUT"] > 0 and endpoint_url(front):
+        left, _ = running.drain(running.Endpoint(endpoint_url(front), running.endpoint(front.container).key, ""),
                         s["DRAIN_TIMEOUT"])
         if left:
             say(f"  ! {left:.0f} request(s) still running after {s['DRAIN_TIMEOUT']} s; replacing anyway")
@@ -177,9 +213,11 @@ def serve(dep: "Deployment", s, *, force: bool, start_check: float, kv_label: st
     elif head.spec.needs_api_key:
         say("  ! the head is remote: its API key file must exist there (run flash serve on the head, or copy "
             f"{state.api_key_path(s['NAME'])} to it)")
-    # Head first: it owns the rendezvous / handshake socket the headless ranks connect to.
-    for b, n in zip(boxes, dep.nodes):
-        n.spec.labels[f"{LABEL}.kv-plan"] = kv_label
+    # Head first: it owns the rendezvous / handshake socket the headless ranks connect to; the
+    # router last (its /health needs both servers).
+    for b, n in zip(boxes, dep.containers()):
+        if not b.is_router:
+            n.spec.labels[f"{LABEL}.kv-plan"] = kv_label
         b.container = engine.create_and_start(b.client, n.spec)
         say(f"  · started {b.label}: {b.container.name} ({b.container.short_id})")
     deadline = time.monotonic() + start_check
@@ -193,7 +231,8 @@ def serve(dep: "Deployment", s, *, force: bool, start_check: float, kv_label: st
         if time.monotonic() >= deadline:
             break
         time.sleep(0.5)
-    print(f">> {s['NAME']} starting on {len(boxes)} boxes ({dep.parallel}): "
+    print(f">> {s['NAME']} starting on {len(dep.nodes)} boxes ({dep.parallel}"
+          + (", P/D router on box 0" if dep.router is not None else "") + "): "
           + ", ".join(f"{u}/v1" for u in dep.api_urls()))
     say("   next: flash wait (watches every box), then flash test")
     return 0
@@ -212,7 +251,8 @@ def remove_all(boxes: list[Box]) -> None:
 def wait(boxes: list[Box], timeout: float, interval: float) -> int:
     missing = [b for b in boxes if b.container is None]
     if missing:
-        raise ContainerMissing(f"node {missing[0].index} on {missing[0].box}: no container of this deployment there",
+        what = "the router" if missing[0].is_router else f"node {missing[0].index}"
+        raise ContainerMissing(f"{what} on {missing[0].box}: no container of this deployment there",
                                hint="flash serve … again (it starts every box)")
     start = time.monotonic()
     api_boxes = [b for b in boxes if b.container.labels.get(f"{LABEL}.role") != "worker"]
@@ -227,8 +267,9 @@ def wait(boxes: list[Box], timeout: float, interval: float) -> int:
         if elapsed > timeout:
             raise NotReady(f"the deployment is still not up after {elapsed:.0f} s", hint="flash logs --node N")
         time.sleep(interval)
-    print(f"ready after {time.monotonic() - start:.0f} s: {len(boxes)} boxes")
-    for b in api_boxes:
+    print(f"ready after {time.monotonic() - start:.0f} s: {len({b.box for b in boxes})} boxes")
+    router = [b for b in boxes if b.is_router]
+    for b in router or api_boxes:  # pd: the router is the one endpoint; the servers behind it are internal
         url = endpoint_url(b)
         print(f"  {b.label}: API {url + '/v1' if url else '(healthy, probed inside the box)'}")
     return 0
@@ -237,7 +278,7 @@ def wait(boxes: list[Box], timeout: float, interval: float) -> int:
 def status(boxes: list[Box]) -> list[dict]:
     out = []
     for b in boxes:
-        row: dict = {"node": b.index, "box": b.box, "engine": b.url or "local"}
+        row: dict = {"node": ROUTER if b.is_router else b.index, "box": b.box, "engine": b.url or "local"}
         if b.container is None:
             out.append({**row, "state": "absent"})
             continue
@@ -258,9 +299,10 @@ def status(boxes: list[Box]) -> list[dict]:
 
 
 def stop(boxes: list[Box], drain_timeout: float, dry_run: bool) -> int:
-    """The API box(es) first (drained, bounded), then the headless ranks."""
+    """The router first (drained: no new requests reach the servers), then the API box(es)
+    (drained, bounded), then the headless ranks."""
     order = sorted((b for b in boxes if b.container is not None),
-                   key=lambda b: b.container.labels.get(f"{LABEL}.role") == "worker")
+                   key=lambda b: (not b.is_router, b.container.labels.get(f"{LABEL}.role") == "worker"))
     for b in order:
         st = engine.state(b.container)
         if st.status != "running":
@@ -280,10 +322,10 @@ def stop(boxes: list[Box], drain_timeout: float, dry_run: bool) -> int:
 
 
 def start(boxes: list[Box], dry_run: bool) -> int:
-    for b in boxes:  # head first, as at serve
+    for b in boxes:  # head first, the router last, as at serve
         if b.container is None:
-            raise ContainerMissing(f"node {b.index} on {b.box}: no container of this deployment there",
-                                   hint="flash serve … again (it starts every box)")
+            raise ContainerMissing(f"{'the router' if b.is_router else f'node {b.index}'} on {b.box}: no container of "
+                                   "this deployment there", hint="flash serve … again (it starts every box)")
         if dry_run:
             print(f"would start {b.label}: {engine.describe(b.container)}")
             continue
@@ -299,7 +341,7 @@ def rm(boxes: list[Box], dry_run: bool) -> int:
     verb = "would remove" if dry_run else "removed"
     for b in boxes:
         if b.container is None:
-            print(f"node {b.index} on {b.box}: nothing there")
+            print(f"{b.label}: nothing there")
             continue
         st = engine.state(b.container)
         what = engine.describe(b.container)
@@ -309,14 +351,16 @@ def rm(boxes: list[Box], dry_run: bool) -> int:
     return 0
 
 
-def logs(boxes: list[Box], node: int, lines: int, follow: bool) -> int:
+def logs(boxes: list[Box], node: str, lines: int, follow: bool) -> int:
     from .errors import UsageError
 
-    if not 0 <= node < len(boxes):
-        raise UsageError(f"--node {node} is not a box of this deployment", hint=f"--node 0..{len(boxes) - 1}")
-    b = boxes[node]
+    found = [b for b in boxes if b.node == node]
+    if not found:
+        raise UsageError(f"--node {node} is not a box of this deployment",
+                         hint="--node " + " | ".join(b.node for b in boxes))
+    b = found[0]
     if b.container is None:
-        raise ContainerMissing(f"node {node} on {b.box}: no container of this deployment there")
+        raise ContainerMissing(f"{b.label}: no container of this deployment there")
     if not follow:
         print("\n".join(engine.tail(b.container, lines)))
         return 0

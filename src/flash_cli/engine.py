@@ -49,7 +49,8 @@ class State:
 def find(client: "DockerClient", name: str) -> "Container | None":
     """Our container for NAME, by label (never by re-supplied flags)."""
     found = client.containers.list(all=True, filters={"label": f"{LABEL}.name={name}"})
-    found.sort(key=lambda c: c.labels.get(f"{LABEL}.node", "0") != "0")  # a deployment's head before its ranks
+    # a deployment's front first: pd's router (its one endpoint), else the head before its ranks
+    found.sort(key=lambda c: (c.labels.get(f"{LABEL}.node") != "router", c.labels.get(f"{LABEL}.node", "0") != "0"))
     return found[0] if found else None
 
 

@@ -114,5 +114,6 @@ def find(name: str) -> Container | None:
     from .spec import LABEL
 
     found = Reader().containers(f"{LABEL}.name={name}")
-    found.sort(key=lambda c: c.labels.get(f"{LABEL}.node", "0") != "0")  # a deployment's head before its ranks
+    # a deployment's front first: pd's router (its one endpoint), else the head before its ranks
+    found.sort(key=lambda c: (c.labels.get(f"{LABEL}.node") != "router", c.labels.get(f"{LABEL}.node", "0") != "0"))
     return found[0] if found else None

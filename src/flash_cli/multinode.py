@@ -13,8 +13,10 @@ Modes (PARALLEL), all for two boxes with one GPU each:
        --data-parallel-size 2 --data-parallel-size-local 1 --data-parallel-address A0
        --data-parallel-rpc-port R; the worker adds --headless --data-parallel-start-rank 1.
   pd   prefill on box 0, decode on box 1, KV moved by NIXL: two servers with
-       --kv-transfer-config {"kv_connector":"NixlConnector","kv_role":"kv_producer"|"kv_consumer"}
-       (each its own API; a P/D router in front is not part of flash, see docs/MULTINODE.md).
+       --kv-transfer-config {"kv_connector":"NixlConnector","kv_role":"kv_producer"|"kv_consumer"},
+       each listening on its fast-link address at PD_PORT+N, and a third container on box 0,
+       flash's P/D router (`python3 -m flash_vllm.pdrouter`, same image), serving the one API on
+       BIND:PORT (docs/MULTINODE.md).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 
 from .errors import ConfigError
 from .settings import Settings
-from .spec import KEY_TARGET, LABEL, HF_MOUNT, RunSpec, build, extra_env
+from .spec import KEY_TARGET, LABEL, HF_MOUNT, Mount, RunSpec, build, extra_env, is_loopback
 
 # ==== per-release facts (the one place) ==========================================================
 # None differs between the catalogued releases, so nothing here asks flash_common.releases; a flag
@@ -78,13 +80,21 @@ class Deployment:
     parallel: str
     nodes: list[Node]
     warnings: list[str] = field(default_factory=list)
+    router: Node | None = None  # pd: the P/D router on box 0, the deployment's one endpoint
 
     @property
     def head(self) -> Node:
         return self.nodes[0]
 
     def api_urls(self) -> list[str]:
+        """Where users send requests: the router for pd, else the box(es) serving the API."""
+        if self.router is not None:
+            return [self.router.spec.api_url]
         return [n.spec.api_url for n in self.nodes if n.serves_api]
+
+    def containers(self) -> list[Node]:
+        """Every container of the deployment in start order (the router last: its health needs both)."""
+        return self.nodes + ([self.router] if self.router is not None else [])
 
 
 def engine_url(box: str) -> str:
@@ -166,17 +176,64 @@ def node_env(s: Settings, mode: str, index: int, addr: str) -> dict[str, str]:
     return env
 
 
+def pd_key(s: Settings, addrs: list[str]) -> bool:
+    """One key for the whole pd deployment: required when API_KEY=on, or (auto) when the router's
+    BIND or a server's fast-link address is beyond loopback (secure by default, as on one box)."""
+    mode = s["API_KEY"]
+    return mode == "on" or (mode == "auto" and not all(is_loopback(a) for a in [s["BIND"], *addrs]))
+
+
+def pd_ports(s: Settings) -> list[int]:
+    ports = [s["PD_PORT"], s["PD_PORT"] + 1]
+    if s["PORT"] in ports:
+        raise ConfigError(f"PD_PORT={s['PD_PORT']} puts a pd server on PORT={s['PORT']} (prefill PD_PORT, decode "
+                          "PD_PORT+1), where the router serves the deployment's one API",
+                          hint=f"a PD_PORT other than {s['PORT'] - 1} and {s['PORT']}, e.g. PD_PORT={s['PORT'] + 10}")
+    return ports
+
+
+def router_spec(s: Settings, servers: list[Node], *, profile: str, state_dir: str, key: bool) -> RunSpec:
+    """The P/D router's container on box 0: the same image, no GPU, no model, the deployment's
+    labels with node=router; the key file mounted and read by flash_vllm.launch as on one box."""
+    head = servers[0].spec
+    bind, port = s["BIND"], s["PORT"]
+    urls = {n.role: f"http://{n.addr if ':' not in n.addr else f'[{n.addr}]'}:{n.spec.labels[f'{LABEL}.port']}"
+            for n in servers}
+    keep = ("name", "profile", "base", "image", "served-model-name", "settings", "recipe", "version",
+            "parallel", "nodes", "node-addrs")
+    labels = {k: v for k, v in head.labels.items() if k.removeprefix(f"{LABEL}.") in keep}
+    labels.update({f"{LABEL}.port": str(port), f"{LABEL}.bind": bind, f"{LABEL}.api-key": "required" if key else "none",
+                   f"{LABEL}.node": "router", f"{LABEL}.role": "router"})
+    env = {"FLASH_API_KEY_FILE": KEY_TARGET} if key else {}
+    mounts = [Mount("bind", KEY_TARGET, head.key_file, read_only=True)] if key else []
+    probe = ["--health", str(port)] + ([bind] if bind not in ("0.0.0.0", "::", "127.0.0.1") else [])
+    url_host = "127.0.0.1" if bind in ("0.0.0.0", "::") or is_loopback(bind) else bind
+    return RunSpec(
+        name=f"{s['NAME']}-router", image=head.image, entrypoint=["python3", "-m", "flash_vllm.launch"],
+        command=["python3", "-m", "flash_vllm.pdrouter", "--host", bind, "--port", str(port),
+                 "--prefill", urls["prefill"], "--decode", urls["decode"]],
+        env=env, labels=labels, mounts=mounts, network="host", ports={}, restart=s["RESTART"], gpus=False,
+        ipc="private", shm_size=64 * 2**20, log_max_size=s["LOG_MAX_SIZE"], log_max_files=s["LOG_MAX_FILES"],
+        cpuset=None,
+        # healthy = both servers answer /health through the router (a 10-minute boot: the same start period)
+        healthcheck={"test": ["CMD", "python3", "-m", "flash_vllm.launch", *probe], "interval": 30 * 10**9,
+                     "timeout": 10 * 10**9, "retries": 3, "start_period": 1800 * 10**9},
+        api_url=f"http://{url_host}:{port}", needs_api_key=key, key_file=head.key_file)
+
+
 def build_deployment(s: Settings, *, profile: str, snapshot: str, hf_cache: str, state_dir: str) -> Deployment:
     mode = s["PARALLEL"]
     nodes, addrs, gpus = boxes(s)
     out: list[Node] = []
     warnings: list[str] = []
+    ports = pd_ports(s) if mode == "pd" else None
+    key = pd_key(s, addrs) if mode == "pd" else None
     for i, (box, addr) in enumerate(zip(nodes, addrs)):
         role, flags = rank_args(s, mode, i, addrs)
         serves_api = role in ("head", "prefill", "decode")
-        port = s["PORT"] + i if mode == "pd" else s["PORT"]
+        # pd: each server listens on its fast-link address, where the router on box 0 reaches it
         spec = build(s, profile=profile, snapshot=snapshot, hf_cache=hf_cache, state_dir=state_dir,
-                     parallel=flags, port=port)
+                     parallel=flags, port=ports[i] if ports else None, bind=addr if ports else None, api_key=key)
         env = {**spec.env, **node_env(s, mode, i, addr), **extra_env(s["CONTAINER_ENV"])}  # the user's word last
         labels = {**spec.labels,
                   f"{LABEL}.parallel": mode, f"{LABEL}.node": str(i), f"{LABEL}.role": role,
@@ -196,7 +253,12 @@ def build_deployment(s: Settings, *, profile: str, snapshot: str, hf_cache: str,
     if not s["RDMA"]:
         warnings.append("RDMA=0: no /dev/infiniband, IPC_LOCK or memlock in the containers; NCCL will use TCP "
                         "sockets (about half the link's speed)")
+    router = None
     if mode == "pd":
-        warnings.append("pd: two API servers (prefill on box 0, decode on box 1); requests need a P/D router "
-                        "in front that flash does not ship (docs/MULTINODE.md)")
-    return Deployment(s["NAME"], mode, out, warnings)
+        head = out[0]
+        spec = router_spec(s, out, profile=profile, state_dir=state_dir, key=key)
+        router = Node(len(out), head.box, head.engine, head.addr, "router", [], True, spec)
+        if key and out[1].engine and not (out[1].engine.startswith("unix://") or "127.0.0.1" in out[1].engine):
+            warnings.append(f"pd: the decode server on {out[1].box} needs the API key file at {out[1].spec.key_file} "
+                            "on that box (copy it there once; flash writes it only on this machine)")
+    return Deployment(s["NAME"], mode, out, warnings, router)

@@ -5,7 +5,8 @@ a second of this machine (and so of the other boxes); the image present and the 
 every box; then a short probe container of that image, started with the deployment's own RDMA
 options, reports what a rank will see: /dev/infiniband passed, memlock unlimited, IPC_LOCK in its
 capabilities, the fast link's state and rate, the checkpoint revision and prepared variant, user
-lingering / RemoveIPC. With the deployment running: NCCL's transport read from each rank's log
+lingering / RemoveIPC, and (a box whose server needs the API key: pd beyond loopback) the key file at
+the path its container mounts. With the deployment running: NCCL's transport read from each rank's log
 (sockets instead of IB fails tp2/pp2). Facts are gathered into plain dicts (`facts`) and judged
 by pure functions (`judge`), which the unit tier tests without engines.
 """
@@ -28,7 +29,9 @@ NCCL_SOCKET = re.compile(r"NET/Socket\b|via NET/Socket")
 PROBE = r'''
 import json, os, resource, sys
 model, revision, suffix = sys.argv[1], sys.argv[2], sys.argv[3]
+key_file = sys.argv[4] if len(sys.argv) > 4 else ""
 out = {}
+out["key_file"] = None if not key_file else os.path.isfile("/host" + key_file) and os.path.getsize("/host" + key_file) > 0
 soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
 out["memlock_unlimited"] = soft == resource.RLIM_INFINITY and hard == resource.RLIM_INFINITY
 out["memlock"] = [soft, hard]
@@ -140,7 +143,8 @@ def facts(node, settings, image: str, timeout: int = 60) -> dict:
         return f
     spec = node.spec
     kwargs = dict(image=image, entrypoint=["python3", "-c", PROBE],
-                  command=[settings["MODEL"], settings["REVISION"] or "", VARIANT_SUFFIX[settings["MODE"]]],
+                  command=[settings["MODEL"], settings["REVISION"] or "", VARIANT_SUFFIX[settings["MODE"]],
+                           spec.key_file if spec.needs_api_key else ""],
                   network_mode="host", remove=True, detach=False, stdout=True, stderr=False,
                   mounts=[m for m in render.to_kwargs(spec)["mounts"] if m["Target"] == HF_MOUNT],
                   volumes={"/": {"bind": "/host", "mode": "ro"}}, labels={f"{LABEL}.probe": "doctor"})
@@ -160,6 +164,7 @@ def facts(node, settings, image: str, timeout: int = 60) -> dict:
             f["probe_error"] = str(exc2).splitlines()[0][:300]
             return f
     f["probe"] = json.loads(raw.decode().strip().splitlines()[-1])
+    f["key_path"] = spec.key_file if spec.needs_api_key else ""
     c = deploy.find_node(client, settings["NAME"], node.index)
     if c is not None:
         c.reload()
@@ -223,6 +228,11 @@ def judge(all_facts: list[dict], settings) -> list[tuple[str, str]]:
                                 f"there ({settings['HF_CACHE']} must be the same path on every box)"))
         elif settings["MODE"] != "nvfp4" and not p.get("variant"):
             out.append(("fail", f"{where}: the {settings['MODE']} variant is not prepared there (flash prepare on that box)"))
+        if p.get("key_file") is False:
+            out.append(("fail", f"{where}: the API key file {f.get('key_path')} is not there (its container mounts it; "
+                                "docker refuses a missing bind source): copy it from this machine (mode 0600)"))
+        elif p.get("key_file"):
+            out.append(("ok", f"{where}: API key file present"))
         user = f.get("user")
         if user == "root" or p.get("remove_ipc") == "no" or user in p.get("lingering", []):
             out.append(("ok", f"{where}: shared memory survives logout (" + ("root" if user == "root" else

@@ -27,7 +27,9 @@ def endpoint(container: "Container") -> Endpoint:
     bind = labels.get(f"{LABEL}.bind", "127.0.0.1")
     host = "127.0.0.1" if bind in ("0.0.0.0", "::") else bind
     host = f"[{host}]" if ":" in host else host
-    key = state.read_api_key(container.name) if labels.get(f"{LABEL}.api-key") == "required" else None
+    # the key file is the deployment's (NAME), shared by every container of it (pd: NAME-router too)
+    key = state.read_api_key(labels.get(f"{LABEL}.name") or container.name) \
+        if labels.get(f"{LABEL}.api-key") == "required" else None
     return Endpoint(f"http://{host}:{labels.get(f'{LABEL}.port', '18300')}", key,
                     labels.get(f"{LABEL}.served-model-name", ""))
 

@@ -319,7 +319,7 @@ SETTINGS: tuple[Setting, ...] = (
       "tp2 = tensor parallel 2 (one rank per box, --nnodes/--node-rank/--master-addr, --headless worker); "
       "pp2 = pipeline parallel 2 (same launch); dp2 = two data-parallel replicas behind the head's one API "
       "(--data-parallel-size 2, headless worker); pd = prefill on the first box, decode on the second "
-      "(NixlConnector). none = one box.", "vllm parallel/kv-transfer flags per box; labels org.flash.parallel",
+      "(NixlConnector), flash's P/D router on the first box serving the one API. none = one box.", "vllm parallel/kv-transfer flags per box; labels org.flash.parallel",
       choices=("none", "tp2", "pp2", "dp2", "pd")),
     S("NODES", "str", None, "The boxes of a PARALLEL deployment, head first, comma separated: `localhost` "
       "(this machine's engine), a host name or user@host (= ssh://, docker-py's ssh transport), or an engine "
@@ -343,6 +343,11 @@ SETTINGS: tuple[Setting, ...] = (
       "vllm --data-parallel-rpc-port", minimum=1024, maximum=65535),
     S("NIXL_PORT", "int", 5600, "NIXL side-channel port (pd); box N uses NIXL_PORT+N so two ranks can share a host.",
       "env VLLM_NIXL_SIDE_CHANNEL_PORT", minimum=1024, maximum=65535),
+    S("PD_PORT", "int", 18310, "pd: API port of the prefill server (box 0); the decode server (box 1) uses "
+      "PD_PORT+1. Each listens on its NODE_ADDRS address, where the router reaches it; users talk to the "
+      "router on BIND:PORT, the deployment's one endpoint.",
+      "vllm serve --host NODE_ADDR --port on the pd servers; pdrouter --prefill/--decode URLs",
+      minimum=1024, maximum=65534),
     S("RDMA", "bool", True, "Give multi-node containers the RDMA devices and limits NCCL needs for "
       "GPUDirect over ConnectX (without them NCCL silently falls back to TCP at about half speed). "
       "0 only for test boxes without /dev/infiniband.",

@@ -289,10 +289,14 @@ def build(
     state_dir: str,
     parallel: list[str] = (),
     port: int | None = None,
+    bind: str | None = None,
+    api_key: bool | None = None,
 ) -> RunSpec:
     """Settings + host facts (resolved snapshot name, absolute HF cache and state paths).
-    `parallel` and `port` are one box's share of a multi-node deployment (multinode.py)."""
-    name, base, bind = s["NAME"], s["BASE"], s["BIND"]
+    `parallel`, `port`, `bind` and `api_key` (whether the key is required) are one box's share of
+    a multi-node deployment (multinode.py)."""
+    name, base = s["NAME"], s["BASE"]
+    bind = s["BIND"] if bind is None else bind
     port = s["PORT"] if port is None else port
     image = s["IMAGE"] or default_image(base)
     network = s["NETWORK"]
@@ -302,7 +306,7 @@ def build(
     else:
         host, listen_port = "0.0.0.0", CONTAINER_PORT
         ports = {f"{CONTAINER_PORT}/tcp": (bind, port)}
-    key = needs_api_key(s)
+    key = needs_api_key(s) if api_key is None else api_key
     if not is_loopback(bind) and s["API_KEY"] == "off":
         warnings.append(f"API published on {bind}:{port} WITHOUT an API key (API_KEY=off): anyone who can "
                         "reach this port can use the model")

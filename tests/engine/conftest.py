@@ -69,6 +69,12 @@ def standin_image(docker_client, tmp_path_factory):
     subprocess.run([str(ROOT / "tests" / "support" / "standin_base.sh"), BASE], check=True)
     ctx = tmp_path_factory.mktemp("standin-ctx")
     shutil.copy(ROOT / "tests" / "standin" / "server.py", ctx / "server.py")
+    # vLLM depends on prometheus_client, so every vLLM image has it (flash_vllm.pdrouter uses it):
+    # the stand-in base gets the pure-Python package our own pin installed here.
+    import prometheus_client
+
+    shutil.copytree(Path(prometheus_client.__file__).parent, ctx / "prometheus_client",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "tests" / "engine" / "standin.Dockerfile", ctx / "Dockerfile")
     docker_client.images.build(path=str(ctx), tag=STANDIN, buildargs={"BASE": BASE}, rm=True)
     return STANDIN

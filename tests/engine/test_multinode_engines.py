@@ -1,7 +1,9 @@
 """Two boxes on real engines (issue 15): two Docker Engines on this machine (the tier's daemon and
 a second dockerd with its own socket, data root and exec root), the stand-in playing each rank
 and checking the rank argv it was given, ranks meeting over loopback on the head's rendezvous
-port. A worker killed during boot, an unreachable box, and an image mismatch doctor catches."""
+port. A worker killed during boot, an unreachable box, and an image mismatch doctor catches.
+pd: the prefill and decode stand-ins (NixlConnector handoff) behind flash's P/D router, a third
+container on box 0 found by its label, the one endpoint flash test uses."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -186,3 +189,106 @@ def test_one_box_server_and_deployment_of_one_name(flash, docker_client, second_
     res = flash("serve", "published")
     assert res.returncode == 2 and "is a tp2 deployment" in res.stderr, res.stdout + res.stderr
     assert flash("rm").returncode == 0
+
+
+def two_free_ports() -> int:
+    import socket
+
+    for _ in range(50):
+        p = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + 1))
+                return p
+            except OSError:
+                continue
+    raise AssertionError("no two consecutive free ports")
+
+
+def test_pd_router_is_one_endpoint_on_two_engines(flash, docker_client, second_engine):
+    url, client2 = second_engine
+    pd, nixl = two_free_ports(), free_port()
+    env = boxes_env(url, PD_PORT=str(pd), NIXL_PORT=str(nixl), API_KEY="on")
+    res = flash("serve", "pd", "--start-check", "2", env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"P/D router on box 0): {flash.url}/v1" in res.stdout
+    assert "does not ship" not in res.stdout + res.stderr
+    prefill, decode = node(docker_client, flash.name, 0), node(client2, flash.name, 1)
+    router = node(docker_client, flash.name, "router")
+    assert router.name == f"{flash.name}-router" and router.labels["org.flash.role"] == "router"
+    assert router.attrs["Args"][-4:] == ["--prefill", f"http://127.0.0.1:{pd}", "--decode", f"http://127.0.0.1:{pd + 1}"]
+    assert "VLLM_API_KEY" not in " ".join(router.attrs["Config"]["Env"])  # the key file, never the key
+
+    res = flash("wait", "--timeout", "120", "--interval", "0.5")  # boxes (and the router) from the labels
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"router on localhost: API {flash.url}/v1" in res.stdout
+
+    key = (flash.home / ".local" / "state" / "flash" / f"api-key.{flash.name}").read_text().strip()
+    auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    body = json.dumps({"model": "qwen3.8-flash-next", "prompt": "The capital of France is", "max_tokens": 8}).encode()
+    req = urllib.request.Request(f"{flash.url}/v1/completions", data=body, headers=auth)
+    with urllib.request.urlopen(req, timeout=30) as r:
+        answer = json.load(r)
+    assert answer["choices"][0]["text"] and answer["usage"]["completion_tokens"] > 0
+    with pytest.raises(urllib.error.HTTPError) as no_key:
+        urllib.request.urlopen(urllib.request.Request(f"{flash.url}/v1/completions", data=body,
+                                                      headers={"Content-Type": "application/json"}), timeout=30)
+    assert no_key.value.code == 401
+    # the decode stand-in got the handoff the prefill stand-in answered (its side channel: box 0's)
+    seen = get_json(f"http://127.0.0.1:{pd + 1}/standin/argv")["kv_seen"]
+    assert seen[-1]["do_remote_prefill"] is True and seen[-1]["remote_port"] == nixl
+    assert seen[-1]["remote_host"] == "127.0.0.1"
+    assert get_json(f"http://127.0.0.1:{pd}/standin/argv")["kv_seen"][-1]["do_remote_decode"] is True
+
+    res = flash("test", "TEST_PREFILL_TOKENS=1024", "TEST_DECODE_TOKENS=32", "TEST_DET_TOKENS=8", "TEST_DET_RUNS=2",
+                "--json")  # finds the router by its labels: the deployment's one endpoint
+    assert res.returncode == 0, res.stdout + res.stderr
+    checks = {c["name"]: c["status"] for c in json.loads(res.stdout)["checks"]}
+    assert checks["metrics"] == checks["tool_call"] == checks["prefix_cache"] == checks["context"] == "pass", checks
+    with urllib.request.urlopen(f"{flash.url}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    assert 'flash_router_requests_total{endpoint="completions",outcome="ok"}' in metrics
+    assert 'stage="decode"' in metrics and 'stage="prefill"' in metrics
+
+    st = json.loads(flash("status", "--json").stdout)["nodes"]
+    assert [(r["node"], r["role"], r["state"]) for r in st] == [(0, "prefill", "running"), (1, "decode", "running"),
+                                                               ("router", "router", "running")]
+    assert st[2]["api"] == "up" and st[2]["url"] == f"{flash.url}/v1"
+    text = flash("status").stdout
+    assert f"pd deployment on 2 boxes, endpoint {flash.url}/v1 (P/D router)" in text and "router on localhost: " in text
+    logs = flash("logs", "--node", "router", "50")
+    assert "pdrouter: listening on 127.0.0.1:" in logs.stdout + logs.stderr and "API key required" in logs.stdout + logs.stderr
+
+    decode.kill()  # one side down: the router says which, and wait fails at once naming the box
+    try:
+        urllib.request.urlopen(f"{flash.url}/health", timeout=10)
+        raise AssertionError("/health answered 200 with the decode server dead")
+    except urllib.error.HTTPError as exc:
+        assert exc.code == 503 and json.loads(exc.read())["prefill"] == "ok"
+    with pytest.raises(urllib.error.HTTPError) as bad:
+        urllib.request.urlopen(urllib.request.Request(f"{flash.url}/v1/completions", data=body, headers=auth), timeout=30)
+    assert bad.value.code == 502 and json.loads(bad.value.read())["error"]["stage"] == "decode"
+    res = flash("wait", "--timeout", "30", "--interval", "0.5")
+    assert res.returncode == 7 and "node 1 (decode)" in res.stderr, res.stdout + res.stderr
+
+    res = flash("stop", "--no-drain")
+    assert res.returncode == 0 and res.stdout.splitlines()[0].startswith("router on localhost"), res.stdout + res.stderr
+    res = flash("rm")
+    assert res.returncode == 0 and "router on localhost: removed" in res.stdout, res.stdout + res.stderr
+    for client in (docker_client, client2):
+        assert not client.containers.list(all=True, filters={"label": f"org.flash.name={flash.name}"})
+
+
+def test_pd_server_port_in_use_changes_nothing(flash, docker_client, second_engine):
+    import socket
+
+    url, client2 = second_engine
+    pd = two_free_ports()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", pd + 1))
+        held.listen(1)
+        res = flash("serve", "pd", "--start-check", "1", env=boxes_env(url, PD_PORT=str(pd)))
+    assert res.returncode == 9, res.stdout + res.stderr
+    assert f"port 127.0.0.1:{pd + 1} (the decode server's: PD_PORT+1) is already in use" in res.stderr
+    for client in (docker_client, client2):
+        assert not client.containers.list(all=True, filters={"label": f"org.flash.name={flash.name}"})

@@ -54,6 +54,12 @@ Not a model: answers are deterministic filler words with a few canned facts. Kno
                                 texts of flash_vllm/ple/stats.py (tests/unit/test_metrics_bridge.py)
   PROMETHEUS_MULTIPROC_DIR      set: *_created, process_* and python_* families vanish, as in vLLM's
                                 multiprocess mode (measured: docs/metrics/multiproc-diff-vllm-*.json)
+  --kv-transfer-config          NixlConnector kv_producer: a request whose kv_transfer_params has
+                                do_remote_decode answers (non-streaming) with the params vLLM 0.33's
+                                nixl pull_scheduler.request_finished() returns (remote_host/port from
+                                VLLM_NIXL_SIDE_CHANNEL_HOST/PORT); kv_consumer: a request with
+                                do_remote_prefill is served as usual. Both record the params they got
+                                (GET /standin/argv: kv_seen) and refuse the wrong side's params (400).
 """
 
 from __future__ import annotations
@@ -403,6 +409,30 @@ class Engine:
         self.window = {"prompt": 0, "gen": 0, "q": 0, "h": 0}
         self.reg = Registry()
         self._declare_metrics()
+        kv_cfg = json.loads(ns.kv_transfer_config) if ns.kv_transfer_config else {}
+        self.kv_role = kv_cfg.get("kv_role")
+        self.engine_id = str(uuid.uuid4())
+        self.kv_seen: list[dict] = []
+
+    def kv_handoff(self, body: dict, rid: str, n_prompt: int) -> dict | None:
+        """The NixlConnector's part of one request (vllm/distributed/kv_transfer/kv_connector/v1/nixl/
+        base_scheduler.on_new_request, pull_scheduler.request_finished): what the answer carries."""
+        kv = body.get("kv_transfer_params")
+        if not isinstance(kv, dict):
+            return None
+        self.kv_seen = (self.kv_seen + [kv])[-20:]
+        if kv.get("do_remote_decode"):
+            if self.kv_role != "kv_producer":
+                raise ApiError(400, f"do_remote_decode sent to a {self.kv_role or 'non-P/D'} server", param="kv_transfer_params")
+            return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3]],
+                    "remote_engine_id": self.engine_id, "remote_request_id": rid,
+                    "remote_host": self.env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "localhost"),
+                    "remote_port": int(self.env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")), "tp_size": 1,
+                    "dcp_size": 1, "pp_size": 1, "remote_num_tokens": n_prompt, "remote_blocks_expiry_time": None,
+                    "remote_registration_generation": 0, "transfer_mode": "pull"}
+        if kv.get("do_remote_prefill") and self.kv_role != "kv_consumer":
+            raise ApiError(400, f"do_remote_prefill sent to a {self.kv_role or 'non-P/D'} server", param="kv_transfer_params")
+        return None
 
     # -- metrics ------------------------------------------------------------------------------
     @property
@@ -871,6 +901,7 @@ class Handler(BaseHTTPRequestHandler):
             "enable_prefix_caching": ns.prefix_caching, "speculative_config": ns.speculative_config,
             "api_key_required": bool(self.engine.api_key), "faults": sorted(self.engine.faults),
             "pid": os.getpid(), "ranks": self.rank_plan, "kv_transfer_config": ns.kv_transfer_config,
+            "kv_seen": self.engine.kv_seen,
         })
 
     def r_models(self) -> None:
@@ -925,6 +956,7 @@ class Handler(BaseHTTPRequestHandler):
         rid = f"cmpl-{uuid.uuid4().hex}"
         stream = bool(body.get("stream"))
         self.log_inputs(rid, prompt, len(tokenize(prompt)), body)
+        kv = self.engine.kv_handoff(body, rid, len(tokenize(prompt)))
         created = int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": body.get("model") or self.engine.model_name}
         if stream:
@@ -959,7 +991,7 @@ class Handler(BaseHTTPRequestHandler):
             return
         self.send_json(200, {**base, "choices": [{"index": 0, "text": text, "logprobs": lp,
                                                   "finish_reason": res["finish_reason"], "stop_reason": None}],
-                             "usage": usage})
+                             "usage": usage, "kv_transfer_params": kv})
 
     def _jitter(self) -> float:
         return random.uniform(1e-4, 1e-3) if "nondeterministic" in self.engine.faults else 0.0
@@ -982,6 +1014,7 @@ class Handler(BaseHTTPRequestHandler):
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = bool(body.get("stream"))
         self.log_inputs(rid, prompt, len(tokenize(prompt)), body)
+        kv = self.engine.kv_handoff(body, rid, len(tokenize(prompt)))
         thinking = bool(self.ns.reasoning_parser) and "/no_think" not in prompt and tool is None
         base = {"id": rid, "object": "chat.completion.chunk" if stream else "chat.completion",
                 "created": int(time.time()), "model": body.get("model") or self.engine.model_name}
@@ -1039,7 +1072,8 @@ class Handler(BaseHTTPRequestHandler):
             self.sse("[DONE]")
             return
         self.send_json(200, {**base, "choices": [{"index": 0, "message": message, "logprobs": lp,
-                                                  "finish_reason": finish, "stop_reason": None}], "usage": usage})
+                                                  "finish_reason": finish, "stop_reason": None}], "usage": usage,
+                             "kv_transfer_params": kv})
 
     def r_messages(self) -> None:
         """Anthropic Messages API, as vLLM serves it (Claude Code talks to this)."""
@@ -1062,6 +1096,7 @@ class Handler(BaseHTTPRequestHandler):
         tail = msgs[-1]["content"]
         rid = f"msg_{uuid.uuid4().hex[:24]}"
         self.log_inputs(rid, prompt, len(tokenize(prompt)), body)
+        kv = self.engine.kv_handoff(body, rid, len(tokenize(prompt)))
         tool = pick_tool(self.engine, tools, body.get("tool_choice"), msgs[-1]["role"])
         forced = None
         if tool is not None:
@@ -1105,7 +1140,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_json(200, {"id": rid, "type": "message", "role": "assistant", "model": model,
                              "content": content, "stop_reason": stop, "stop_sequence": None,
                              "usage": {"input_tokens": res["n_prompt"], "output_tokens": len(res["tokens"]),
-                                       "cache_read_input_tokens": res["cached"]}})
+                                       "cache_read_input_tokens": res["cached"]}, "kv_transfer_params": kv})
 
 
 # ---------------------------------------------------------------------------------------------

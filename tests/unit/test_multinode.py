@@ -50,11 +50,20 @@ def test_each_box_matches_golden(profile, node):
     assert text == path.read_text(), f"{profile} box {node} changed; review, then FLASH_UPDATE_GOLDEN=1"
 
 
+def test_pd_router_matches_golden():
+    text = render.docker_run_text(deployment("pd").router.spec) + "\n"
+    path = GOLDEN / "pd.router.txt"
+    if os.environ.get("FLASH_UPDATE_GOLDEN") == "1":
+        path.write_text(text)
+    assert path.is_file(), f"no golden file {path.name}: FLASH_UPDATE_GOLDEN=1 pytest {__file__}"
+    assert text == path.read_text(), "the pd router changed; review, then FLASH_UPDATE_GOLDEN=1"
+
+
 def dry_run(capsys, *words: str) -> tuple[list[list[str]], str]:
     """`flash serve … --dry-run` → each box's docker run argv (parsed back from the text)."""
     assert main(["serve", *words, "--dry-run"]) == 0
     out = capsys.readouterr().out
-    boxes = [b for b in out.split("# node ")[1:]]
+    boxes = [b for b in out.split("# router ")[0].split("# node ")[1:]]
     return [shlex.split(b.split("\n", 1)[1].replace("\\\n", " ")) for b in boxes], out
 
 
@@ -100,11 +109,64 @@ def test_pd_roles_ports_and_side_channel():
     assert cfgs == [{"kv_connector": "NixlConnector", "kv_role": "kv_producer"},
                     {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}]
     assert [n.role for n in dep.nodes] == ["prefill", "decode"]
-    assert [after(n.spec.command, "--port") for n in dep.nodes] == ["18300", "18301"]
+    # each server on its fast-link address at PD_PORT+N, where the router on box 0 reaches it
+    assert [after(n.spec.command, "--port") for n in dep.nodes] == ["18310", "18311"]
+    assert [after(n.spec.command, "--host") for n in dep.nodes] == ["10.0.0.1", "10.0.0.2"]
     assert [n.spec.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] for n in dep.nodes] == ["10.0.0.1", "10.0.0.2"]
     assert [n.spec.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] for n in dep.nodes] == ["5600", "5601"]
     assert "NCCL_DEBUG" not in dep.nodes[0].spec.env
-    assert any("router" in w for w in dep.warnings)
+    assert not any("does not ship" in w for w in dep.warnings)
+
+
+def test_pd_router_is_the_one_endpoint():
+    dep = deployment("pd")
+    r = dep.router
+    assert dep.api_urls() == ["http://127.0.0.1:18300"] == [r.spec.api_url]
+    assert r.spec.command == ["python3", "-m", "flash_vllm.pdrouter", "--host", "127.0.0.1", "--port", "18300",
+                              "--prefill", "http://10.0.0.1:18310", "--decode", "http://10.0.0.2:18311"]
+    assert r.spec.entrypoint == ["python3", "-m", "flash_vllm.launch"]  # reads the key file, as on one box
+    labels = r.spec.labels
+    assert (labels["org.flash.node"], labels["org.flash.role"], labels["org.flash.name"]) == ("router", "router", "qwen38-flash")
+    assert labels["org.flash.settings"] == dep.head.spec.labels["org.flash.settings"]
+    assert labels["org.flash.nodes"] == "a,b" and labels["org.flash.port"] == "18300"
+    assert r.spec.name == "qwen38-flash-router" and not r.spec.gpus and not r.spec.devices
+    assert not [m for m in r.spec.mounts if m.target == "/hf"]  # no model in the router
+    assert r.engine == dep.head.engine and r.box == "a"
+    assert [n.role for n in dep.containers()] == ["prefill", "decode", "router"]  # start order: router last
+    # servers beyond loopback: one key for the whole deployment, the router checks it and sends it on
+    assert r.spec.needs_api_key and all(n.spec.needs_api_key for n in dep.nodes)
+    assert r.spec.env == {"FLASH_API_KEY_FILE": "/run/flash/api_key"}
+    assert r.spec.key_file == dep.head.spec.key_file == f"{STATE}/api-key.qwen38-flash"
+    assert any("needs the API key file" in w and "on that box" in w for w in dep.warnings)  # box b is remote
+
+
+def test_pd_on_one_host_over_loopback_needs_no_key():
+    dep = deployment("pd", NODES="localhost,localhost", NODE_ADDRS="127.0.0.1,127.0.0.1")
+    assert not dep.router.spec.needs_api_key and not any(n.spec.needs_api_key for n in dep.containers())
+    assert dep.router.spec.command[-4:] == ["--prefill", "http://127.0.0.1:18310", "--decode", "http://127.0.0.1:18311"]
+    assert not any("key" in w for w in dep.warnings)
+    off = deployment("pd", API_KEY="off")
+    assert not off.router.spec.needs_api_key
+    assert any("WITHOUT an API key" in w for w in off.warnings)
+
+
+@pytest.mark.parametrize("pd_port", ["18300", "18299"])
+def test_pd_port_clash_with_the_router_is_refused(pd_port, capsys):
+    assert main(["serve", "pd", "NODES=a,b", "NODE_ADDRS=10.0.0.1,10.0.0.2", f"PD_PORT={pd_port}", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"PD_PORT={pd_port} puts a pd server on PORT=18300" in err and "PD_PORT=18310" in err
+
+
+def test_pd_dry_run_prints_the_router_line(capsys, monkeypatch):
+    monkeypatch.setenv("HOME", "/nonexistent")
+    _, out = dry_run(capsys, "pd", "NODES=a,b", "NODE_ADDRS=10.0.0.1,10.0.0.2")
+    router = out.split("# router ")[1]
+    assert router.startswith("on a [ssh://a]") and "the deployment's one endpoint" in router.split("\n")[0]
+    argv = shlex.split(router.split("\n", 1)[1].replace("\\\n", " "))
+    assert argv[argv.index("flash_vllm.pdrouter") - 1:][:1] == ["-m"] and after(argv, "--decode") == "http://10.0.0.2:18311"
+    assert main(["serve", "pd", "NODES=a,b", "NODE_ADDRS=10.0.0.1,10.0.0.2", "--dry-run", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["api"] == ["http://127.0.0.1:18300"] and data["router"]["spec"]["name"] == "qwen38-flash-router"
 
 
 def test_rdma_only_on_multi_node_boxes_and_through_docker_py():
@@ -230,7 +292,7 @@ def box_facts(i: int, **over) -> dict:
          "probe": {"memlock_unlimited": True, "ipc_lock": True, "infiniband": ["rdma_cm", "uverbs0"],
                    "ib_ports": [{"dev": "rocep1s0f1", "port": "1", "state": "4: ACTIVE", "rate": "200 Gb/sec (2X NDR)"}],
                    "revision": "abc", "snapshot": True, "variant": True, "variant_marker": {"format": 2},
-                   "lingering": ["spark"], "remove_ipc": None},
+                   "lingering": ["spark"], "remove_ipc": None, "key_file": None},
          "nccl": "ib"}
     for k, v in over.items():
         if k in f["probe"]:
@@ -276,6 +338,8 @@ def test_doctor_all_good():
     (1, {"variant_marker": {"format": 1}}, "prepared variants differ"),
     (1, {"image_id": None}, "is not there"),
     (1, {"unreachable": "box 1 (b) is unreachable"}, "unreachable"),
+    (1, {"key_file": False, "key_path": "/home/spark/.local/state/flash/api-key.qwen38-flash"},
+     "API key file /home/spark/.local/state/flash/api-key.qwen38-flash is not there"),
 ])
 def test_doctor_catches(box, over, needle):
     facts = [box_facts(0), box_facts(1)]

@@ -40,9 +40,11 @@ def test_profile_matches_golden(profile):
 
 
 def test_every_profile_has_a_golden_file_and_no_orphans():
-    """One file per single-box profile, one per box for the multi-node ones (test_multinode.py)."""
+    """One file per single-box profile, one per box for the multi-node ones and one for pd's
+    router (test_multinode.py)."""
     want = {n for n in profiles.names() if single_box(n)}
     want |= {f"{n}.node{i}" for n in profiles.names() if not single_box(n) for i in (0, 1)}
+    want |= {f"{n}.router" for n in profiles.names() if profiles.load(n).values.get("PARALLEL") == "pd"}
     assert {p.stem for p in GOLDEN.glob("*.txt")} == want
 
 

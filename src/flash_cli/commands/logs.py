@@ -15,8 +15,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("lines", nargs="?", default="100", help="how many lines from the end (default 100)")
     p.add_argument("-f", "--follow", action="store_true", help="keep following")
     p.add_argument("--name", default=None, help=f"container name (default: NAME, {BY_NAME['NAME'].default})")
-    p.add_argument("--node", type=int, default=None, metavar="N",
-                   help="a multi-node deployment's box N (0 = head; default 0); boxes from NODES or the head's labels")
+    p.add_argument("--node", default=None, metavar="N",
+                   help="a multi-node deployment's box N (0 = head; default 0), or `router` (pd's P/D router); "
+                        "boxes from NODES or the head's labels")
     p.set_defaults(func=run)
 
 
@@ -30,12 +31,16 @@ def run(args: argparse.Namespace) -> int:
     n = int(args.lines)
     from .. import deploy
 
+    if args.node is not None and not (args.node.isdigit() or args.node == deploy.ROUTER):
+        raise UsageError(f"--node {args.node!r} is neither a box number nor {deploy.ROUTER!r}",
+                         hint="--node 0 (head), --node 1, or --node router (pd)")
     boxes = deploy.locate(s)  # a deployment: its boxes by label (NODES or the local head's labels)
-    if boxes is None and args.node not in (None, 0):
+    if boxes is None and args.node not in (None, "0"):
         raise UsageError(f"--node {args.node}: {name} is not a multi-node deployment",
                          hint="NODES=… names the boxes when the head is not on this machine")
     if boxes is not None:
-        return deploy.logs(boxes, args.node or 0, n, args.follow)
+        node = args.node or "0"
+        return deploy.logs(boxes, str(int(node)) if node.isdigit() else node, n, args.follow)
     container = engine.require(engine.connect(), name)
     if not args.follow:
         print("\n".join(engine.tail(container, n)))

@@ -58,6 +58,12 @@ def deployment_text(dep) -> str:
         out.append(f"# node {n.index} ({n.role}) on {n.box} [{where}], fast link {n.addr}"
                    + ("" if n.serves_api else ", no API (headless)"))
         out.append(docker_run_text(n.spec))
+    if dep.router is not None:
+        r = dep.router
+        where = r.engine or "this machine's Docker Engine"
+        out.append(f"# router on {r.box} [{where}]: the deployment's one endpoint "
+                   f"{r.spec.api_url}/v1, in front of the prefill and decode servers")
+        out.append(docker_run_text(r.spec))
     return "\n".join(out)
 
 
@@ -65,7 +71,9 @@ def deployment_json(dep, hf_cache: str) -> dict:
     return {"name": dep.name, "parallel": dep.parallel, "api": dep.api_urls(), "warnings": dep.warnings,
             "nodes": [{"node": n.index, "box": n.box, "engine": n.engine, "addr": n.addr, "role": n.role,
                        "serves_api": n.serves_api, "gpus": n.gpus, "plain": n.plain(hf_cache), "spec": asdict(n.spec)}
-                      for n in dep.nodes]}
+                      for n in dep.nodes],
+            "router": None if dep.router is None else {"box": dep.router.box, "engine": dep.router.engine,
+                                                       "url": dep.router.spec.api_url, "spec": asdict(dep.router.spec)}}
 
 
 def run_deployment(args: argparse.Namespace, r: recipe.Recipe, snapshot) -> int:

@@ -138,11 +138,14 @@ def run_deployment(args: argparse.Namespace, settings) -> int:
     if args.json:
         print_json({"name": settings["NAME"], "nodes": rows})
         return 0
-    print(f"{settings['NAME']}: {rows[0].get('parallel') or '?'} deployment on {len(rows)} boxes")
+    boxes = [r for r in rows if r["node"] != "router"]
+    router = [r for r in rows if r["node"] == "router"]
+    print(f"{settings['NAME']}: {rows[0].get('parallel') or '?'} deployment on {len(boxes)} boxes"
+          + (f", endpoint {router[0]['url']} (P/D router)" if router and router[0].get("url") else ""))
     rep = Report()
     ids = {r.get("image_id") for r in rows if r.get("image_id")}
     for row in rows:
-        where = f"node {row['node']} ({row.get('role', '?')}) on {row['box']}"
+        where = f"router on {row['box']}" if row["node"] == "router" else f"node {row['node']} ({row.get('role', '?')}) on {row['box']}"
         if row["state"] == "absent":
             rep.fail(f"{where}: no container")
             continue
