@@ -437,7 +437,8 @@ def boot(ctx: Context, specs: list[dict], timeout: float, deadline: float, wave_
          solos: bool = True) -> dict[str, Proc]:
     """The non-solo servers in waves of at most FLASH_E2E_BOOT_WAVE (staggered by 2 s inside a wave;
     a wave starts once every server of the previous one is healthy or dead, or its FLASH_E2E_BOOT_TIMEOUT
-    ran out), then (solos=True) the solo servers one at a time (boot_solos). vLLM sizes its KV pool
+    ran out), then (solos=True) the solo servers one at a time (boot_solos; run_selected boots those
+    first instead). vLLM sizes its KV pool
     from the whole GPU's used memory at profiling time (mem_get_info): 6-12 servers profiling at once
     at a 0.07-0.13 share each left the later ones "No available memory for the cache blocks" (H200,
     vLLM 0.33); hence fixed pools (FLASH_E2E_KV_MEM) side by side, and a profiled pool only alone.
@@ -463,9 +464,10 @@ def boot(ctx: Context, specs: list[dict], timeout: float, deadline: float, wave_
 
 
 def boot_solos(ctx: Context, specs: list[dict], timeout: float, deadline: float) -> None:
-    """The solo servers one at a time, after the waves. Scenarios of the servers already up may run
-    meanwhile: a booted server with a fixed pool allocates nothing new for a request (its graphs and
-    pools exist), so the solo boot's profiling sees only its own memory."""
+    """The solo servers one at a time, alone on the GPU (run_selected boots them before the waves).
+    The scenarios of a solo server already up may run meanwhile: a booted server allocates nothing new
+    for a request (its graphs and pools exist), so the next solo boot's profiling sees only its own
+    memory."""
     for spec in [s for s in specs if s["solo"]]:
         if time.monotonic() > deadline - 120:
             say(f"  {spec['server']}: not started (deadline)")
@@ -1092,15 +1094,19 @@ def run_selected(chosen: list[Scenario], dry: bool = False) -> dict:
         except (OSError, subprocess.TimeoutExpired) as exc:
             results["device"] = f"unknown ({exc})"
         say(f"gpu-e2e: booting {len(specs)} server(s)")
-        boot(ctx, specs, timeout, deadline, solos=False)
-        (ctx.out / "results.json").write_text(json.dumps({**results, "phase": "booted"}, indent=2, default=str))
-
         results["scenario_groups"] = [[s.name for s in g] for g in scenario_groups(chosen)]
-        # the groups whose servers are up start now; the solo boots go on beside them
+        for spec in specs:
+            ctx.ready.setdefault(spec["server"], threading.Event())
+        # each group starts once its own servers are up, while the others still boot
         holder: dict = {}
         runner = threading.Thread(target=lambda: holder.update(v=run_scenarios(ctx, chosen, deadline)), daemon=True)
         runner.start()
+        # Solo boots first, one at a time: a clean profiled pool each, and the first warms the JIT
+        # caches every later boot shares (Triton, FlashInfer autotune, CuTeDSL: H200 run36, 8 cold
+        # boots at once took > 6 min; warm ones ~80-120 s). Then the waves, with fixed pools.
         boot_solos(ctx, specs, timeout, deadline)
+        boot(ctx, specs, timeout, deadline, solos=False)
+        (ctx.out / "results.json").write_text(json.dumps({**results, "phase": "booted"}, indent=2, default=str))
         runner.join(max(1.0, deadline - time.monotonic()))
         results["scenarios"] = holder.get("v") or {s.name: {"ok": False, "error": "scenarios did not finish"} for s in chosen}
     finally:
