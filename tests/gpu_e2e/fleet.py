@@ -892,7 +892,7 @@ def run_scenarios(ctx: Context, chosen: list[Scenario], deadline: float) -> dict
         say(f"{'PASS' if r['ok'] else 'FAIL'} {s.name} ({r['s']}s)")
 
     def group(g: list[Scenario]) -> None:
-        for name in {n for s in g for n in s.servers}:  # boots settle first (solo ones come last)
+        for name in {n for s in g for n in s.servers}:  # its servers settle first (solo ones boot first, the waves after)
             ev = ctx.ready.get(name)
             if ev is not None and not ev.wait(max(0.0, deadline - 45 - time.monotonic())):
                 return
