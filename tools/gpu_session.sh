@@ -10,8 +10,8 @@
 #
 # Needs the vLLM payload installed (tools/device_payload.py install, docs/GPU-E2E.md). Phases, in
 # order, each skipped when the budget left is shorter than it needs (said in phases.log):
-#   e2e      tests/run gpu-e2e, every scenario but diag_ple_ids: servers with fixed KV pools in waves of 4
-#            side by side, then a/b/c-default alone (kv_plan) while the others' scenarios run
+#   e2e      tests/run gpu-e2e, every scenario but diag_ple_ids (E2E_K overrides the -k): a/b/c-default
+#            alone first (kv_plan), then the others with fixed KV pools in waves of 4 (~12 min)
 #   decode8  tools/bench_decode.py matrix, 8 of the 48 layers (real per-layer shapes, dummy weights)
 #   kernels  tools/bench_step_kernels.py (draft head, QSA top-k, copy bandwidth) + tests/gpu
 #   decode4  the same matrix at 4 layers (two layer counts: the line read at 48 layers)
@@ -48,7 +48,7 @@ run_phases() {
   local prep=$!
 
   phase e2e 420 env FLASH_E2E_OUT="$GS/e2e" FLASH_E2E_WORK="$GS/work" FLASH_E2E_BOOT_WAVE=4 \
-    FLASH_E2E_DEADLINE=$(( $(left) < 720 ? $(left) - 30 : 690 )) tests/run gpu-e2e -- -k "${E2E_K:-not diag}"
+    FLASH_E2E_DEADLINE=$(( $(left) < 930 ? $(left) - 30 : 900 )) tests/run gpu-e2e -- -k "${E2E_K:-not diag}"
   wait "$prep"; log "prepare rc=$? ($(tail -c 300 "$GS/prepare.log" | tr '\n' ' '))"
   # the plugin as vLLM finds it (an entry point): the dist-info the e2e tier writes
   local site
