@@ -18,10 +18,12 @@
 # Results: /var/tmp/gs (phases.log, e2e/, decode/, kernels/). PHASES: a comma list, default all.
 set -uo pipefail
 
-GS=/var/tmp/gs
-REPO=/var/tmp/flash-repo
+# (the FLASH_SESSION_* overrides exist for the CPU rehearsal, tests/unit/test_gpu_session.py)
+GS=${FLASH_SESSION_DIR:-/var/tmp/gs}
+REPO=${FLASH_SESSION_REPO:-/var/tmp/flash-repo}
 ENV_SH=${FLASH_E2E_VLLM_ENV:-/var/tmp/flash-vllm-0.33.0/env.sh}
-BENCH=/var/tmp/bench-decode
+BENCH=${FLASH_SESSION_BENCH:-/var/tmp/bench-decode}
+ROWS=${FLASH_SESSION_PLE_ROWS:-32000000}  # the reduced PLE table (4.8 GiB; real width and heads)
 
 log() { echo "$(date -u +%H:%M:%S) $*" | tee -a "$GS/phases.log"; }
 left() { echo $(( $(cat "$GS/end") - $(date +%s) )); }
@@ -42,8 +44,8 @@ run_phases() {
   export PYTHONUNBUFFERED=1 FLASH_E2E_VLLM_ENV="$ENV_SH" FLASH_E2E_COMMIT="$COMMIT"
   # bench model dirs: written beside the e2e boots (disk and CPU only); one table for both counts
   ( mkdir -p "$BENCH/L4" && ln -sfn "$BENCH/L8/ple" "$BENCH/L4/ple" &&
-    nice -n 5 python3 tools/bench_decode.py prepare "$BENCH/L8" --quant fp8 --ple-rows 32000000 --layers 8 &&
-    nice -n 5 python3 tools/bench_decode.py prepare "$BENCH/L4" --quant fp8 --ple-rows 32000000 --layers 4
+    nice -n 5 python3 tools/bench_decode.py prepare "$BENCH/L8" --quant fp8 --ple-rows "$ROWS" --layers 8 &&
+    nice -n 5 python3 tools/bench_decode.py prepare "$BENCH/L4" --quant fp8 --ple-rows "$ROWS" --layers 4
   ) >"$GS/prepare.log" 2>&1 &
   local prep=$!
 
@@ -94,7 +96,7 @@ case "${1:-}" in
     tar --exclude=./.payload --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C "$REPO"
     echo $(( $(date +%s) + BUDGET )) >"$GS/end"
     export COMMIT PHASES
-    setsid bash -c "$(declare -f log left phase run_phases); GS=$GS REPO=$REPO ENV_SH=$ENV_SH BENCH=$BENCH run_phases" \
+    setsid bash -c "$(declare -f log left phase run_phases); GS=$GS REPO=$REPO ENV_SH=$ENV_SH BENCH=$BENCH ROWS=$ROWS run_phases" \
       </dev/null >"$GS/driver.log" 2>&1 &
     log "launched (pid $!, budget ${BUDGET}s, phases $PHASES, commit $COMMIT)"
     ;;

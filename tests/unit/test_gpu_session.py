@@ -1,0 +1,69 @@
+"""tools/gpu_session.sh on CPU: `start` launches the phases detached and returns at once, the decode
+phases run tools/bench_decode.py against a faithful stand-in `vllm` (real HTTP, streamed
+completions, Prometheus counters), a phase not asked for is skipped and said so, and `watch` brings
+everything back as ONE archive (the device tool returns only a handful of files a call)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tools" / "gpu_session.sh"
+
+
+def _fake_vllm(bindir: Path) -> None:
+    src = (ROOT / "tests" / "unit" / "test_bench_decode.py").read_text()
+    start = src.index('FAKE_VLLM = r"""') + len('FAKE_VLLM = r"""')
+    body = src[start:src.index('"""', start)]
+    body = body.replace("#!PYTHON", "#!" + sys.executable).replace("\\\\n", "\\n").replace('\\\\"', '\\"')
+    exe = bindir / "vllm"
+    exe.write_text(body)
+    exe.chmod(0o755)
+
+
+def test_start_runs_detached_and_watch_returns_one_archive(tmp_path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    _fake_vllm(bindir)
+    (bindir / "python3").symlink_to(sys.executable)  # the phases call python3 (the device's)
+    env_sh = tmp_path / "env.sh"
+    env_sh.write_text("export VLLM_USE_FLASHINFER_SAMPLER=0\n")
+    gs, out = tmp_path / "gs", tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "FLASH_E2E_VLLM_ENV": str(env_sh),
+           "FLASH_SESSION_DIR": str(gs), "FLASH_SESSION_REPO": str(tmp_path / "repo"),
+           "FLASH_SESSION_BENCH": str(tmp_path / "bench"), "FLASH_SESSION_PLE_ROWS": "40000", "OUT": str(out)}
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", str(SCRIPT), "start", "abc1234", "420", "decode8"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert time.monotonic() - t0 < 30 and "launched" in r.stdout  # returns at once: the phases run detached
+    r = subprocess.run(["bash", str(SCRIPT), "watch", "200"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=260)
+    assert r.returncode == 0, r.stderr
+    assert "all phases ended" in r.stdout
+    phases = (gs / "phases.log").read_text()
+    assert "commit abc1234" in phases and "skip e2e (not asked)" in phases and "end decode8 rc=0" in phases
+    assert sorted(p.name for p in out.iterdir()) == ["gs.tar.gz"]
+    with tarfile.open(out / "gs.tar.gz") as tar:
+        names = set(tar.getnames())
+        rows = [json.loads(line) for line in tar.extractfile("gs/decode/raw.jsonl").read().decode().splitlines()]
+    assert {"gs/phases.log", "gs/decode/stock-L8.log", "gs/decode/hoisted-L8.log"} <= names
+    assert sorted(r["label"] for r in rows if r.get("event") == "booted") == ["eager", "hoisted", "stock"]
+    assert {r["layers"] for r in rows if "aggregate_tok_s" in r} == {8}
+
+
+def test_usage_and_a_missing_payload_are_refused(tmp_path):
+    r = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True)
+    assert r.returncode == 2 and "usage" in r.stderr
+    env = {**os.environ, "FLASH_E2E_VLLM_ENV": str(tmp_path / "nope.sh"), "FLASH_SESSION_DIR": str(tmp_path / "gs")}
+    r = subprocess.run(["bash", str(SCRIPT), "start", "abc", "100"], env=env, capture_output=True, text=True)
+    assert r.returncode == 3 and "install the payload first" in r.stderr
