@@ -86,6 +86,36 @@ def drop_cache(fd: int, offset: int, n: int) -> None:
         os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)
 
 
+def copy_chunks(src_fd: int, dst_fd: int, src_offset: int, length: int, dst_offset: int | None = None,
+                on_write: Callable[[int], None] | None = None, what: str = ""):
+    """Copy [src_offset, +length) of `src_fd` into `dst_fd`, at `dst_offset` (positional) or at the
+    file position (None), in COPY_CHUNK pieces: copy_file_range where the kernel does it, else
+    pread + (p)write with every short write finished (signals, quotas). Yields (src offset, dst
+    offset or None, bytes) after each piece."""
+    end = src_offset + length
+    while src_offset < end:
+        n = min(COPY_CHUNK, end - src_offset)
+        if on_write:
+            on_write(n)
+        try:
+            done = os.copy_file_range(src_fd, dst_fd, n, src_offset, dst_offset)
+        except OSError:
+            done = 0
+        if done <= 0:  # not supported here (or a hole the kernel refuses): plain read/write
+            chunk = os.pread(src_fd, n, src_offset)
+            if len(chunk) != n:
+                raise OSError(f"short read at {src_offset} in the source of {what}")
+            view, at = memoryview(chunk), dst_offset
+            while view:
+                w = os.write(dst_fd, view) if at is None else os.pwrite(dst_fd, view, at)
+                view = view[w:]
+                at = None if at is None else at + w
+            done = n
+        yield src_offset, dst_offset, done
+        src_offset += done
+        dst_offset = None if dst_offset is None else dst_offset + done
+
+
 @dataclass(frozen=True)
 class Entry:
     name: str
@@ -163,24 +193,8 @@ class Writer:
     def copy_range(self, src_fd: int, offset: int, length: int) -> None:
         """Copy bytes [offset, offset+length) of another file (kernel copy where it can)."""
         self._account(length)
-        end = offset + length
-        while offset < end:
-            n = min(COPY_CHUNK, end - offset)
-            if self.on_write:
-                self.on_write(n)
-            try:
-                done = os.copy_file_range(src_fd, self.fd, n, offset)
-            except OSError:
-                done = 0
-            if done <= 0:  # not supported here (or a hole the kernel refuses): plain read/write
-                chunk = os.pread(src_fd, n, offset)
-                if len(chunk) != n:
-                    raise OSError(f"short read at {offset} in the source of {self.current}")
-                view = memoryview(chunk)
-                while view:  # os.write may take fewer bytes than asked (signal, pipe, quota)
-                    view = view[os.write(self.fd, view):]
-                done = n
-            offset += done
+        for _ in copy_chunks(src_fd, self.fd, offset, length, on_write=self.on_write, what=self.current):
+            pass
 
     def close(self, fsync: bool = True) -> None:
         """fsync=False: the caller syncs later (lets the next file's work overlap this writeback)."""
@@ -248,28 +262,9 @@ class PositionalWriter:
         """The whole tensor `name` from [src_offset, +size) of another file, kernel-side where possible."""
         length = self.sizes[name]
         dst = self._account(name, 0, length)
-        end = src_offset + length
-        while src_offset < end:
-            n = min(COPY_CHUNK, end - src_offset)
-            if self.on_write:
-                self.on_write(n)
-            try:
-                done = os.copy_file_range(src_fd, self.fd, n, src_offset, dst)
-            except OSError:
-                done = 0
-            if done <= 0:
-                chunk = os.pread(src_fd, n, src_offset)
-                if len(chunk) != n:
-                    raise OSError(f"short read at {src_offset} in the source of {name}")
-                view, at = memoryview(chunk), dst
-                while view:  # pwrite may write less than asked (signals, quotas): finish the chunk
-                    w = os.pwrite(self.fd, view, at)
-                    view, at = view[w:], at + w
-                done = n
-            drop_cache(src_fd, src_offset, done)
-            self.behind.wrote(dst, done)
-            src_offset += done
-            dst += done
+        for src_at, dst_at, n in copy_chunks(src_fd, self.fd, src_offset, length, dst, self.on_write, name):
+            drop_cache(src_fd, src_at, n)
+            self.behind.wrote(dst_at, n)
 
     def close(self, fsync: bool = True) -> None:
         try:
