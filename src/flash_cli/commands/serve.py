@@ -76,28 +76,37 @@ def deployment_json(dep, hf_cache: str) -> dict:
                                                        "url": dep.router.spec.api_url, "spec": asdict(dep.router.spec)}}
 
 
+def present(args: argparse.Namespace, r: recipe.Recipe, snapshot, summary: str, warnings, as_json, as_text) -> bool:
+    """What one box and a deployment share: the header, the warnings, the recipe's problems. On
+    --dry-run print the problems and the plan (JSON or docker lines) and return True; otherwise raise
+    the first problem, or return False to go on."""
+    s = r.settings
+    problems = preflight.recipe(s) + preflight.weights(s, r.hf_cache, snapshot)
+    say(f"serve: profile '{r.profile.name}': {r.profile.desc}")
+    say(dim(f"  {summary}"))
+    for w in warnings:
+        say(f"  ! {w}")
+    if not args.dry_run:
+        for p in problems:
+            p.raise_()
+        return False
+    for p in problems:
+        say(f"  ! would refuse: {p.message} ({p.hint})")
+    print(json.dumps(as_json(), indent=2) if args.json else as_text())
+    return True
+
+
 def run_deployment(args: argparse.Namespace, r: recipe.Recipe, snapshot) -> int:
     from ..multinode import build_deployment
 
     s = r.settings
     dep = build_deployment(s, profile=r.profile.name, snapshot=snapshot.name if snapshot else PLACEHOLDER,
                            hf_cache=str(r.hf_cache), state_dir=str(state.state_dir()))
-    problems = preflight.recipe(s) + preflight.weights(s, r.hf_cache, snapshot)
-    say(f"serve: profile '{r.profile.name}': {r.profile.desc}")
-    say(dim(f"  PARALLEL={dep.parallel} NODES={s['NODES']} NODE_ADDRS={s['NODE_ADDRS']} MODE={s['MODE']} "
-            f"BASE={s['BASE']} IMAGE={dep.head.spec.image} NAME={s['NAME']} API {', '.join(dep.api_urls())}"))
-    for w in dep.warnings:
-        say(f"  ! {w}")
-    if args.dry_run:
-        for p in problems:
-            say(f"  ! would refuse: {p.message} ({p.hint})")
-        if args.json:
-            print(json.dumps(deployment_json(dep, str(r.hf_cache)), indent=2))
-        else:
-            print(deployment_text(dep))
+    summary = (f"PARALLEL={dep.parallel} NODES={s['NODES']} NODE_ADDRS={s['NODE_ADDRS']} MODE={s['MODE']} "
+               f"BASE={s['BASE']} IMAGE={dep.head.spec.image} NAME={s['NAME']} API {', '.join(dep.api_urls())}")
+    if present(args, r, snapshot, summary, dep.warnings,
+               lambda: deployment_json(dep, str(r.hf_cache)), lambda: deployment_text(dep)):
         return 0
-    for p in problems:
-        p.raise_()
     from .. import deploy
 
     return deploy.serve(dep, s, force=args.force, start_check=args.start_check,
@@ -111,25 +120,10 @@ def run(args: argparse.Namespace) -> int:
     if s["PARALLEL"] != "none":
         return run_deployment(args, r, snapshot)
     spec = plan(r, snapshot.name if snapshot else PLACEHOLDER)
-    problems = preflight.recipe(s) + preflight.weights(s, r.hf_cache, snapshot)
-
-    say(f"serve: profile '{r.profile.name}': {r.profile.desc}")
-    say(dim(f"  MODE={s['MODE']} BASE={s['BASE']} IMAGE={spec.image} NAME={s['NAME']} {s['BIND']}:{s['PORT']} "
-            f"CTX={s['CTX']} YARN={int(s['YARN'])} MTP={s['MTP']} GPU_MEM={s['GPU_MEM']:.2f} KV_DTYPE={s['KV_DTYPE']}"))
-    for w in spec.warnings:
-        say(f"  ! {w}")
-
-    if args.dry_run:
-        for p in problems:
-            say(f"  ! would refuse: {p.message} ({p.hint})")
-        if args.json:
-            print(json.dumps(asdict(spec), indent=2))
-        else:
-            print(docker_run_text(spec))
+    summary = (f"MODE={s['MODE']} BASE={s['BASE']} IMAGE={spec.image} NAME={s['NAME']} {s['BIND']}:{s['PORT']} "
+               f"CTX={s['CTX']} YARN={int(s['YARN'])} MTP={s['MTP']} GPU_MEM={s['GPU_MEM']:.2f} KV_DTYPE={s['KV_DTYPE']}")
+    if present(args, r, snapshot, summary, spec.warnings, lambda: asdict(spec), lambda: docker_run_text(spec)):
         return 0
-
-    for p in problems:
-        p.raise_()
     from .. import engine
 
     client = engine.connect()
