@@ -3,22 +3,19 @@ the three server configurations, and the summary/plot of raw rows."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+import toolmod
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def bd():
-    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "tools" / "bench_decode.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return toolmod.load("bench_decode")
 
 
 @pytest.fixture(scope="module")

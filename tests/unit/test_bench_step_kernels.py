@@ -4,7 +4,6 @@ compared results differ, and its JSON lines have the shape the summary and KERNE
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch  # the unit tier's venv has CPU torch (the test extra)
+import toolmod
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "bench_step_kernels.py"
@@ -20,12 +20,7 @@ TOOL = ROOT / "tools" / "bench_step_kernels.py"
 
 @pytest.fixture(scope="module")
 def bk():
-    spec = importlib.util.spec_from_file_location("bench_step_kernels", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses resolve their module by name
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+    return toolmod.load("bench_step_kernels")
 
 
 def _run(*args, **env):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import toolmod
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "src" / "flash_vllm" / "data" / "draft_vocab_65536.npy"
@@ -17,10 +17,7 @@ SHIPPED = ROOT / "src" / "flash_vllm" / "data" / "draft_vocab_65536.npy"
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("build_draft_vocab", ROOT / "tools" / "build_draft_vocab.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return toolmod.load("build_draft_vocab")
 
 
 @pytest.fixture(scope="module")

@@ -2,25 +2,20 @@
 refuse corrupt parts and incomplete stores, install into a prefix with a stand-in pip."""
 
 import hashlib
-import importlib.util
 import json
 import random
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+import toolmod
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def dp():
-    spec = importlib.util.spec_from_file_location("device_payload", ROOT / "tools" / "device_payload.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["device_payload"] = mod  # dataclasses look the module up by name
-    spec.loader.exec_module(mod)
-    return mod
+    return toolmod.load("device_payload")
 
 
 def quiet(*a, **k):

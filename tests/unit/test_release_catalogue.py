@@ -17,6 +17,7 @@ import pytest
 from fakes.releases import fake_catalogue
 from flash_common import releases
 from flash_vllm import registry
+import toolmod
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -154,12 +155,7 @@ def test_dry_run_patches_doc_follows(dry_run):
 
 
 def _tool():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("check_vllm_release", ROOT / "tools" / "check_vllm_release.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return toolmod.load("check_vllm_release")
 
 
 def test_propose_reads_capabilities_from_source_markers():
