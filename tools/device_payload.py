@@ -33,7 +33,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterable, Iterator
+from typing import BinaryIO, Callable, Iterable
 
 FORMAT = 1
 MIB = 1024 * 1024

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from datetime import datetime, timezone
+from datetime import datetime
 from importlib import resources
 
 from .spec import HF_MOUNT, LABEL

@@ -127,7 +127,7 @@ def compilation_args(s: Settings) -> list[str]:
 
 
 def vllm_args(s: Settings, snapshot: str, host: str, port: int, parallel: list[str] = ()) -> list[str]:
-    ctx, yarn, mtp, base = s["CTX"], s["YARN"], s["MTP"], s["BASE"]
+    ctx, yarn, base = s["CTX"], s["YARN"], s["BASE"]
     argv = [
         "vllm", "serve", model_path(s["MODEL"], snapshot, s["MODE"]),
         "--served-model-name", s["SERVED_MODEL_NAME"],

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 

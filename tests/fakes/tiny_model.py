@@ -29,7 +29,6 @@ import hashlib
 import json
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent

@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys

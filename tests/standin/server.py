@@ -637,12 +637,10 @@ class Engine:
             toks = greedy_tokens(prompt, tail)
         else:
             toks = sampled_tokens(prompt, tail, temperature, params.get("seed"))
-        jitter = 0.0
         if greedy and forced is None and "nondeterministic" in self.faults:
             # what a non-deterministic top-k kernel looks like from outside: logprob noise and,
             # now and then, a different argmax somewhere in the answer
             rng = random.Random()
-            jitter = rng.uniform(1e-4, 1e-3)
             pos = rng.randrange(len(toks))
             toks[pos] = " " + rng.choice(FILLER) + rng.choice(("", "s", "ed"))
         stop = params.get("stop") or []

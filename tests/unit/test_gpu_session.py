@@ -13,7 +13,6 @@ import tarfile
 import time
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "gpu_session.sh"

@@ -10,7 +10,7 @@ import pytest
 
 from flash_vllm import compat, plugin
 from flash_vllm.registry import (
-    STATUSES, Context, Gate, Patch, TargetMissing, catalogue, expect_installed, expect_source,
+    STATUSES, Gate, Patch, TargetMissing, catalogue, expect_installed, expect_source,
     install, patchset_hash, resolve,
 )
 

@@ -6,7 +6,6 @@ kernel on a GPU: tools/prove_qsa_fp8_kv_gpu.py (docs/benchmarks/qsa-fp8-kv-h200.
 
 from __future__ import annotations
 
-import dataclasses
 import types
 
 import pytest

@@ -6,7 +6,7 @@ import argparse
 import shlex
 
 from .. import recipe
-from ..errors import FlashError, ImageMissing
+from ..errors import ImageMissing
 from ..output import print_json, say
 
 
