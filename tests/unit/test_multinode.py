@@ -5,13 +5,13 @@ where they belong, the plain per-rank launch issue 17 runs, and the refusals."""
 from __future__ import annotations
 
 import json
-import os
 import shlex
 from pathlib import Path
 
 import pytest
 
 from flash_cli import multinode, profiles, render
+import goldens
 from flash_cli.__main__ import main
 from flash_cli.errors import ConfigError
 from flash_cli.settings import resolve
@@ -44,19 +44,15 @@ def test_the_multi_node_profiles_exist():
 def test_each_box_matches_golden(profile, node):
     text = render.docker_run_text(deployment(profile).nodes[node].spec) + "\n"
     path = GOLDEN / f"{profile}.node{node}.txt"
-    if os.environ.get("FLASH_UPDATE_GOLDEN") == "1":
-        path.write_text(text)
-    assert path.is_file(), f"no golden file {path.name}: FLASH_UPDATE_GOLDEN=1 pytest {__file__}"
-    assert text == path.read_text(), f"{profile} box {node} changed; review, then FLASH_UPDATE_GOLDEN=1"
+    goldens.check(path, text, f"no golden file {path.name}: FLASH_UPDATE_GOLDEN=1 pytest {__file__}",
+                  f"{profile} box {node} changed; review, then FLASH_UPDATE_GOLDEN=1")
 
 
 def test_pd_router_matches_golden():
     text = render.docker_run_text(deployment("pd").router.spec) + "\n"
     path = GOLDEN / "pd.router.txt"
-    if os.environ.get("FLASH_UPDATE_GOLDEN") == "1":
-        path.write_text(text)
-    assert path.is_file(), f"no golden file {path.name}: FLASH_UPDATE_GOLDEN=1 pytest {__file__}"
-    assert text == path.read_text(), "the pd router changed; review, then FLASH_UPDATE_GOLDEN=1"
+    goldens.check(path, text, f"no golden file {path.name}: FLASH_UPDATE_GOLDEN=1 pytest {__file__}",
+                  "the pd router changed; review, then FLASH_UPDATE_GOLDEN=1")
 
 
 def dry_run(capsys, *words: str) -> tuple[list[list[str]], str]:

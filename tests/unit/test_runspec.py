@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import shlex
 from pathlib import Path
 
 import pytest
 
+import goldens
 from flash_cli import profiles, render, spec
 from flash_cli.settings import resolve
 from flash_common import releases
@@ -33,10 +33,8 @@ def single_box(name: str) -> bool:
 def test_profile_matches_golden(profile):
     text = render.docker_run_text(spec_for(profile)) + "\n"
     path = GOLDEN / f"{profile}.txt"
-    if os.environ.get("FLASH_UPDATE_GOLDEN") == "1":
-        path.write_text(text)
-    assert path.is_file(), f"no golden file for {profile}: FLASH_UPDATE_GOLDEN=1 pytest {__file__}"
-    assert text == path.read_text(), f"run spec of {profile} changed; review, then FLASH_UPDATE_GOLDEN=1"
+    goldens.check(path, text, f"no golden file for {profile}: FLASH_UPDATE_GOLDEN=1 pytest {__file__}",
+                  f"run spec of {profile} changed; review, then FLASH_UPDATE_GOLDEN=1")
 
 
 def test_every_profile_has_a_golden_file_and_no_orphans():
