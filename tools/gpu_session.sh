@@ -5,13 +5,15 @@
 #
 #   tools/gpu_session.sh start COMMIT BUDGET_S [PHASES]   copy this tree to /var/tmp/flash-repo,
 #                                 launch the phases (setsid), return at once
-#   tools/gpu_session.sh watch SECONDS   progress every 20 s; copies the results so far to $OUT;
-#                                 returns after SECONDS or once every phase ended
+#   tools/gpu_session.sh watch SECONDS   progress every 20 s; copies the results so far to $OUT
+#                                 (every minute, and at the end); returns after SECONDS or once
+#                                 every phase ended
 #
 # Needs the vLLM payload installed (tools/device_payload.py install, docs/GPU-E2E.md). Phases, in
 # order, each skipped when the budget left is shorter than it needs (said in phases.log):
 #   e2e      tests/run gpu-e2e, every scenario but diag_ple_ids (E2E_K overrides the -k): a/b/c-default
-#            alone first (kv_plan), then the others with fixed KV pools in waves of 4 (~12 min)
+#            alone first (kv_plan), then the others with fixed KV pools in waves of
+#            FLASH_E2E_BOOT_WAVE (default 4) (~12 min)
 #   decode8  tools/bench_decode.py matrix, 8 of the 48 layers (real per-layer shapes, dummy weights)
 #   kernels  tools/bench_step_kernels.py (draft head, QSA top-k, copy bandwidth) + tests/gpu
 #   decode4  the same matrix at 4 layers (two layer counts: the line read at 48 layers)
@@ -49,7 +51,7 @@ run_phases() {
   ) >"$GS/prepare.log" 2>&1 &
   local prep=$!
 
-  phase e2e 420 env FLASH_E2E_OUT="$GS/e2e" FLASH_E2E_WORK="$GS/work" FLASH_E2E_BOOT_WAVE=4 \
+  phase e2e 420 env FLASH_E2E_OUT="$GS/e2e" FLASH_E2E_WORK="$GS/work" FLASH_E2E_BOOT_WAVE="${FLASH_E2E_BOOT_WAVE:-4}" \
     FLASH_E2E_DEADLINE=$(( $(left) < 930 ? $(left) - 30 : 900 )) tests/run gpu-e2e -- -k "${E2E_K:-not diag}"
   wait "$prep"; log "prepare rc=$? ($(tail -c 300 "$GS/prepare.log" | tr '\n' ' '))"
   # the plugin as vLLM finds it (an entry point): the dist-info the e2e tier writes
@@ -102,9 +104,12 @@ case "${1:-}" in
     ;;
   watch)
     SECS=${2:?watch SECONDS}
-    t_end=$(( $(date +%s) + SECS ))
+    t_end=$(( $(date +%s) + SECS )) n=0
     while [ "$(date +%s)" -lt "$t_end" ] && [ ! -f "$GS/done" ]; do
       sleep 20
+      # an archive every minute too: a call cut short (the session's device time ran out) still
+      # brings back what was done
+      n=$(( n + 1 )); [ $(( n % 3 )) -eq 0 ] && collect
       echo "--- $(date -u +%H:%M:%S): $(tail -n 1 "$GS/phases.log" 2>/dev/null)"
       tail -n 3 "$GS"/e2e.log "$GS"/decode8.log "$GS"/decode4.log 2>/dev/null | cut -c1-220
     done
