@@ -8,7 +8,8 @@ onto plain processes: bind-mount targets are replaced by their host sources (the
 entrypoint's `python3` by this Python, `vllm` by `python -m vllm.entrypoints.cli.main`. Harness
 additions (printed apart in the dry run): PYTHONPATH (a dist-info that declares our
 `vllm.general_plugins` entry point + src/), a per-server VLLM_CACHE_ROOT (a patch changes the
-traced code, so servers must not share a compile cache), and for the broken-patch boot the
+traced code, so servers must not share a compile cache; only its `modelinfos` directory, vLLM's
+cache of per-class facts, is one for all: share_modelinfos), and for the broken-patch boot the
 breaker's sitecustomize.
 
     python tests/gpu_e2e/fleet.py run  [-k EXPR]   # boots, scenarios, results under $FLASH_E2E_OUT
@@ -27,7 +28,7 @@ of ~5 GiB beside three solo ones of 16.8 GiB fit the H200's 139.8 GiB),
 FLASH_E2E_PORT (first port, 18400),
 FLASH_E2E_BOOT_TIMEOUT (s per boot wave, 420), FLASH_E2E_BOOT_WAVE (at most this many servers boot at once, 4:
 vLLM sizes its KV pool from the whole GPU's use at profiling time, so many concurrent boots starve the
-later ones), FLASH_E2E_PARALLEL (scenario groups at a time; default all: a group waits for its servers' boots), FLASH_E2E_DEADLINE (s after start when unfinished scenarios are
+later ones), FLASH_E2E_PARALLEL (scenario groups at a time; default all: each scenario of a group waits for its own servers' boots), FLASH_E2E_DEADLINE (s after start when unfinished scenarios are
 cut, servers stopped and results packed; 540, inside a 10-minute device call), FLASH_E2E_TEST_ARGS (how `flash test` declares the checks a random
 model cannot pass; default TEST_NA_ARGS), FLASH_E2E_COMMIT (the commit, when .git is absent).
 Results: at most 8 flat files: results.json, summary.txt, logs.tar.gz (every server's full log and
@@ -341,9 +342,27 @@ def _health(url: str) -> bool:
         return False
 
 
+def share_modelinfos(ctx: Context, cache_root: Path) -> None:
+    """One `modelinfos` directory for every server's VLLM_CACHE_ROOT. vLLM resolves each
+    architecture (the model and its MTP head) in a fresh Python subprocess unless
+    VLLM_CACHE_ROOT/modelinfos holds the class's facts keyed by the model package's file hash
+    (registry.py `_LazyRegisteredModel.inspect_model_cls`): ~35 s each on the device, ~70 s of every
+    boot with a per-server cache root (run37). Those facts do not depend on our patches; the
+    compile caches beside them stay per server."""
+    shared = ctx.work / "vllm-cache" / "_modelinfos"
+    shared.mkdir(parents=True, exist_ok=True)
+    cache_root.mkdir(parents=True, exist_ok=True)
+    link = cache_root / "modelinfos"
+    if not link.is_symlink():
+        if link.is_dir():
+            shutil.rmtree(link)
+        link.symlink_to(shared, target_is_directory=True)
+
+
 def launch(ctx: Context, spec: dict) -> Proc:
     log = ctx.work / "logs" / f"{spec['server']}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
+    share_modelinfos(ctx, Path(spec["harness_env"]["VLLM_CACHE_ROOT"]))
     env = {**ctx.base_env, **spec["spec_env"], **spec["harness_env"]}
     fh = open(log, "wb")  # noqa: SIM115 - the child owns it
     fh.write(("# " + shlex.join(spec["argv"]) + "\n").encode())
@@ -892,11 +911,13 @@ def run_scenarios(ctx: Context, chosen: list[Scenario], deadline: float) -> dict
         say(f"{'PASS' if r['ok'] else 'FAIL'} {s.name} ({r['s']}s)")
 
     def group(g: list[Scenario]) -> None:
-        for name in {n for s in g for n in s.servers}:  # its servers settle first (solo ones boot first, the waves after)
-            ev = ctx.ready.get(name)
-            if ev is not None and not ev.wait(max(0.0, deadline - 45 - time.monotonic())):
-                return
         for s in g:
+            # each scenario waits for its own servers only (not the whole group's): probe_p1 runs
+            # while probe-p13 still boots; a booting server does not touch another one's batches
+            for name in s.servers:
+                ev = ctx.ready.get(name)
+                if ev is not None and not ev.wait(max(0.0, deadline - 45 - time.monotonic())):
+                    return
             if time.monotonic() > deadline - 45:
                 return
             one(s)

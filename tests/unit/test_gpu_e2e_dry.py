@@ -357,6 +357,43 @@ def test_a_group_waits_for_its_servers_boot(tmp_path):
     assert started["early"] - t0 < 0.3 and started["late"] - t0 >= 0.5
 
 
+def test_a_scenario_waits_for_its_own_servers_not_its_groups(tmp_path):
+    """Two scenarios sharing server "off" form one group; the first needs only "off" and "p1" (up),
+    the second also "p13" (still booting): the first runs at once, the second once p13 settled."""
+    import threading
+    import time
+
+    started: dict[str, float] = {}
+    chosen = [fleet.Scenario(n, srv, n, lambda ctx, n=n: started.setdefault(n, time.monotonic()))
+              for n, srv in (("probe_p1", ("off", "p1")), ("probe_p13", ("off", "p13")))]
+    assert len(fleet.scenario_groups(chosen)) == 1
+    ctx = _ctx(tmp_path)
+    ctx.ready = {n: threading.Event() for n in ("off", "p1", "p13")}
+    ctx.ready["off"].set()
+    ctx.ready["p1"].set()
+    t0 = time.monotonic()
+    threading.Timer(0.5, ctx.ready["p13"].set).start()
+    res = fleet.run_scenarios(ctx, chosen, time.monotonic() + 120)
+    assert all(r["ok"] for r in res.values())
+    assert started["probe_p1"] - t0 < 0.3 and started["probe_p13"] - t0 >= 0.5
+
+
+def test_every_server_shares_one_modelinfos_dir_and_keeps_its_own_compile_cache(tmp_path):
+    """vLLM's per-class facts (VLLM_CACHE_ROOT/modelinfos) are written once for all servers; what one
+    server's vLLM writes there, the next one reads. The rest of each cache root stays apart."""
+    ctx = _ctx(tmp_path)
+    a, b = tmp_path / "vllm-cache" / "a", tmp_path / "vllm-cache" / "b"
+    (b / "modelinfos").mkdir(parents=True)  # a left-over real directory is replaced, not nested
+    for root in (a, b):
+        fleet.share_modelinfos(ctx, root)
+        fleet.share_modelinfos(ctx, root)  # idempotent
+    (a / "modelinfos" / "vllm-models-qwen4_exp-Qwen4ExpMTP.json").write_text("{}")
+    assert (b / "modelinfos" / "vllm-models-qwen4_exp-Qwen4ExpMTP.json").read_text() == "{}"
+    assert (a / "modelinfos").resolve() == (b / "modelinfos").resolve()
+    (a / "torch_compile_cache").mkdir()
+    assert not (b / "torch_compile_cache").exists()
+
+
 def test_boot_waves_start_when_the_previous_wave_is_up_or_dead(monkeypatch, tmp_path):
     """7 servers, waves of 3: never more than 3 booting at once, a wave launched only once every server
     of the one before is healthy or dead (here one dies), and the solo server last, alone."""
