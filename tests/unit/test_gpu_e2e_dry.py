@@ -357,6 +357,31 @@ def test_a_group_waits_for_its_servers_boot(tmp_path):
     assert started["early"] - t0 < 0.3 and started["late"] - t0 >= 0.5
 
 
+def test_discrete_overhead_is_solved_on_run37s_boots_and_replays_their_kv_plan(planned):
+    """The H200 constant of the planner (calibration.RUNTIME_OVERHEAD_DISCRETE) is the mean of what
+    each of run37's three solo boots needs; with it, kv_plan_a/b/c's comparison (the same settings,
+    the same fixtures, `flash plan --hardware h200`'s build) is within the tier's 2% of the tokens
+    vLLM logged. In-sample: these are the boots it was fitted on."""
+    from flash_cli.plan import build, calibration as cal, fitting
+    from flash_cli.plan.hardware import PRESETS
+
+    _, _, specs = planned
+    raw = json.loads((ROOT / cal.H200_RUN / "results.json").read_text())
+    h200 = PRESETS["h200"]
+    sols = []
+    for server, fixture, tokens in cal.H200_BOOTS:
+        spec = specs[server]
+        assert spec["fixture"] == fixture and spec["solo"], server
+        assert f"GPU KV cache size: {tokens:,} tokens" in raw["servers"][server]["kv_line"]  # the raw record
+        settings = recipe.load(["default", *spec["words"]], env={}).settings
+        sols.append(fitting.solve_discrete(settings, h200, tokens))
+        predicted = build(settings, h200, snapshot=True, live_checks=False)["kv_cache_tokens"]
+        assert abs(predicted - tokens) / tokens <= 0.02, (server, predicted, tokens)
+    mean = sum(sols) / len(sols)
+    assert abs(mean - cal.RUNTIME_OVERHEAD_DISCRETE) <= 16 * 1024**2
+    assert max(abs(x - mean) for x in sols) <= cal.DISCRETE_OVERHEAD_BAND
+
+
 def test_a_scenario_waits_for_its_own_servers_not_its_groups(tmp_path):
     """Two scenarios sharing server "off" form one group; the first needs only "off" and "p1" (up),
     the second also "p13" (still booting): the first runs at once, the second once p13 settled."""

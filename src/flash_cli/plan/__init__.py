@@ -27,7 +27,7 @@ from flash_common import releases
 from . import geometry as geometry_mod
 from . import hardware as hardware_mod
 from . import kvcache, weights as weights_mod
-from .calibration import OVERHEAD_BAND, RUNTIME_OVERHEAD
+from .calibration import DISCRETE_OVERHEAD_BAND, H200_RUN, OVERHEAD_BAND, RUNTIME_OVERHEAD, RUNTIME_OVERHEAD_DISCRETE
 from .hardware import GIB, Hardware
 
 PLE_TABLE_NOTE = "PLE table: mmapped from the checkpoint by the plugin (patch 1), 0 bytes on the GPU; it lives in the page cache"
@@ -186,7 +186,10 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
     batched = s["BATCHED_TOKENS"]
     act = activation_bytes(geom, batched)
     topk = topk_buffer_bytes(geom, batched, qsa_layers)
-    overhead = RUNTIME_OVERHEAD
+    # what vLLM's profiler counts beyond weights, activations and top-k buffers: fitted on the GB10
+    # (unified memory) and, apart, on a discrete card (the H200)
+    overhead, overhead_band = (RUNTIME_OVERHEAD, OVERHEAD_BAND) if hw.unified else \
+        (RUNTIME_OVERHEAD_DISCRETE, DISCRETE_OVERHEAD_BAND)
     requested = -(-int(hw.device_total * s["GPU_MEM"] * 1000) // 1000)  # math.ceil(total × util)
     non_kv = w.total + act + topk + overhead
     if s["KV_CACHE_MEM"]:
@@ -197,7 +200,7 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
     else:
         kv_bytes = requested - non_kv
         claim = requested
-        band = (kv_bytes - OVERHEAD_BAND, kv_bytes + OVERHEAD_BAND)
+        band = (kv_bytes - overhead_band, kv_bytes + overhead_band)
     tokens = lay.tokens(kv_bytes)
     conc = lay.concurrency(kv_bytes)
     one_request = lay.bytes_for_requests(1, s["CTX"])
@@ -220,13 +223,16 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
         assumptions.append("discrete GPU: vLLM's budget is device memory only; the PLE table's page cache is host "
                            "RAM, separate from it" + ("" if hw.host_total else " (host RAM unknown for a preset: "
                                                       "plan on the machine itself to see it)"))
-        assumptions.append("runtime overhead: the GB10 fit (next) is used as is on this GPU (it includes what a "
-                           "unified-memory engine process adds; a discrete GPU may need less)")
     if hw.unified:
         assumptions.append(f"host: OS + Docker reserve {_gib(hw.host_reserve)} GiB and vLLM's processes before its "
                            f"first memory snapshot {_gib(hw.vllm_baseline)} GiB are outside GPU_MEM (assumed)")
-    assumptions.append(f"runtime overhead {_gib(overhead)} GiB (CUDA context, graphs, non-torch buffers): fitted on the "
-                       f"published default-recipe pool; boot-to-boot spread ±{_gib(OVERHEAD_BAND)} GiB")
+    if hw.unified:
+        assumptions.append(f"runtime overhead {_gib(overhead)} GiB (CUDA context, graphs, non-torch buffers): fitted on "
+                           f"the published default-recipe pool; boot-to-boot spread ±{_gib(overhead_band)} GiB")
+    else:
+        assumptions.append(f"runtime overhead {_gib(overhead)} GiB (graphs, non-torch buffers; the discrete-GPU fit): "
+                           f"fitted on three boots of the tiny fixtures alone on an H200 ({H200_RUN}), each within "
+                           f"±{_gib(overhead_band)} GiB of it; not yet checked on the real model")
     if not releases.has(base, "overhead_fitted"):
         assumptions.append(f"accounting of {base}: same allocator path as 0.29 except where noted; the overhead "
                            "was fitted on pools measured with the 0.29-era image")

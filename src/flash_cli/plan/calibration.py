@@ -1,11 +1,14 @@
-"""The one fitted constant and the published figures it is checked against.
+"""The fitted constants and the measurements they are checked against.
 
 RUNTIME_OVERHEAD is what vLLM's profiler counts as non-KV memory beyond the weights, the top-k
 buffers and the estimated activations (CUDA context and graphs, non-torch buffers, the engine
-process growth on unified memory). It is solved by `fit()` on ONE figure (FIT_FIGURE); a unit
-test re-solves it and fails if this constant drifts from the model. Every other figure in
-FIGURES is a prediction, with the tolerance we achieve written next to it. Data only: the
-planner imports it; `fitting.py` plans the figures (predict, fit) on top of both.
+process growth on unified memory), on the GB10's unified memory. It is solved by `fit()` on ONE
+figure (FIT_FIGURE); a unit test re-solves it and fails if this constant drifts from the model.
+Every other figure in FIGURES is a prediction, with the tolerance we achieve written next to it.
+
+RUNTIME_OVERHEAD_DISCRETE is the same quantity on a discrete GPU, where vLLM's budget is device
+memory only: solved on the H200 boots in H200_BOOTS (the mean of each boot's solution). Data only:
+the planner imports it; `fitting.py` plans the figures (predict, fit) on top of both.
 """
 
 from __future__ import annotations
@@ -18,6 +21,23 @@ RUNTIME_OVERHEAD = 3_484_221_440  # 3.245 GiB: fit() on FIT_FIGURE; test_plan_ca
 # Identical boots of the same recipe report 565k–630k tokens (seed 003, "depending on the page-cache
 # state at profiling"): ±32k tokens ≈ ±0.88 GiB of non-KV memory at 28.9 KB per pool token.
 OVERHEAD_BAND = int(0.88 * GIB)
+
+# Three boots alone on the device machine's H200 (vLLM 0.33.0, gpu-e2e run37 at commit 7045400: the
+# tiny fixtures a/b/c of tests/fakes/tiny_model.py, the default recipe at GPU_MEM=0.12, vLLM's
+# profiled pool): server, fixture, "GPU KV cache size: N tokens" from its log. The GB10 constant
+# above predicted 1,544,673-1,544,914 tokens for them (-15.5% to -16.5%): on a discrete card the
+# profiler counts 0.84-1.04 GiB of non-KV memory where the unified-memory fit adds 3.25 GiB.
+# tests/unit/test_gpu_e2e_dry.py re-solves the constant from these boots on the real fixtures.
+H200_BOOTS: tuple[tuple[str, str, int], ...] = (
+    ("a-default", "a", 1_827_177),  # MODE=nvfp4 (nvidia layout): vLLM's peak activation 0.79 GiB
+    ("b-default", "b", 1_850_669),  # (a) through `flash prepare hybrid`: 0.59 GiB
+    ("c-default", "c", 1_850_428),  # RadixArk layout through `flash prepare graft`: 0.59 GiB
+)
+H200_RUN = "docs/benchmarks/gpu-e2e-h200/run37"
+# 0.679 GiB: the mean of the three boots' own solutions (0.811, 0.611, 0.614 GiB)
+RUNTIME_OVERHEAD_DISCRETE = 728_651_093
+# covers each boot's own solution (a's is 0.132 GiB above the mean: its larger activation peak)
+DISCRETE_OVERHEAD_BAND = int(0.14 * GIB)
 
 SEED = "seeds/003_b0eb247f2d119cfb.txt"  # blazux/qwen3.8-Flash-DGX README (the anchor recipe)
 DEFAULT = {"MODE": "hybrid", "YARN": "1", "CTX": "500000", "MTP": "2", "GPU_MEM": "0.80", "BASE": "v0.29"}

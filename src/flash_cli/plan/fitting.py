@@ -52,3 +52,25 @@ def fit(hw=None) -> int:
     finally:
         plan_pkg.RUNTIME_OVERHEAD = saved
     return (lo + hi) // 2
+
+
+def solve_discrete(settings, hw, measured_tokens: int) -> int:
+    """The discrete-GPU overhead that makes the plan's pool for `settings` (its checkpoint found in
+    HF_CACHE) equal vLLM's measured tokens (bisection on bytes, as fit())."""
+    import flash_cli.plan as plan_pkg
+
+    from . import build
+
+    saved = plan_pkg.RUNTIME_OVERHEAD_DISCRETE
+    lo, hi = 0, 20 * GIB
+    try:
+        while hi - lo > 1024**2:
+            mid = (lo + hi) // 2
+            plan_pkg.RUNTIME_OVERHEAD_DISCRETE = mid
+            if build(settings, hw, snapshot=True, live_checks=False)["kv_cache_tokens"] > measured_tokens:
+                lo = mid
+            else:
+                hi = mid
+    finally:
+        plan_pkg.RUNTIME_OVERHEAD_DISCRETE = saved
+    return (lo + hi) // 2
