@@ -1,7 +1,8 @@
 """tools/gpu_session.sh on CPU: `start` launches the phases detached and returns at once, the decode
 phases run tools/bench_decode.py against a faithful stand-in `vllm` (real HTTP, streamed
 completions, Prometheus counters), a phase not asked for is skipped and said so, and `watch` brings
-everything back as ONE archive (the device tool returns only a handful of files a call)."""
+everything back as ONE archive (the device tool returns only a handful of files a call), plus the
+JIT caches for the next session, which `start` unpacks."""
 
 from __future__ import annotations
 
@@ -37,7 +38,10 @@ def test_start_runs_detached_and_watch_returns_one_archive(tmp_path):
     env_sh.write_text("export VLLM_USE_FLASHINFER_SAMPLER=0\n")
     gs, out = tmp_path / "gs", tmp_path / "out"
     out.mkdir()
-    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "FLASH_E2E_VLLM_ENV": str(env_sh),
+    home = tmp_path / "home"
+    (home / ".triton" / "cache" / "ab12").mkdir(parents=True)
+    (home / ".triton" / "cache" / "ab12" / "kernel.cubin").write_bytes(b"\x7fELF" + bytes(1000))
+    env = {**os.environ, "HOME": str(home), "PATH": f"{bindir}:{os.environ['PATH']}", "FLASH_E2E_VLLM_ENV": str(env_sh),
            "FLASH_SESSION_DIR": str(gs), "FLASH_SESSION_REPO": str(tmp_path / "repo"),
            "FLASH_SESSION_BENCH": str(tmp_path / "bench"), "FLASH_SESSION_PLE_ROWS": "40000", "OUT": str(out)}
     t0 = time.monotonic()
@@ -51,7 +55,8 @@ def test_start_runs_detached_and_watch_returns_one_archive(tmp_path):
     assert "all phases ended" in r.stdout
     phases = (gs / "phases.log").read_text()
     assert "commit abc1234" in phases and "skip e2e (not asked)" in phases and "end decode8 rc=0" in phases
-    assert sorted(p.name for p in out.iterdir()) == ["gs.tar.gz"]
+    assert sorted(p.name for p in out.iterdir()) == ["gs.tar.gz", "jit-cache.tar.gz"]
+    assert "jit caches: jit-cache.tar.gz" in phases
     with tarfile.open(out / "gs.tar.gz") as tar:
         names = set(tar.getnames())
         rows = [json.loads(line) for line in tar.extractfile("gs/decode/raw.jsonl").read().decode().splitlines()]
@@ -66,3 +71,40 @@ def test_usage_and_a_missing_payload_are_refused(tmp_path):
     env = {**os.environ, "FLASH_E2E_VLLM_ENV": str(tmp_path / "nope.sh"), "FLASH_SESSION_DIR": str(tmp_path / "gs")}
     r = subprocess.run(["bash", str(SCRIPT), "start", "abc", "100"], env=env, capture_output=True, text=True)
     assert r.returncode == 3 and "install the payload first" in r.stderr
+
+
+def test_jit_caches_come_back_small_and_are_restored_by_the_next_start(tmp_path):
+    """`watch` returns the JIT caches only under the size cap (saying so otherwise); the next session's
+    `start` unpacks a carried archive into $HOME before any phase runs."""
+    env_sh = tmp_path / "env.sh"
+    env_sh.write_text("")
+    old_home, new_home, out = tmp_path / "h1", tmp_path / "h2", tmp_path / "out"
+    (old_home / ".cache" / "flashinfer" / "autotune").mkdir(parents=True)
+    (old_home / ".cache" / "flashinfer" / "autotune" / "cfg.json").write_text('{"tile": 128}')
+    (old_home / ".cache" / "flashinfer" / "big.bin").write_bytes(os.urandom(2 << 20))
+    new_home.mkdir()
+    out.mkdir()
+    base = {**os.environ, "FLASH_E2E_VLLM_ENV": str(env_sh), "FLASH_SESSION_DIR": str(tmp_path / "gs"),
+            "FLASH_SESSION_REPO": str(tmp_path / "repo"), "FLASH_SESSION_BENCH": str(tmp_path / "bench"),
+            "OUT": str(out)}
+
+    def session(home, phases, **extra):
+        env = {**base, "HOME": str(home), **extra}
+        r = subprocess.run(["bash", str(SCRIPT), "start", "c0ffee1", "60", phases], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        r = subprocess.run(["bash", str(SCRIPT), "watch", "60"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0 and "all phases ended" in r.stdout, r.stdout + r.stderr
+        return (tmp_path / "gs" / "phases.log").read_text()
+
+    log = session(old_home, "none", FLASH_SESSION_JIT_MAX_MIB="1")  # 2 MiB of random bytes: over the cap
+    assert "over 1 MiB: not returned" in log and not (out / "jit-cache.tar.gz").exists()
+    log = session(old_home, "none")
+    assert (out / "jit-cache.tar.gz").is_file() and "carry it as" in log
+    carried = tmp_path / "carried.tar.gz"
+    (out / "jit-cache.tar.gz").rename(carried)
+    log = session(new_home, "none", FLASH_SESSION_JIT_TAR=str(carried))
+    assert "jit caches restored from" in log.splitlines()[0]
+    assert "prepare" not in log and not (tmp_path / "bench").exists()  # no decode phase: no 4.8 GiB table
+    assert (new_home / ".cache" / "flashinfer" / "autotune" / "cfg.json").read_text() == '{"tile": 128}'
