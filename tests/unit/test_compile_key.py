@@ -222,3 +222,15 @@ def test_check_refuses_a_non_method(fake_config):
     fake_config.compute_hash = "not a method"
     with pytest.raises(TargetMissing, match="is not a method"):
         compile_key.check()
+
+
+def test_selfcheck_row(fake_config, monkeypatch):
+    from flash_vllm.selfcheck import evaluate_key
+
+    rows = [{"number": 1, "status": "applies"}, {"number": 6, "status": "upstream"}]
+    row = evaluate_key(ctx(), rows)
+    key = compile_key.key_of(compile_key.signature("v0.33", [1], ENV))
+    assert row == {"status": "applies", "detail": f"vllm.config.vllm:VllmConfig.compute_hash (key {key})"}
+    monkeypatch.setitem(sys.modules, "vllm.config.vllm", types.ModuleType("vllm.config.vllm"))
+    bad = evaluate_key(ctx(), rows)
+    assert bad["status"] == "broken" and "VllmConfig" in bad["detail"] and "not found" in bad["detail"]

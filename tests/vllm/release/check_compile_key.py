@@ -110,3 +110,15 @@ def test_hook_binds_in_this_process(registered, gates, vllm_config):
     again = compile_key.install(ctx, registered["applied"])
     assert VllmConfig.compute_hash is wrap and again["key"] == registered["compile_key"]
     assert cfg.compute_hash() == before
+
+
+def test_selfcheck_reports_the_key(registered, gates):
+    """The image build's selfcheck proves the hook binds on this release (and exits 1 if not)."""
+    from flash_vllm import compat, compile_key
+    from flash_vllm.registry import Context
+    from flash_vllm.selfcheck import evaluate_key
+
+    ctx = Context(compat.resolve(registered["vllm"], {}), gates)
+    row = evaluate_key(ctx, [{"number": n, "status": "applies"} for n in registered["applied"]])
+    assert row == {"status": "applies", "detail": f"vllm.config.vllm:VllmConfig.compute_hash (key {registered['compile_key']})"}
+    assert compile_key.current() == registered["compile_key"]
