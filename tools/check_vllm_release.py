@@ -356,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     except subprocess.CalledProcessError as e:
         say(f"setup failed: {' '.join(map(str, e.cmd))} exited {e.returncode}")
         return 2
-    broken = [p for p in result["patches"] if p["status"] == "broken"]
+    key = result.get("compile_key") or {"status": "broken", "detail": "selfcheck reported no compile_key"}
+    broken = [p for p in result["patches"] if p["status"] == "broken"] + ([key] if key["status"] == "broken" else [])
     if args.json:
         print(json.dumps(result))
     else:
@@ -364,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{', provisional' if result.get('provisional') else ''})")
         for p in result["patches"]:
             print(f"  {p['number']:>2} {p['name']:<22} {p['status']:<11} {p.get('detail', '')}")
+        print(f"   - {'compile-cache key':<22} {key['status']:<11} {key['detail']}")
     return 1 if broken else 0
 
 

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(1 + len([p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]), str(ROOT / "src"))
 
 from flash_common import releases  # noqa: E402
+from flash_vllm import compile_key  # noqa: E402
 from flash_vllm.registry import DISABLE_ENV, catalogue, patchset_hash  # noqa: E402
 
 OUT = ROOT / "docs" / "PATCHES.md"
@@ -50,6 +51,41 @@ in that one file) also regenerates what names the current base: the 7 golden run
 (`tools/gen_plan_doc.py`): 13 files, 1 by hand. Profiles say `# base: current` and follow. Before
 the catalogue it was about 30 files, found by grep.
 """
+
+
+def compile_key_section() -> list[str]:
+    """The compile-cache key (flash_vllm/compile_key.py): not a numbered patch, always on."""
+    traced = "; ".join(f"patch {n}: " + ", ".join(f"`{v}`" for v in names)
+                       for n, (_, names) in sorted(compile_key.TRACED.items()))
+    lines = [
+        "## The compile-cache key (always on, not a numbered patch)",
+        "",
+        "vLLM keys its compile caches (the AOT artifact, on by default with torch >= 2.10 on every release",
+        "above; the Inductor cache directory) on `VllmConfig.compute_hash()` and on the *known* vLLM",
+        "variables only, and an AOT load checks only that the traced files' contents are unchanged. Our",
+        "patches are switched by variables vLLM does not know, so with a persistent cache (`COMPILE_CACHE`,",
+        "the `flash-compile` volume) two boots that differed only in their patches got the same key, and",
+        "the second loaded the graph traced with the first one's code. It bites where the model is",
+        "compiled: 0.29, whose qwen4_exp nvidia model and MTP heads are `@support_torch_compile`; 0.30-0.33",
+        "run it with breakable CUDA graphs (CompilationMode.NONE), where the key changes nothing but the",
+        "cache directory names.",
+        "",
+        f"`register()` therefore wraps `{':'.join(compile_key.TARGET)}` (after the patches, in every",
+        "vLLM process) and mixes vLLM's hash with the flash key: the sha256 of the base, the applied patch",
+        "numbers, each applied patch's traced-code knobs (normalised: unset and the default are one state),",
+        "and a hash of the plugin's own source (`flash_vllm/**/*.py`, `flash_common/*.py`). One boot line",
+        "names it: `flash_vllm: compile-cache key <16 hex> (… patches [..], traced knobs {..}, plugin",
+        "source <16 hex>)`. `FLASH_DISABLE_PATCHES` cannot switch it off.",
+        "",
+        f"- traced knobs: {traced}.",
+        "- left out on purpose (a boot that moves them must not recompile):",
+    ]
+    lines += [f"  - `{v}`: {cell(why)}" for v, why in sorted(compile_key.NOT_TRACED.items())]
+    lines += ["", "The unit tier fails when a patch reads a variable that is in neither list "
+              "(`tests/unit/test_compile_key.py`); `tests/vllm/release/check_compile_key.py` shows on each "
+              "release that vLLM's own `aot_compile_hash_factors` cannot tell two patch states apart and "
+              "tells them apart with the key."]
+    return lines
 
 
 def cell(text: str) -> str:
@@ -100,7 +136,7 @@ def render() -> str:
             body.pop(0)
         if body:
             lines += ["", *body]
-    lines += ["", ADDING]
+    lines += ["", *compile_key_section(), "", ADDING]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -13,7 +13,7 @@ import os
 import threading
 from typing import Mapping
 
-from . import compat
+from . import compat, compile_key
 from .registry import Context, Patch, TargetMissing, catalogue
 
 # vLLM configures the "vllm" logger; a child logger shares its handlers and format.
@@ -61,7 +61,15 @@ def register(env: Mapping[str, str] | None = None, vllm_version: str | None = No
                     f"flash_vllm patch {patch.number} ({patch.name}) cannot apply on "
                     f"{ctx.base.name} (vLLM {version}): {e}") from e
             applied.append(patch.number)
-        summary = {"base": ctx.base.name, "vllm": version, "applied": applied, "skipped": skipped}
+        # Not a numbered patch (always on): vLLM's compile-cache key learns this process's patch
+        # state, so a persistent cache never hands one patch state the graph traced with another.
+        try:
+            key = compile_key.install(ctx, applied)["key"]
+        except TargetMissing as e:
+            raise PatchFailed(f"flash_vllm compile-cache key cannot hook {':'.join(compile_key.TARGET)} on "
+                              f"{ctx.base.name} (vLLM {version}): {e}") from e
+        summary = {"base": ctx.base.name, "vllm": version, "applied": applied, "skipped": skipped,
+                   "compile_key": key}
         _state["summary"] = summary
         # The banner `flash status`/`logs` look for: one line, every patch accounted for.
         log.info("flash_vllm: base %s (vLLM %s), pid %d, applied [%s], not applied [%s]",

@@ -287,7 +287,8 @@ def patchset_hash() -> str:
     h = hashlib.sha256()
     here = Path(__file__).resolve().parent
     common = here.parent / "flash_common"
-    files = sorted([here / "registry.py", here / "compat.py", here / "plugin.py", common / "releases.py",
+    files = sorted([here / "registry.py", here / "compat.py", here / "plugin.py", here / "compile_key.py",
+                    common / "releases.py",
                     common / "effort.py"] + list((here / "patches").glob("*.py")))
     for f in files:
         h.update(f.relative_to(here.parent).as_posix().encode() + b"\0")

@@ -9,8 +9,9 @@ For every patch, on the installed vLLM (no GPU needed):
 Every patch is applied regardless of its runtime gate (gates are serving-time env), so run it in
 a throwaway process: the Dockerfile's last build step, the verification tier, and
 `flash patches` (inside the image). Exit status 1 if any patch meant for this base is broken.
-The last line of `--json` output is one JSON object: {"release", "base", "patchset", "patches":
-[{"number", "name", "status", "detail"}]}.
+The compile-cache key's hook (flash_vllm/compile_key.py, not a numbered patch) is checked too. The
+last line of `--json` output is one JSON object: {"release", "base", "patchset", "patches":
+[{"number", "name", "status", "detail"}], "compile_key": {"status", "detail"}}.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import os
 import sys
 import traceback
 
-from . import compat
+from . import compat, compile_key
 from .registry import Context, catalogue, patchset_hash
 
 
@@ -46,6 +47,19 @@ def evaluate(ctx: Context) -> list[dict]:
                 traceback.print_exc()
         rows.append({"number": p.number, "name": p.name, "status": status, "detail": detail})
     return rows
+
+
+def evaluate_key(ctx: Context, rows: list[dict]) -> dict:
+    """The compile-cache key (not a numbered patch, always on): its hook binds on this release."""
+    try:
+        sig = compile_key.install(ctx, [r["number"] for r in rows if r["status"] == "applies"])
+        compile_key.install(ctx, sig["applied"])  # idempotent
+        compile_key.verify()
+        return {"status": "applies", "detail": f"{':'.join(compile_key.TARGET)} (key {sig['key']})"}
+    except Exception as e:
+        if os.environ.get("FLASH_DEBUG"):
+            traceback.print_exc()
+        return {"status": "broken", "detail": f"{type(e).__name__}: {e}"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,16 +87,19 @@ def main(argv: list[str] | None = None) -> int:
     except compat.CompatError as e:
         print(f"selfcheck: {e}", file=sys.stderr)
         return 2
-    rows = evaluate(Context(base, env))
-    broken = [r for r in rows if r["status"] == "broken"]
+    ctx = Context(base, env)
+    rows = evaluate(ctx)
+    key = evaluate_key(ctx, rows)
+    broken = [r for r in rows if r["status"] == "broken"] + ([{"number": "compile-key"}] if key["status"] == "broken" else [])
     out = {"release": version, "base": base.name, "provisional": base.provisional,
-           "patchset": patchset_hash(), "patches": rows}
+           "patchset": patchset_hash(), "patches": rows, "compile_key": key}
     if args.json:
         print(json.dumps(out))
     else:
         print(f"flash_vllm selfcheck: vLLM {version}, base {base.name}, patch set {out['patchset']}")
         for r in rows:
             print(f"  {r['number']:>2} {r['name']:<22} {r['status']:<11} {r['detail']}")
+        print(f"   - {'compile-cache key':<22} {key['status']:<11} {key['detail']}")
         print("OK" if not broken else f"BROKEN: {', '.join(str(r['number']) for r in broken)}")
     return 1 if broken else 0
 

@@ -8,9 +8,10 @@ onto plain processes: bind-mount targets are replaced by their host sources (the
 entrypoint's `python3` by this Python, `vllm` by `python -m vllm.entrypoints.cli.main`. Harness
 additions (printed apart in the dry run): PYTHONPATH (a dist-info that declares our
 `vllm.general_plugins` entry point + src/), a per-server VLLM_CACHE_ROOT (a patch changes the
-traced code, so servers must not share a compile cache; only its `modelinfos` directory, vLLM's
-cache of per-class facts, is one for all: share_modelinfos), and for the broken-patch boot the
-breaker's sitecustomize.
+traced code, so servers must not share a compile cache; the plugin's compile-cache key,
+flash_vllm/compile_key.py, already separates patch states, so this is belt and braces; only its
+`modelinfos` directory, vLLM's cache of per-class facts, is one for all: share_modelinfos), and for
+the broken-patch boot the breaker's sitecustomize.
 
     python tests/gpu_e2e/fleet.py run  [-k EXPR]   # boots, scenarios, results under $FLASH_E2E_OUT
     python tests/gpu_e2e/fleet.py plan [-k EXPR]   # the dry run: every server's argv + env, the scenario plan

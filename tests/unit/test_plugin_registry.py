@@ -152,6 +152,9 @@ def test_expect_source_anchors(fake_vllm, tmp_path, monkeypatch):
 
 def test_register_raises_on_missing_target_and_is_idempotent(monkeypatch):
     calls = []
+    vconf = types.ModuleType("vllm.config.vllm")  # register() also hooks the compile-cache key here
+    vconf.VllmConfig = type("VllmConfig", (), {"compute_hash": lambda self: "0123456789"})
+    monkeypatch.setitem(sys.modules, "vllm.config.vllm", vconf)
 
     def check(ctx):
         raise TargetMissing("vllm.fake:thing not found")

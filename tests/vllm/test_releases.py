@@ -44,6 +44,7 @@ def test_check_tool_matrix_matches_registry(release):
     broken = {n: p for n, p in ((p["number"], p) for p in result["patches"]) if p["status"] == "broken"}
     assert not broken, f"broken on {release}: {broken}"
     assert got == want
+    assert result["compile_key"]["status"] == "applies", result["compile_key"]
     assert proc.returncode == 0
 
 
