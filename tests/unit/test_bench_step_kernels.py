@@ -47,7 +47,7 @@ def test_smoke_runs_every_part_once_per_shape(bk, smoke):
     assert draft == {(t, i) for t in plan.draft_tokens for i in ("stock", "patched")}
     qsa = {(r["batch"], r["context"], r["max_model_len"], r["impl"]) for r in timed if r["kind"] == "qsa_topk"}
     assert qsa == {(b, c, m, i) for b in plan.batches for c in plan.contexts for m in plan.max_model_lens
-                   for i in ("stock", "patched")}
+                   for i in ("stock", "patched", "radix")}
     for r in timed:
         assert r["mode"] == "eager" and "error" not in r
         assert r["n"] == plan.iters == len(r["raw_us"])
@@ -70,21 +70,25 @@ def test_smoke_checks_prove_equal_results(smoke):
     qsa = [r for r in smoke if r["kind"] == "check" and r["bench"] == "qsa_topk"]
     assert len(qsa) == 4
     for c in qsa:
-        assert c["ok"] and c["stock_equals_expected"] and c["patched_equals_expected"]
-        assert c["random_sets_equal"] == {"stock": True, "patched": True}
+        assert c["ok"] and c["stock_equals_expected"] and c["patched_equals_expected"] and c["radix_equals_expected"]
+        assert c["random_sets_equal"] == {"stock": True, "patched": True, "radix": True}
 
 
 def test_summary_ratios_are_patched_over_stock(smoke):
     s = smoke[-1]
     med = {(r["kind"], r.get("tokens"), r.get("batch"), r.get("context"), r["impl"]): r["median_us"]
            for r in smoke if r["kind"] in ("draft_head", "qsa_topk")}
-    assert len(s["ratios"]) == len(med) // 2 and s["checks"] == s["checks_passed"] == 6 and s["errors"] == []
+    # one ratio per flash implementation and shape: patched (draft head, QSA) and radix (QSA only)
+    assert len(s["ratios"]) == sum(1 for k in med if k[-1] in ("patched", "radix"))
+    assert s["checks"] == s["checks_passed"] == 6 and s["errors"] == []
     for r in s["ratios"]:
         key = (r["bench"], r.get("tokens"), r.get("batch"), r.get("context"))
-        assert r["vs"] == "stock" and r["patched_us"] == med[key + ("patched",)] and r["ref_us"] == med[key + ("stock",)]
+        assert r["vs"] == "stock" and r["patched_us"] == med[key + (r["impl"],)] and r["ref_us"] == med[key + ("stock",)]
         assert r["ratio"] == round(r["patched_us"] / r["ref_us"], 3)
         assert r["meets_goal"] == (r["patched_us"] / r["ref_us"] <= {"draft_head": 0.30, "qsa_topk": 1.0}[r["bench"]])
     assert s["draft_head_ratio_vs_stock_max"] == max(r["ratio"] for r in s["ratios"] if r["bench"] == "draft_head")
+    assert s["qsa_topk_radix_ratio_vs_stock_max"] == max(r["ratio"] for r in s["ratios"] if r["impl"] == "radix")
+    assert {r["impl"] for r in s["ratios"] if r["bench"] == "draft_head"} == {"patched"}
     assert s["gb10_over_this_device_bandwidth"] == round(273.0 / s["copy_gbps_read_plus_write"], 4)
 
 
@@ -122,12 +126,13 @@ def test_qsa_check_fails_when_the_stock_side_selects_a_wrong_block(bk, monkeypat
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     checks = [r for r in lines if r["kind"] == "check"]
     assert checks and all(not c["ok"] and not c["stock_equals_expected"] and c["patched_equals_expected"]
-                          for c in checks)
+                          and c["radix_equals_expected"] for c in checks)
     assert lines[-1]["checks_passed"] == 0
 
 
 def test_patched_qsa_is_patch_8s_installed_hook(bk, monkeypatch, capsys):
-    """The `patched` side is what patch 8 installs: `_qsa_topk.make_hook(stock, "det", ...)`."""
+    """The `patched` side is what patch 8 installs: `_qsa_topk.make_hook(stock, "det", ...)`; the
+    `radix` side what it installs with VLLM_QSA_DET_TOPK=radix."""
     from flash_vllm.patches import _qsa_topk
 
     seen = []
@@ -136,7 +141,7 @@ def test_patched_qsa_is_patch_8s_installed_hook(bk, monkeypatch, capsys):
                         or real(orig, mode, base))
     assert bk.main(["--cpu-smoke", "--only", "qsa_topk"]) == 0
     capsys.readouterr()
-    assert seen == [(bk.cpu_standin_topk, "det", "v0.30")]
+    assert seen == [(bk.cpu_standin_topk, "det", "v0.30"), (bk.cpu_standin_topk, "radix", "v0.30")]
     hook = real(bk.cpu_standin_topk, "det", "v0.30")
     assert hook.flash_mode == "det"
 

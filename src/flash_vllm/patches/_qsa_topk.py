@@ -10,6 +10,9 @@ replaces that dispatch; the mode is read from the environment when the hook is i
   stock kernel runs (a diagnostic: does the stock kernel read past `visible`?).
 - otherwise `VLLM_QSA_DET_TOPK=1`: the same exact path (patch 8 routes here instead of building
   an external kernel; see docs/PATCHES.md).
+- `VLLM_QSA_DET_TOPK=radix`: patch 8 through `_qsa_radix.radix_block_topk`, a Triton radix select
+  over the visible columns only (deterministic, ties to the lowest column); a candidate until it
+  is measured on a GPU (tools/bench_step_kernels.py times it beside the others).
 - neither: the stock kernel, untouched (the hook passes through).
 
 Everything here is capturable in a CUDA graph: no host sync, no data-dependent shapes.
@@ -40,9 +43,24 @@ def mode(env: Mapping[str, str]) -> str | None:
         return "fill"
     if exact in TRUE:
         return "exact"
-    if env.get("VLLM_QSA_DET_TOPK", "").strip().lower() in TRUE:
+    det = env.get("VLLM_QSA_DET_TOPK", "").strip().lower()
+    if det in TRUE:
         return "det"
+    if det == "radix":
+        return "radix"
     return None
+
+
+def det_enabled(env: Mapping[str, str]) -> bool:
+    """Patch 8's gate: VLLM_QSA_DET_TOPK=1 (the exact path) or =radix (the Triton kernel)."""
+    det = env.get("VLLM_QSA_DET_TOPK", "").strip().lower()
+    return det in TRUE or det == "radix"
+
+
+def _radix():
+    from . import _qsa_radix  # Triton: only when asked for
+
+    return _qsa_radix.radix_block_topk
 
 
 def exact_block_topk(logits, visible_blocks, block_indices, block_topk: int, columns: int) -> None:
@@ -87,7 +105,12 @@ def check(ctx: Context) -> None:
 
 
 def _make_030(orig, hook_mode):
+    radix = _radix() if hook_mode == "radix" else None
+
     def _topk(logits, visible_blocks, token_topk, compress_ratio, block_indices, topk_workspace):
+        if radix is not None:
+            radix(logits, visible_blocks, block_indices, token_topk // compress_ratio, logits.shape[1])
+            return None
         if hook_mode in ("exact", "det"):
             exact_block_topk(logits, visible_blocks, block_indices, token_topk // compress_ratio,
                              logits.shape[1])
@@ -106,6 +129,7 @@ def _make_029(orig, hook_mode):
     import torch
 
     m = __import__(M029, fromlist=["_"])
+    radix = _radix() if hook_mode == "radix" else None
 
     # Copied from vLLM 0.29.0 ops/qsa.py::qsa_select_paged_tokens (the top-k dispatch is inline
     # there, so it cannot be wrapped); only the marked lines differ. `check()` pins the anchors.
@@ -136,7 +160,9 @@ def _make_029(orig, hook_mode):
                 query_positions[row_slice], sequence_lengths, compress_ratio)
             blocks = blocks_buffer[: row_end - row_start]
             # --- flash patch 5/8 begin: exact (or masked) top-k instead of the stock dispatch
-            if hook_mode in ("exact", "det"):
+            if radix is not None:
+                radix(logits, visible_blocks, blocks, block_topk, columns)
+            elif hook_mode in ("exact", "det"):
                 exact_block_topk(logits, visible_blocks, blocks, block_topk, columns)
             else:
                 fill_invisible(logits, visible_blocks, columns)

@@ -14,9 +14,12 @@ PATCH = Patch(
          "build, one code path to test, and the result is the exact top-k, identical across calls. "
          "The kernel's author later traced real-traffic nondeterminism to upstream score "
          "differences rather than ties, so this makes selection exact and repeatable, not the "
-         "whole forward. `VLLM_QSA_EXACT_TOPK` wins when both are set."),
+         "whole forward. `VLLM_QSA_EXACT_TOPK` wins when both are set. That path costs 5.5-34.6x "
+         "the stock kernels on the H200 (it sorts the whole row, max_model_len wide); "
+         "`VLLM_QSA_DET_TOPK=radix` selects a candidate Triton kernel that reads only the visible "
+         "columns, ties to the lowest column (`_qsa_radix.py`), not yet measured on a GPU."),
     upstream="vllm#55122 (deterministic persistent_topk, open); vllm#54521 (issue, open)",
-    gate=Gate.flag("VLLM_QSA_DET_TOPK"),
+    gate=Gate("VLLM_QSA_DET_TOPK", "VLLM_QSA_DET_TOPK=1 (or =radix)", _qsa_topk.det_enabled),
     targets=("same hook as patch 5",),
     applies_to=ALL,
     check=_qsa_topk.check,
