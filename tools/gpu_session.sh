@@ -9,15 +9,17 @@
 #                                 (every minute, and at the end); returns after SECONDS or once
 #                                 every phase ended
 #
-# Needs the vLLM payload installed (tools/device_payload.py install, docs/GPU-E2E.md). Phases, in
-# order, each skipped when the budget left is shorter than it needs (said in phases.log):
+# Needs the vLLM payload installed (tools/device_payload.py install, docs/GPU-E2E.md). Phases, run
+# in the order PHASES lists them (`none`: only restore the JIT caches), each skipped when the budget
+# left is shorter than it needs (said in phases.log):
 #   e2e      tests/run gpu-e2e, every scenario but diag_ple_ids (E2E_K overrides the -k): a/b/c-default
 #            alone first (kv_plan), then the others with fixed KV pools in waves of
 #            FLASH_E2E_BOOT_WAVE (default 4) (~12 min)
 #   decode8  tools/bench_decode.py matrix, 8 of the 48 layers (real per-layer shapes, dummy weights)
 #   kernels  tools/bench_step_kernels.py (draft head, QSA top-k, copy bandwidth) + tests/gpu
 #   decode4  the same matrix at 4 layers (two layer counts: the line read at 48 layers)
-# Results: /var/tmp/gs (phases.log, e2e/, decode/, kernels/). PHASES: a comma list, default all.
+# Results: /var/tmp/gs (phases.log, e2e/, decode/, kernels/). PHASES: a comma list, default
+# e2e,decode8,kernels,decode4.
 #
 # JIT caches travel between sessions: every device session starts on a fresh machine, and the
 # first boots spend minutes compiling Triton kernels and autotuning FlashInfer (run37: `init engine`
@@ -80,21 +82,36 @@ run_phases() {
     prep=$! ;;
   esac
 
-  phase e2e 420 env FLASH_E2E_OUT="$GS/e2e" FLASH_E2E_WORK="$GS/work" FLASH_E2E_BOOT_WAVE="${FLASH_E2E_BOOT_WAVE:-4}" \
-    FLASH_E2E_DEADLINE=$(( $(left) < 930 ? $(left) - 30 : 900 )) tests/run gpu-e2e -- -k "${E2E_K:-not diag}"
-  if [ -n "$prep" ]; then wait "$prep"; log "prepare rc=$? ($(tail -c 300 "$GS/prepare.log" | tr '\n' ' '))"; fi
-  # the plugin as vLLM finds it (an entry point): the dist-info the e2e tier writes
-  local site
-  site=$(python3 -c "import sys, pathlib; sys.path[:0] = ['tests/gpu_e2e', 'tests', 'src']; import fleet
+  local p bench_ready=""
+  for p in e2e decode8 kernels decode4; do
+    case ",${PHASES}," in *",$p,"*) ;; *) log "skip $p (not asked)" ;; esac
+  done
+  for p in ${PHASES//,/ }; do  # in the order asked
+    case "$p" in
+      e2e)
+        phase e2e 420 env FLASH_E2E_OUT="$GS/e2e" FLASH_E2E_WORK="$GS/work" FLASH_E2E_BOOT_WAVE="${FLASH_E2E_BOOT_WAVE:-4}" \
+          FLASH_E2E_DEADLINE=$(( $(left) < 930 ? $(left) - 30 : 900 )) tests/run gpu-e2e -- -k "${E2E_K:-not diag}" ;;
+      decode8|kernels|decode4)
+        if [ -z "$bench_ready" ]; then
+          bench_ready=1
+          if [ -n "$prep" ]; then wait "$prep"; log "prepare rc=$? ($(tail -c 300 "$GS/prepare.log" | tr '\n' ' '))"; fi
+          # the plugin as vLLM finds it (an entry point): the dist-info the e2e tier writes
+          local site
+          site=$(python3 -c "import sys, pathlib; sys.path[:0] = ['tests/gpu_e2e', 'tests', 'src']; import fleet
 print(fleet.plugin_site(fleet.Context(work=pathlib.Path('$GS/work'), out=pathlib.Path('$GS'), python='', base_env={}, snaps={})))")
-  export PYTHONPATH="$site:$REPO/src:$PYTHONPATH"
-  mkdir -p "$GS/decode" "$GS/kernels"
-  phase decode8 300 python3 tools/bench_decode.py matrix "$BENCH/L8" --port 18600 --out "$GS/decode/raw.jsonl" \
-    --logs "$GS/decode" --deadline $(( $(left) - 20 < 420 ? $(left) - 20 : 420 ))
-  phase kernels 100 bash -c "timeout 120 python3 tools/bench_step_kernels.py --out '$GS/kernels/kernels.jsonl';
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu"
-  phase decode4 280 python3 tools/bench_decode.py matrix "$BENCH/L4" --port 18610 --out "$GS/decode/raw.jsonl" \
-    --logs "$GS/decode" --deadline $(( $(left) - 20 < 420 ? $(left) - 20 : 420 ))
+          export PYTHONPATH="$site:$REPO/src:$PYTHONPATH"
+          mkdir -p "$GS/decode" "$GS/kernels"
+        fi
+        case "$p" in
+          decode8) phase decode8 300 python3 tools/bench_decode.py matrix "$BENCH/L8" --port 18600 \
+                     --out "$GS/decode/raw.jsonl" --logs "$GS/decode" --deadline $(( $(left) - 20 < 420 ? $(left) - 20 : 420 )) ;;
+          kernels) phase kernels 100 bash -c "timeout 120 python3 tools/bench_step_kernels.py --out '$GS/kernels/kernels.jsonl';
+                     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu" ;;
+          decode4) phase decode4 280 python3 tools/bench_decode.py matrix "$BENCH/L4" --port 18610 \
+                     --out "$GS/decode/raw.jsonl" --logs "$GS/decode" --deadline $(( $(left) - 20 < 420 ? $(left) - 20 : 420 )) ;;
+        esac ;;
+    esac
+  done
   log "all phases ended"
   touch "$GS/done"
 }
@@ -122,6 +139,10 @@ case "${1:-}" in
   start)
     COMMIT=${2:?start COMMIT BUDGET_S [PHASES]}; BUDGET=${3:?start COMMIT BUDGET_S [PHASES]}
     PHASES=${4:-e2e,decode8,kernels,decode4}
+    for p in ${PHASES//,/ }; do
+      case "$p" in e2e|decode8|kernels|decode4|none) ;;
+        *) echo "gpu_session: unknown phase '$p' (e2e, decode8, kernels, decode4, or none)" >&2; exit 2 ;; esac
+    done
     [ -f "$ENV_SH" ] || { echo "gpu_session: $ENV_SH missing: install the payload first (docs/GPU-E2E.md)" >&2; exit 3; }
     rm -rf "$GS" "$REPO"; mkdir -p "$GS" "$REPO"
     if [ -f "$JIT_CARRIED" ]; then  # a previous session's JIT caches (see the top)

@@ -108,3 +108,25 @@ def test_jit_caches_come_back_small_and_are_restored_by_the_next_start(tmp_path)
     assert "jit caches restored from" in log.splitlines()[0]
     assert "prepare" not in log and not (tmp_path / "bench").exists()  # no decode phase: no 4.8 GiB table
     assert (new_home / ".cache" / "flashinfer" / "autotune" / "cfg.json").read_text() == '{"tile": 128}'
+
+
+def test_phases_run_in_the_order_asked_and_unknown_ones_are_refused(tmp_path):
+    env_sh = tmp_path / "env.sh"
+    env_sh.write_text("")
+    env = {**os.environ, "FLASH_E2E_VLLM_ENV": str(env_sh), "FLASH_SESSION_DIR": str(tmp_path / "gs"),
+           "FLASH_SESSION_REPO": str(tmp_path / "repo"), "FLASH_SESSION_BENCH": str(tmp_path / "bench"),
+           "OUT": str(tmp_path), "HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run(["bash", str(SCRIPT), "start", "c0ffee1", "60", "kernels,decode5"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unknown phase 'decode5'" in r.stderr and not (tmp_path / "gs").exists()
+    # kernels before e2e; on this CPU machine both end at once (no CUDA: exit 3), in that order
+    r = subprocess.run(["bash", str(SCRIPT), "start", "c0ffee1", "700", "kernels,e2e"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(["bash", str(SCRIPT), "watch", "240"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert "all phases ended" in r.stdout, r.stdout[-2000:]
+    log = (tmp_path / "gs" / "phases.log").read_text()
+    starts = [line.split()[2] for line in log.splitlines() if " start " in line]
+    assert starts == ["kernels", "e2e"], log
+    assert "skip decode8 (not asked)" in log and "skip decode4 (not asked)" in log and "prepare" not in log
