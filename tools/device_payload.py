@@ -305,8 +305,9 @@ RESOLVE_PLATFORMS = tuple(f"manylinux_2_{n}_x86_64" for n in range(RESOLVE_GLIBC
 Runner = Callable[..., "subprocess.CompletedProcess"]
 
 
-def python_version_of(python: str, run: Runner = subprocess.run) -> str | None:
+def python_version_of(python: str, run: Runner | None = None) -> str | None:
     """'MAJOR.MINOR' of an interpreter, or None when it does not run."""
+    run = run or subprocess.run
     try:
         r = run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True,
                 text=True, timeout=60)
@@ -315,7 +316,7 @@ def python_version_of(python: str, run: Runner = subprocess.run) -> str | None:
     return r.stdout.strip() if r.returncode == 0 else None
 
 
-def device_python(explicit: str | None = None, run: Runner = subprocess.run) -> str:
+def device_python(explicit: str | None = None, run: Runner | None = None) -> str:
     """An interpreter of the device's Python (3.12) to run pip's resolver under: pip evaluates
     environment markers against the interpreter it runs in, not --python-version, so a 3.11 pip
     drops vLLM 0.33.0's `six; python_version > "3.11"` and `setuptools<81; python_version > "3.11"`
@@ -357,8 +358,9 @@ class Resolved:
     filename: str  # the wheel pip chose
 
 
-def resolve(req: str, python: str, run: Runner = subprocess.run) -> list[Resolved]:
+def resolve(req: str, python: str, run: Runner | None = None) -> list[Resolved]:
     """What pip would install for `req` on the device (CPython 3.12, manylinux x86_64), sorted by name."""
+    run = run or subprocess.run
     with tempfile.TemporaryDirectory(prefix="flash-resolve-") as tmp:
         report = Path(tmp) / "report.json"
         r = run(pip_report_args(python, req, Path(tmp) / "target", report), capture_output=True, text=True)
@@ -383,7 +385,7 @@ def resolve(req: str, python: str, run: Runner = subprocess.run) -> list[Resolve
     return sorted(out, key=lambda x: x.name)
 
 
-def resolve_release(release: str, exclude: dict[str, str], python: str, run: Runner = subprocess.run) -> list[str]:
+def resolve_release(release: str, exclude: dict[str, str], python: str, run: Runner | None = None) -> list[str]:
     """For a release without a list file: the wheel filenames pip resolves for vllm==RELEASE on
     the device's platform, minus what the device image already has at the same version
     (`exclude`: canonical name -> version, from an image freeze). Nothing is downloaded here."""
@@ -782,7 +784,7 @@ def cmd_pack(a) -> int:
         names.append(local[0] if local else f"vllm-{a.release}-cp38-abi3-manylinux_2_28_x86_64.whl")
     elif wheel_requirement(vllm[0])[1] != a.release:
         raise PayloadError(f"the list names {vllm[0]}, not vllm {a.release}", 2)
-    wheels = fetch_wheels(names, cache, pip_downloader, log=print)
+    wheels = fetch_wheels(names, cache, pip_downloader, local_dirs=VLLM_WHEEL_DIRS, log=print)
     out = Path(a.out or f".payload/vllm-{a.release}")
     t0 = time.monotonic()
     m = pack(a.release, wheels, out, int(a.part_size_mib * MIB), source=source)
