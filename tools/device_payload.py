@@ -7,7 +7,10 @@ tool packs them here into one uncompressed tar split into parts of at most 60 Mi
 manifest of sha256 sums, receives one part per device call there, and installs only a complete,
 verified payload into its own prefix. docs/GPU-E2E.md gives the call sequence.
 
-  pack     (here, reaches PyPI)  download the listed wheels, tar, split, write manifest.json
+  pack     (here, reaches PyPI)  download the listed wheels (or pip's resolution of the release
+                                 minus the image's freeze), tar, split, write manifest.json
+  image-freeze (here)            approximate the image's freeze: a release's resolution minus the
+                                 wheels the device was measured to lack
   receive  (remote)              verify a part against the manifest, move it into the store,
                                  print what is still missing
   install  (remote)              assemble + verify the tar, pip install --no-index --no-deps
@@ -31,6 +34,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable
@@ -107,6 +111,23 @@ def read_list(path: Path) -> list[str]:
         dup = sorted({n for n in names if names.count(n) > 1})
         raise PayloadError(f"wheel list {path} names {dup} twice", 2)
     return names
+
+
+PAYLOAD_DIR = Path(__file__).resolve().parent / "payload"
+APPROX_FREEZE = "device-image-freeze.approx.txt"
+REAL_FREEZE = "device-image-freeze.txt"
+
+
+def default_freeze() -> Path | None:
+    """The device image's freeze for pack without a list: a real one (`pip list --format=freeze`
+    taken on the device, kept as shared/gpu-e2e/device-image-freeze.txt) before the approximation
+    in tools/payload/."""
+    for base in (ROOT / "shared", ROOT.parent / "shared", ROOT.parent.parent / "shared", Path("/work/shared")):
+        p = base / "gpu-e2e" / REAL_FREEZE
+        if p.is_file():
+            return p
+    p = PAYLOAD_DIR / APPROX_FREEZE
+    return p if p.is_file() else None
 
 
 def default_list(release: str) -> Path | None:
@@ -274,29 +295,118 @@ class _HashingReader:
         return b
 
 
-def resolve_release(release: str, cache: Path, exclude: dict[str, str]) -> list[str]:
-    """Best effort for a release without a list file: let pip resolve vllm==RELEASE with its
-    dependencies for the device's platform, then drop what the device image already has
-    (`exclude`: name -> version from the device's `pip list --format=freeze`)."""
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache, prefix=".resolve-") as tmp:
-        argv = pip_download_args(f"vllm=={release}", Path(tmp), BASE_PLATFORMS)
-        argv.remove("--no-deps")
-        r = subprocess.run(argv, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise PayloadError(f"pip could not resolve vllm=={release}: "
-                               f"{(r.stderr or r.stdout).strip().splitlines()[-1:]}", 4)
-        names = []
-        for fn in sorted(os.listdir(tmp)):
-            if not fn.endswith(".whl"):
-                raise PayloadError(f"pip resolved {fn}, not a wheel", 4)
-            n, v = wheel_requirement(fn)
-            if exclude.get(canon(n)) == v:
-                continue
-            if not (cache / fn).exists():
-                os.replace(Path(tmp) / fn, cache / fn)
-            names.append(fn)
-    return names
+# pip matches --platform tags literally (only manylinux2014/2010 expand to their legacy aliases),
+# so resolving needs every glibc a wheel may be tagged with, up to the device's: nvidia-nccl-cu13
+# 2.30.7 exists only as manylinux_2_18. The device's glibc is not measured; 2.35 is the newest tag
+# the 0.33.0 list's wheels carry plus margin (they reach manylinux_2_31).
+RESOLVE_GLIBC_MAX = 35
+RESOLVE_PLATFORMS = tuple(f"manylinux_2_{n}_x86_64" for n in range(RESOLVE_GLIBC_MAX, 4, -1)) + (
+    "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64")
+Runner = Callable[..., "subprocess.CompletedProcess"]
+
+
+def python_version_of(python: str, run: Runner | None = None) -> str | None:
+    """'MAJOR.MINOR' of an interpreter, or None when it does not run."""
+    run = run or subprocess.run
+    try:
+        r = run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True,
+                text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def device_python(explicit: str | None = None, run: Runner | None = None) -> str:
+    """An interpreter of the device's Python (3.12) to run pip's resolver under: pip evaluates
+    environment markers against the interpreter it runs in, not --python-version, so a 3.11 pip
+    drops vLLM 0.33.0's `six; python_version > "3.11"` and `setuptools<81; python_version > "3.11"`
+    and picks setuptools 84 instead."""
+    if explicit:
+        got = python_version_of(explicit, run)
+        if got != PY_VERSION:
+            raise PayloadError(f"--python {explicit} is Python {got or '(does not run)'}; the resolver needs "
+                               f"CPython {PY_VERSION} (the device's), e.g. --python python{PY_VERSION}", 2)
+        return explicit
+    cands = [sys.executable, shutil.which(f"python{PY_VERSION}")] + sorted(
+        str(p) for p in (Path.home() / ".pyenv" / "versions").glob(f"{PY_VERSION}*/bin/python"))
+    tried = []
+    for c in cands:
+        if c and c not in tried:
+            tried.append(c)
+            if python_version_of(c, run) == PY_VERSION:
+                return c
+    raise PayloadError(f"no CPython {PY_VERSION} found to resolve with (tried {tried}); give --python PATH", 2)
+
+
+def pip_report_args(python: str, req: str, target: Path, report: Path,
+                    platforms: Iterable[str] = RESOLVE_PLATFORMS) -> list[str]:
+    """pip's resolver for the device, without installing: `--dry-run --report` (pip 23 takes the
+    platform options only with --target); wheels are not downloaded where the index serves their
+    metadata (PEP 658, PyPI does)."""
+    argv = [python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--only-binary=:all:",
+            "--python-version", PY_VERSION, "--implementation", "cp", "--disable-pip-version-check",
+            "--quiet", "--target", str(target), "--report", str(report)]
+    for p in platforms:
+        argv += ["--platform", p]
+    return argv + [req]
+
+
+@dataclass(frozen=True)
+class Resolved:
+    name: str      # canonical project name
+    version: str   # as the wheel's metadata says (what `pip list --format=freeze` would print)
+    filename: str  # the wheel pip chose
+
+
+def resolve(req: str, python: str, run: Runner | None = None) -> list[Resolved]:
+    """What pip would install for `req` on the device (CPython 3.12, manylinux x86_64), sorted by name."""
+    run = run or subprocess.run
+    with tempfile.TemporaryDirectory(prefix="flash-resolve-") as tmp:
+        report = Path(tmp) / "report.json"
+        r = run(pip_report_args(python, req, Path(tmp) / "target", report), capture_output=True, text=True)
+        if r.returncode != 0 or not report.is_file():
+            last = ((r.stderr or r.stdout).strip().splitlines() or ["(no output)"])[-3:]
+            raise PayloadError(f"pip could not resolve {req} for CPython {PY_VERSION} manylinux x86_64 "
+                               f"(rc {r.returncode}): {' | '.join(last)}", 4)
+        data = json.loads(report.read_text())
+    out = []
+    for item in data.get("install", []):
+        url = item.get("download_info", {}).get("url", "")
+        fn = urllib.parse.unquote(url.split("#", 1)[0].rsplit("/", 1)[-1])
+        meta = item.get("metadata", {})
+        if not fn.endswith(".whl"):
+            raise PayloadError(f"pip resolved {meta.get('name')} {meta.get('version')} to {fn!r}, not a wheel", 4)
+        n, _ = wheel_requirement(fn)
+        if canon(meta.get("name", "")) != canon(n):
+            raise PayloadError(f"pip's report names {meta.get('name')!r} for the wheel {fn}", 4)
+        out.append(Resolved(canon(n), meta["version"], fn))
+    if not out:
+        raise PayloadError(f"pip resolved nothing for {req}", 4)
+    return sorted(out, key=lambda x: x.name)
+
+
+def resolve_release(release: str, exclude: dict[str, str], python: str, run: Runner | None = None) -> list[str]:
+    """For a release without a list file: the wheel filenames pip resolves for vllm==RELEASE on
+    the device's platform, minus what the device image already has at the same version
+    (`exclude`: canonical name -> version, from an image freeze). Nothing is downloaded here."""
+    return [r.filename for r in resolve(f"vllm=={release}", python, run) if exclude.get(r.name) != r.version]
+
+
+def approx_freeze(resolved: list[Resolved], lacking: Iterable[str]) -> list[str]:
+    """`name==version` for each resolved package the device did not lack: what the image has, at
+    the version the resolver picked (the image's own may be any older one the release accepted).
+    `lacking`: wheel filenames measured missing on the device; each must be among the resolved,
+    else the two do not describe the same resolution (PayloadError naming them)."""
+    lack = {}
+    for fn in lacking:
+        n, v = wheel_requirement(fn)
+        lack[canon(n)] = v
+    got = {r.name: r.version for r in resolved}
+    stray = sorted(f"{n}=={v} (resolved: {got.get(n, 'absent')})" for n, v in lack.items() if got.get(n) != v)
+    if stray:
+        raise PayloadError(f"the lacking list names wheels this resolution does not pick: {stray}; "
+                           "resolve again or check the list's date", 3)
+    return [f"{r.name}=={r.version}" for r in resolved if r.name not in lack]
 
 
 def canon(name: str) -> str:
@@ -305,10 +415,19 @@ def canon(name: str) -> str:
 
 def read_freeze(path: Path) -> dict[str, str]:
     out = {}
-    for line in path.read_text().splitlines():
-        if "==" in line and not line.startswith("#"):
-            n, v = line.strip().split("==", 1)
-            out[canon(n)] = v
+    if not path.is_file():
+        raise PayloadError(f"image freeze {path} not found (give --image-freeze PATH: `pip list --format=freeze` "
+                           "output, one name==version a line)", 2)
+    for raw in path.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if "==" not in line:  # `pip list --format=freeze` prints `name @ file://…` for local installs
+            continue
+        n, v = line.split("==", 1)
+        out[canon(n)] = v.strip()
+    if not out:
+        raise PayloadError(f"image freeze {path} names no name==version line", 2)
     return out
 
 
@@ -647,12 +766,15 @@ def cmd_pack(a) -> int:
         if lst is not None:
             names, source = read_list(lst), f"list {lst.name}"
         else:
-            exclude = read_freeze(Path(a.image_freeze)) if a.image_freeze else {}
-            _err(f"no wheel list for {a.release}: resolving vllm=={a.release} with pip "
-                 f"({'minus ' + str(len(exclude)) + ' image packages' if exclude else 'no --image-freeze: nothing excluded'})")
-            names = resolve_release(a.release, cache, exclude)
-            source = "pip resolver" + (f" minus {Path(a.image_freeze).name}" if exclude else "")
-    extra = Path(a.extra_list) if a.extra_list else Path(__file__).resolve().parent / "payload" / f"vllm-{a.release}-extra.txt"
+            freeze = Path(a.image_freeze) if a.image_freeze else default_freeze()
+            exclude = read_freeze(freeze) if freeze else {}
+            python = device_python(a.python)
+            _err(f"no wheel list for {a.release}: resolving vllm=={a.release} with {python} -m pip, "
+                 + (f"minus {len(exclude)} image packages of {freeze}" if freeze
+                    else "no --image-freeze and no tools/payload/" + APPROX_FREEZE + ": nothing excluded"))
+            names = resolve_release(a.release, exclude, python)
+            source = "pip resolver" + (f" minus {freeze.name}" if freeze else "")
+    extra = Path(a.extra_list) if a.extra_list else PAYLOAD_DIR / f"vllm-{a.release}-extra.txt"
     if extra.is_file():  # what real boots on the device found missing from the shared list
         names += [n for n in read_list(extra) if n not in names]
         source += f" + {extra.name}"
@@ -662,7 +784,7 @@ def cmd_pack(a) -> int:
         names.append(local[0] if local else f"vllm-{a.release}-cp38-abi3-manylinux_2_28_x86_64.whl")
     elif wheel_requirement(vllm[0])[1] != a.release:
         raise PayloadError(f"the list names {vllm[0]}, not vllm {a.release}", 2)
-    wheels = fetch_wheels(names, cache, pip_downloader, log=print)
+    wheels = fetch_wheels(names, cache, pip_downloader, local_dirs=VLLM_WHEEL_DIRS, log=print)
     out = Path(a.out or f".payload/vllm-{a.release}")
     t0 = time.monotonic()
     m = pack(a.release, wheels, out, int(a.part_size_mib * MIB), source=source)
@@ -671,6 +793,45 @@ def cmd_pack(a) -> int:
           f"parts of <= {a.part_size_mib:g} MiB under {out} in {time.monotonic() - t0:.1f}s; "
           f"tar sha256 {m['tar']['sha256']}")
     print(f"parts: {len(m['parts'])}")
+    return 0
+
+
+def cmd_image_freeze(a) -> int:
+    lst = Path(a.list) if a.list else default_list(a.release)
+    if lst is None:
+        raise PayloadError(f"no wheel list for {a.release} (give --list: the wheels the device lacked)", 2)
+    lacking = read_list(lst)
+    extra = Path(a.extra_list) if a.extra_list else PAYLOAD_DIR / f"vllm-{a.release}-extra.txt"
+    if extra.is_file():
+        lacking += [n for n in read_list(extra) if n not in lacking]
+    python = device_python(a.python)
+    pip_v = subprocess.run([python, "-m", "pip", "--version"], capture_output=True, text=True).stdout.split()[:2]
+    py_v = subprocess.run([python, "-c", "import platform; print(platform.python_version())"],
+                          capture_output=True, text=True).stdout.strip()
+    resolved = resolve(f"vllm=={a.release}", python)
+    lines = approx_freeze(resolved, lacking)
+    header = [
+        "APPROXIMATE device image freeze: derived here, NOT measured on the device. Replace it with the",
+        "device's real `python3 -m pip list --format=freeze` when a session can run one.",
+        f"Derived {time.strftime('%Y-%m-%d', time.gmtime())} by `tools/device_payload.py image-freeze "
+        f"--release {a.release}`: {' '.join(pip_v)} under CPython {py_v} resolved",
+        f"vllm=={a.release} for cp{PY_VERSION.replace('.', '')} manylinux_2_5..2_{RESOLVE_GLIBC_MAX} x86_64 "
+        f"(`pip install --dry-run --report`, nothing installed): {len(resolved)} packages,",
+        f"minus the {len(lacking)} wheels the device lacked ({lst.name}"
+        + (f" + {extra.name}" if extra.is_file() else "") + f") = {len(lines)} packages.",
+        f"So: what the image has among what vLLM {a.release} needs, each at the version pip picked that day;",
+        f"the image's own may be older (any that vLLM {a.release} accepted). Packages vLLM does not need are absent.",
+        *a.note,
+    ]
+    text = "".join(f"# {h}\n" for h in header) + "".join(x + "\n" for x in lines)
+    if a.out == "-":
+        sys.stdout.write(text)
+    else:
+        out = Path(a.out or PAYLOAD_DIR / APPROX_FREEZE)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, out)
+        print(f"wrote {out}: {len(lines)} packages ({len(resolved)} resolved - {len(lacking)} lacking)")
     return 0
 
 
@@ -731,12 +892,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", help="file of exact wheel filenames (default: shared/gpu-e2e/vllm-RELEASE-wheels.txt; "
                                   "without one, pip resolves vllm==RELEASE)")
     p.add_argument("--image-freeze", help="without a list: the device's `pip list --format=freeze`, whose "
-                                          "exact name==version pairs are left out")
+                                          "exact name==version pairs are left out (default: shared/gpu-e2e/"
+                                          f"{REAL_FREEZE}, else tools/payload/{APPROX_FREEZE})")
+    p.add_argument("--python", help=f"a CPython {PY_VERSION} to run pip's resolver under (default: this one, "
+                                    f"python{PY_VERSION} on PATH, or ~/.pyenv/versions/{PY_VERSION}*)")
     p.add_argument("--out", help="output dir (default .payload/vllm-RELEASE)")
     p.add_argument("--part-size-mib", type=float, default=DEFAULT_PART_SIZE / MIB)
     p.add_argument("--extra-list", help="more wheel filenames (default: tools/payload/vllm-RELEASE-extra.txt when present)")
     p.add_argument("--cache", default=str(DEFAULT_CACHE), help="wheel download cache")
     p.set_defaults(func=cmd_pack)
+    p = sub.add_parser("image-freeze", help="approximate the device image's freeze: a release's resolution "
+                                            "minus the wheels the device lacked (here)")
+    p.add_argument("--release", required=True, help="the release whose lacking list was measured, e.g. 0.33.0")
+    p.add_argument("--list", help="wheels the device lacked (default: shared/gpu-e2e/vllm-RELEASE-wheels.txt)")
+    p.add_argument("--extra-list", help="more lacking wheels (default: tools/payload/vllm-RELEASE-extra.txt when present)")
+    p.add_argument("--python", help=f"a CPython {PY_VERSION} to run pip's resolver under")
+    p.add_argument("--note", action="append", default=[], help="a header comment line to add (repeatable)")
+    p.add_argument("--out", help=f"output file, '-' for stdout (default tools/payload/{APPROX_FREEZE})")
+    p.set_defaults(func=cmd_image_freeze)
     for name, func, hlp in (("receive", cmd_receive, "verify a carried part and move it into the store (remote)"),
                             ("install", cmd_install, "assemble, verify and install a complete payload (remote)"),
                             ("status", cmd_status, "what the store and prefixes hold")):

@@ -293,25 +293,159 @@ def test_cli_receive_reports_missing_and_install_exit_code(dp, packed, tmp_path,
     assert f"2/{len(m['parts'])} parts" in capsys.readouterr().out
 
 
-def test_release_without_a_list_is_resolved_by_pip_minus_the_image(dp, tmp_path, monkeypatch):
-    seen = {}
+def _report(*wheels: tuple[str, str, str]) -> dict:
+    """A `pip install --dry-run --report` document: (metadata name, version, wheel filename)."""
+    return {"version": "1", "install": [
+        {"metadata": {"name": n, "version": v},
+         "download_info": {"url": f"https://files.example/packages/ab/cd/{fn}#sha256=00",
+                           "archive_info": {"hashes": {"sha256": "00"}}}} for n, v, fn in wheels]}
 
-    def fake_run(argv, **kw):
-        seen["argv"] = argv
-        dest = Path(argv[argv.index("-d") + 1])
-        for fn in ("vllm-0.29.0-cp38-abi3-manylinux_2_28_x86_64.whl", "torch-2.9.0-cp312-cp312-manylinux_2_28_x86_64.whl",
-                   "Jinja2-3.1.6-py3-none-any.whl"):
-            make_wheel(dest / fn, seed=1, size=10)
-        return type("R", (), {"returncode": 0, "stdout": "", "stderr": ""})()
 
-    monkeypatch.setattr(dp.subprocess, "run", fake_run)
+class FakePip:
+    """Stands in for subprocess.run: answers the interpreter probe and writes a resolver report."""
+
+    def __init__(self, report: dict | None, version: str = "3.12", rc: int = 0, stderr: str = ""):
+        self.report, self.version, self.rc, self.stderr = report, version, rc, stderr
+        self.argv = []
+
+    def __call__(self, argv, **kw):
+        self.argv.append(argv)
+        R = type("R", (), {})
+        r = R()
+        if argv[1] == "-c":  # python_version_of
+            r.returncode, r.stdout, r.stderr = 0, self.version + "\n", ""
+            return r
+        if "--report" not in argv:  # pip --version
+            r.returncode, r.stdout, r.stderr = 0, "pip 23.2.1 from /x (python 3.12)\n", ""
+            return r
+        if self.report is not None and self.rc == 0:
+            Path(argv[argv.index("--report") + 1]).write_text(json.dumps(self.report))
+        r.returncode, r.stdout, r.stderr = self.rc, "", self.stderr
+        return r
+
+
+REPORT_029 = _report(
+    ("vllm", "0.29.0", "vllm-0.29.0-cp38-abi3-manylinux_2_28_x86_64.whl"),
+    ("torch", "2.13.0", "torch-2.13.0-cp312-cp312-manylinux_2_28_x86_64.whl"),
+    ("Jinja2", "3.1.6", "jinja2-3.1.6-py3-none-any.whl"),
+    ("nvidia-nccl-cu13", "2.29.7", "nvidia_nccl_cu13-2.29.7-py3-none-manylinux_2_18_x86_64.whl"),
+    ("nvidia-cudnn-cu13", "9.20.0.48", "nvidia_cudnn_cu13-9.20.0.48-py3-none-manylinux_2_27_x86_64.whl"),
+)
+
+
+def test_release_without_a_list_is_resolved_by_pip_minus_the_image(dp, tmp_path):
+    """The resolver runs as a dry run with a report (nothing installed), for the device's Python
+    and every manylinux_2_N tag; the image's exact name==version pairs stay home, other versions of
+    the same package (the image's cudnn, torch) travel."""
+    pip = FakePip(REPORT_029)
     freeze = tmp_path / "freeze.txt"
-    freeze.write_text("jinja2==3.1.6\ntorch==2.11.0\n")  # the image: same jinja2, another torch
-    names = dp.resolve_release("0.29.0", tmp_path / "cache", dp.read_freeze(freeze))
-    assert "--no-deps" not in seen["argv"] and seen["argv"][-1] == "vllm==0.29.0"
-    assert names == ["torch-2.9.0-cp312-cp312-manylinux_2_28_x86_64.whl",
+    freeze.write_text("# header\njinja2==3.1.6\ntorch==2.11.0\nnvidia-cudnn-cu13==9.24.0.43\n"
+                      "nvidia_nccl_cu13==2.29.7  # same version, other spelling\nlocalpkg @ file:///x\n")
+    names = dp.resolve_release("0.29.0", dp.read_freeze(freeze), "py312", run=pip)
+    argv = pip.argv[-1]
+    assert argv[:5] == ["py312", "-m", "pip", "install", "--dry-run"] and argv[-1] == "vllm==0.29.0"
+    assert "--report" in argv and "--target" in argv and "--only-binary=:all:" in argv
+    assert argv[argv.index("--python-version") + 1] == "3.12"
+    plats = [argv[i + 1] for i, x in enumerate(argv) if x == "--platform"]
+    assert "manylinux_2_18_x86_64" in plats and "manylinux_2_31_x86_64" in plats and "manylinux2014_x86_64" in plats
+    assert names == ["nvidia_cudnn_cu13-9.20.0.48-py3-none-manylinux_2_27_x86_64.whl",
+                     "torch-2.13.0-cp312-cp312-manylinux_2_28_x86_64.whl",
                      "vllm-0.29.0-cp38-abi3-manylinux_2_28_x86_64.whl"]
-    assert all((tmp_path / "cache" / n).is_file() for n in names)
+
+
+def test_resolver_failure_and_non_wheels_are_named(dp):
+    with pytest.raises(dp.PayloadError, match="could not resolve vllm==0.29.0.*No matching distribution") as e:
+        dp.resolve("vllm==0.29.0", "py312", run=FakePip(None, rc=1, stderr="ERROR: No matching distribution"))
+    assert e.value.code == 4
+    sdist = _report(("oldpkg", "1.0", "oldpkg-1.0.tar.gz"))
+    with pytest.raises(dp.PayloadError, match="oldpkg 1.0 to 'oldpkg-1.0.tar.gz', not a wheel"):
+        dp.resolve("vllm==0.29.0", "py312", run=FakePip(sdist))
+
+
+def test_resolver_needs_the_devices_python(dp):
+    """pip evaluates markers under the interpreter it runs in: a 3.11 pip drops vLLM's
+    `six; python_version > "3.11"`. An explicit --python of another version is refused by name."""
+    with pytest.raises(dp.PayloadError, match="--python /usr/bin/python3.11 is Python 3.11.*needs CPython 3.12"):
+        dp.device_python("/usr/bin/python3.11", run=FakePip(None, version="3.11"))
+    assert dp.device_python("/opt/py312", run=FakePip(None, version="3.12")) == "/opt/py312"
+    with pytest.raises(dp.PayloadError, match="no CPython 3.12 found"):
+        dp.device_python(None, run=FakePip(None, version="3.11"))
+
+
+def test_read_freeze_refuses_a_missing_or_empty_file(dp, tmp_path):
+    with pytest.raises(dp.PayloadError, match="image freeze .*nope.txt not found"):
+        dp.read_freeze(tmp_path / "nope.txt")
+    (tmp_path / "empty.txt").write_text("# only a comment\n")
+    with pytest.raises(dp.PayloadError, match="names no name==version"):
+        dp.read_freeze(tmp_path / "empty.txt")
+
+
+def test_approx_freeze_is_the_resolution_minus_what_the_device_lacked(dp):
+    resolved = dp.resolve("vllm==0.29.0", "py312", run=FakePip(REPORT_029))
+    lacking = ["vllm-0.29.0-cp38-abi3-manylinux_2_28_x86_64.whl", "torch-2.13.0-cp312-cp312-manylinux_2_28_x86_64.whl"]
+    assert dp.approx_freeze(resolved, lacking) == ["jinja2==3.1.6", "nvidia-cudnn-cu13==9.20.0.48",
+                                                   "nvidia-nccl-cu13==2.29.7"]
+    # a lacking wheel the resolution did not pick: the two describe different days or releases
+    with pytest.raises(dp.PayloadError, match=r"torch==2.14.0 \(resolved: 2.13.0\)"):
+        dp.approx_freeze(resolved, ["torch-2.14.0-cp312-cp312-manylinux_2_28_x86_64.whl"])
+
+
+def test_image_freeze_cli_writes_a_header_and_the_pairs(dp, tmp_path, monkeypatch):
+    pip = FakePip(REPORT_029)
+    monkeypatch.setattr(dp.subprocess, "run", pip)
+    lst = tmp_path / "lack.txt"
+    lst.write_text("vllm-0.29.0-cp38-abi3-manylinux_2_28_x86_64.whl\n")
+    extra = tmp_path / "extra.txt"
+    extra.write_text("torch-2.13.0-cp312-cp312-manylinux_2_28_x86_64.whl\n")
+    out = tmp_path / "freeze.txt"
+    assert dp.main(["image-freeze", "--release", "0.29.0", "--list", str(lst), "--extra-list", str(extra),
+                    "--python", "py312", "--note", "checked: nothing", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith("# APPROXIMATE device image freeze")
+    assert "5 packages" in text and "minus the 2 wheels" in text and "# checked: nothing\n" in text
+    assert [x for x in text.splitlines() if not x.startswith("#")] == [
+        "jinja2==3.1.6", "nvidia-cudnn-cu13==9.20.0.48", "nvidia-nccl-cu13==2.29.7"]
+    assert dp.read_freeze(out) == {"jinja2": "3.1.6", "nvidia-cudnn-cu13": "9.20.0.48", "nvidia-nccl-cu13": "2.29.7"}
+
+
+def test_pack_without_a_list_resolves_minus_the_freeze_and_fetches_only_what_travels(dp, tmp_path, monkeypatch, capsys):
+    pip = FakePip(REPORT_029)
+    monkeypatch.setattr(dp.subprocess, "run", pip)
+    monkeypatch.setattr(dp, "default_list", lambda release: None)
+    monkeypatch.setattr(dp, "VLLM_WHEEL_DIRS", ())
+    fetched = []
+
+    def fake_download(fn, dest):
+        fetched.append(fn)
+        return make_wheel(dest / fn, seed=len(fetched), size=100)
+
+    monkeypatch.setattr(dp, "pip_downloader", fake_download)
+    freeze = tmp_path / "freeze.txt"
+    freeze.write_text("jinja2==3.1.6\nnvidia-nccl-cu13==2.29.7\n")
+    extra = tmp_path / "extra.txt"
+    extra.write_text("pycountry-26.2.16-py3-none-any.whl\n")
+    out = tmp_path / "payload"
+    assert dp.main(["pack", "--release", "0.29.0", "--image-freeze", str(freeze), "--extra-list", str(extra),
+                    "--python", "py312", "--cache", str(tmp_path / "cache"), "--out", str(out)]) == 0
+    assert sorted(fetched) == ["nvidia_cudnn_cu13-9.20.0.48-py3-none-manylinux_2_27_x86_64.whl",
+                               "pycountry-26.2.16-py3-none-any.whl",
+                               "torch-2.13.0-cp312-cp312-manylinux_2_28_x86_64.whl",
+                               "vllm-0.29.0-cp38-abi3-manylinux_2_28_x86_64.whl"]
+    m = dp.load_manifest(out / "manifest.json")
+    assert m["release"] == "0.29.0" and [w["name"] for w in m["wheels"]] == sorted(fetched)
+    assert m["source"] == "pip resolver minus freeze.txt + extra.txt"
+    assert "packed 4 wheels" in capsys.readouterr().out
+
+
+def test_the_shipped_approximate_freeze_and_029_extra_list_parse(dp):
+    """The files in tools/payload/ that `pack --release 0.29.0` reads by default."""
+    freeze = dp.PAYLOAD_DIR / dp.APPROX_FREEZE
+    text = freeze.read_text()
+    assert "APPROXIMATE" in text and "pip list --format=freeze" in text
+    pairs = dp.read_freeze(freeze)
+    assert "torch" not in pairs and "vllm" not in pairs and "pycountry" not in pairs  # all three travelled
+    assert pairs["six"] and pairs["setuptools"].split(".")[0] == "80"  # markers evaluated for 3.12
+    assert dp.read_list(dp.PAYLOAD_DIR / "vllm-0.29.0-extra.txt") == ["pycountry-26.2.16-py3-none-any.whl"]
 
 
 def _fake_vllm_prefix(root: Path, reasoning_body: str) -> Path:
