@@ -407,12 +407,11 @@ def bench_qsa_topk(torch, sink: Sink, plan: Plan) -> None:
         impls = {"stock": cpu_standin_topk}
         label = "cpu stand-in (smoke)"
     impls["patched"] = _qsa_topk.make_hook(impls["stock"], "det", "v0.30")
-    if plan.device != "cuda":
-        import os
-
-        # read when _qsa_radix's @triton.jit runs (its first import): the kernel then runs in numpy
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    impls["radix"] = _qsa_topk.make_hook(impls["stock"], "radix", "v0.30")
+    why_not = radix_unavailable(plan.device)
+    if why_not:
+        sink.emit({"kind": "note", "bench": "qsa_topk", "impl": "radix", "note": f"not run: {why_not}"})
+    else:
+        impls["radix"] = _qsa_topk.make_hook(impls["stock"], "radix", "v0.30")
     k = plan.block_topk
     gen = torch.Generator().manual_seed(8)  # the scores are made on the CPU, then moved
     ws = torch.empty(TOPK_WORKSPACE_BYTES, dtype=torch.uint8, device=plan.device)
@@ -449,6 +448,22 @@ def bench_qsa_topk(torch, sink: Sink, plan: Plan) -> None:
                     n: (lambda fn=fn, b=bufs[n], v=visible: fn(b[0], v, plan.token_topk, COMPRESS_RATIO, b[1], ws))
                     for n, fn in impls.items()}))
     measure(torch, sink, plan, jobs)
+
+
+def radix_unavailable(device: str) -> str | None:
+    """Why the `radix` candidate cannot run here, or None. On a GPU it always runs (a missing
+    Triton is an error like any other). On CPU it runs through Triton's interpreter, which
+    TRITON_INTERPRET=1 switches on when Triton is first imported: set here when Triton is not
+    imported yet; a process that already imported it for a GPU cannot switch (pytest's unit tier,
+    where transformers imports Triton, runs the smoke in a child process for that reason)."""
+    import os
+
+    if device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    if "triton" in sys.modules:
+        return "Triton was imported before TRITON_INTERPRET=1 could be set (its interpreter cannot be switched on)"
+    os.environ["TRITON_INTERPRET"] = "1"
+    return None
 
 
 def _dispatch_label(torch) -> str:

@@ -126,7 +126,7 @@ def test_qsa_check_fails_when_the_stock_side_selects_a_wrong_block(bk, monkeypat
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     checks = [r for r in lines if r["kind"] == "check"]
     assert checks and all(not c["ok"] and not c["stock_equals_expected"] and c["patched_equals_expected"]
-                          and c["radix_equals_expected"] for c in checks)
+                          and c.get("radix_equals_expected", True) for c in checks)
     assert lines[-1]["checks_passed"] == 0
 
 
@@ -139,9 +139,11 @@ def test_patched_qsa_is_patch_8s_installed_hook(bk, monkeypatch, capsys):
     real = _qsa_topk.make_hook
     monkeypatch.setattr(_qsa_topk, "make_hook", lambda orig, mode, base: seen.append((orig, mode, base))
                         or real(orig, mode, base))
+    radix_runs = bk.radix_unavailable("cpu") is None  # not in a process that imported Triton for a GPU
     assert bk.main(["--cpu-smoke", "--only", "qsa_topk"]) == 0
-    capsys.readouterr()
-    assert seen == [(bk.cpu_standin_topk, "det", "v0.30"), (bk.cpu_standin_topk, "radix", "v0.30")]
+    notes = [json.loads(x) for x in capsys.readouterr().out.splitlines() if '"note"' in x]
+    assert seen == [(bk.cpu_standin_topk, "det", "v0.30")] + ([(bk.cpu_standin_topk, "radix", "v0.30")] if radix_runs else [])
+    assert bool(notes) is not radix_runs  # a candidate left out is said, never silent
     hook = real(bk.cpu_standin_topk, "det", "v0.30")
     assert hook.flash_mode == "det"
 
