@@ -1,9 +1,10 @@
 """The planner against the published figures (calibration.py's data): predict each figure, and
-re-solve the one fitted constant. Above both the planner and its data, so neither imports back."""
+re-solve the fitted constants. Above both the planner and its data, so neither imports back."""
 
 from __future__ import annotations
 
-from . import calibration
+from typing import Callable
+
 from .calibration import FIGURES, FIT_FIGURE, GIB, Figure
 
 
@@ -33,44 +34,37 @@ def error_pct(fig: Figure, predicted: float) -> float:
     return (predicted - fig.published) / fig.published * 100
 
 
-def fit(hw=None) -> int:
-    """Solve RUNTIME_OVERHEAD so FIT_FIGURE is met (bisection on bytes; monotone in the overhead)."""
+def _solve(constant: str, predicted: Callable[[], float], target: float) -> int:
+    """The value of the planner's overhead `constant` (a name in flash_cli.plan) at which
+    `predicted()` meets `target`: bisection on bytes (the prediction falls as the overhead grows).
+    The planner's own value is put back afterwards."""
     import flash_cli.plan as plan_pkg
 
-    fig = next(f for f in FIGURES if f.key == FIT_FIGURE)
-    saved = calibration.RUNTIME_OVERHEAD
-
+    saved = getattr(plan_pkg, constant)
     lo, hi = 0, 20 * GIB
     try:
         while hi - lo > 1024**2:
             mid = (lo + hi) // 2
-            plan_pkg.RUNTIME_OVERHEAD = mid
-            if predict(fig, hw) > fig.published:
+            setattr(plan_pkg, constant, mid)
+            if predicted() > target:
                 lo = mid
             else:
                 hi = mid
     finally:
-        plan_pkg.RUNTIME_OVERHEAD = saved
+        setattr(plan_pkg, constant, saved)
     return (lo + hi) // 2
+
+
+def fit(hw=None) -> int:
+    """Solve RUNTIME_OVERHEAD so FIT_FIGURE is met."""
+    fig = next(f for f in FIGURES if f.key == FIT_FIGURE)
+    return _solve("RUNTIME_OVERHEAD", lambda: predict(fig, hw), fig.published)
 
 
 def solve_discrete(settings, hw, measured_tokens: int) -> int:
     """The discrete-GPU overhead that makes the plan's pool for `settings` (its checkpoint found in
-    HF_CACHE) equal vLLM's measured tokens (bisection on bytes, as fit())."""
-    import flash_cli.plan as plan_pkg
-
+    HF_CACHE) equal vLLM's measured tokens."""
     from . import build
 
-    saved = plan_pkg.RUNTIME_OVERHEAD_DISCRETE
-    lo, hi = 0, 20 * GIB
-    try:
-        while hi - lo > 1024**2:
-            mid = (lo + hi) // 2
-            plan_pkg.RUNTIME_OVERHEAD_DISCRETE = mid
-            if build(settings, hw, snapshot=True, live_checks=False)["kv_cache_tokens"] > measured_tokens:
-                lo = mid
-            else:
-                hi = mid
-    finally:
-        plan_pkg.RUNTIME_OVERHEAD_DISCRETE = saved
-    return (lo + hi) // 2
+    return _solve("RUNTIME_OVERHEAD_DISCRETE",
+                  lambda: build(settings, hw, snapshot=True, live_checks=False)["kv_cache_tokens"], measured_tokens)
