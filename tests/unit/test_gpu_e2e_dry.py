@@ -339,22 +339,31 @@ class _FakePopen:
         return self.returncode
 
 
-def test_a_group_waits_for_its_servers_boot(tmp_path):
-    """A solo server boots after the waves: its scenarios start when its boot settled, the others at once."""
+def _start_offsets(tmp_path, scenarios: tuple[tuple[str, tuple[str, ...]], ...], up: tuple[str, ...],
+                   late: str) -> dict[str, float]:
+    """Run fake scenarios (name, servers) with the servers in `up` ready and `late` ready after
+    0.5 s; each scenario's start, in seconds after the run began (every scenario must pass)."""
     import threading
     import time
 
     started: dict[str, float] = {}
     chosen = [fleet.Scenario(n, srv, n, lambda ctx, n=n: started.setdefault(n, time.monotonic()))
-              for n, srv in (("early", ("w1",)), ("late", ("solo",)))]
+              for n, srv in scenarios]
     ctx = _ctx(tmp_path)
-    ctx.ready = {"w1": threading.Event(), "solo": threading.Event()}
-    ctx.ready["w1"].set()
+    ctx.ready = {n: threading.Event() for n in (*up, late)}
+    for n in up:
+        ctx.ready[n].set()
     t0 = time.monotonic()
-    threading.Timer(0.5, ctx.ready["solo"].set).start()
+    threading.Timer(0.5, ctx.ready[late].set).start()
     res = fleet.run_scenarios(ctx, chosen, time.monotonic() + 120)
     assert all(r["ok"] for r in res.values())
-    assert started["early"] - t0 < 0.3 and started["late"] - t0 >= 0.5
+    return {n: t - t0 for n, t in started.items()}
+
+
+def test_a_group_waits_for_its_servers_boot(tmp_path):
+    """A solo server boots after the waves: its scenarios start when its boot settled, the others at once."""
+    started = _start_offsets(tmp_path, (("early", ("w1",)), ("late", ("solo",))), up=("w1",), late="solo")
+    assert started["early"] < 0.3 and started["late"] >= 0.5
 
 
 def test_discrete_overhead_is_solved_on_run37s_boots_and_replays_their_kv_plan(planned):
@@ -385,22 +394,10 @@ def test_discrete_overhead_is_solved_on_run37s_boots_and_replays_their_kv_plan(p
 def test_a_scenario_waits_for_its_own_servers_not_its_groups(tmp_path):
     """Two scenarios sharing server "off" form one group; the first needs only "off" and "p1" (up),
     the second also "p13" (still booting): the first runs at once, the second once p13 settled."""
-    import threading
-    import time
-
-    started: dict[str, float] = {}
-    chosen = [fleet.Scenario(n, srv, n, lambda ctx, n=n: started.setdefault(n, time.monotonic()))
-              for n, srv in (("probe_p1", ("off", "p1")), ("probe_p13", ("off", "p13")))]
-    assert len(fleet.scenario_groups(chosen)) == 1
-    ctx = _ctx(tmp_path)
-    ctx.ready = {n: threading.Event() for n in ("off", "p1", "p13")}
-    ctx.ready["off"].set()
-    ctx.ready["p1"].set()
-    t0 = time.monotonic()
-    threading.Timer(0.5, ctx.ready["p13"].set).start()
-    res = fleet.run_scenarios(ctx, chosen, time.monotonic() + 120)
-    assert all(r["ok"] for r in res.values())
-    assert started["probe_p1"] - t0 < 0.3 and started["probe_p13"] - t0 >= 0.5
+    scenarios = (("probe_p1", ("off", "p1")), ("probe_p13", ("off", "p13")))
+    assert len(fleet.scenario_groups([fleet.Scenario(n, srv, n, None) for n, srv in scenarios])) == 1
+    started = _start_offsets(tmp_path, scenarios, up=("off", "p1"), late="p13")
+    assert started["probe_p1"] < 0.3 and started["probe_p13"] >= 0.5
 
 
 def test_every_server_shares_one_modelinfos_dir_and_keeps_its_own_compile_cache(tmp_path):
