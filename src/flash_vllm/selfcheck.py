@@ -52,9 +52,7 @@ def evaluate(ctx: Context) -> list[dict]:
 def evaluate_key(ctx: Context, rows: list[dict]) -> dict:
     """The compile-cache key (not a numbered patch, always on): its hook binds on this release."""
     try:
-        sig = compile_key.install(ctx, [r["number"] for r in rows if r["status"] == "applies"])
-        compile_key.install(ctx, sig["applied"])  # idempotent
-        compile_key.verify()
+        sig = compile_key.install(ctx, [r["number"] for r in rows if r["status"] == "applies"])  # checks and verifies
         return {"status": "applies", "detail": f"{':'.join(compile_key.TARGET)} (key {sig['key']})"}
     except Exception as e:
         if os.environ.get("FLASH_DEBUG"):
