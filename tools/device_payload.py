@@ -118,27 +118,30 @@ APPROX_FREEZE = "device-image-freeze.approx.txt"
 REAL_FREEZE = "device-image-freeze.txt"
 
 
-def default_freeze() -> Path | None:
-    """The device image's freeze for pack without a list: a real one (`pip list --format=freeze`
-    taken on the device, kept as shared/gpu-e2e/device-image-freeze.txt) before the approximation
-    in tools/payload/."""
-    for base in (ROOT / "shared", ROOT.parent / "shared", ROOT.parent.parent / "shared", Path("/work/shared")):
-        p = base / "gpu-e2e" / REAL_FREEZE
-        if p.is_file():
-            return p
-    p = PAYLOAD_DIR / APPROX_FREEZE
-    return p if p.is_file() else None
-
-
-def default_list(release: str) -> Path | None:
-    """The list file for a release: the checkout's shared/ first (the device tool carries it),
-    then ../shared (worktrees), then /work/shared."""
-    name = f"vllm-{release}-wheels.txt"
+def shared_gpu_e2e(name: str) -> Path | None:
+    """A file of shared/gpu-e2e/: the checkout's shared/ first (the device tool carries it), then
+    ../shared (worktrees), then /work/shared."""
     for base in (ROOT / "shared", ROOT.parent / "shared", ROOT.parent.parent / "shared", Path("/work/shared")):
         p = base / "gpu-e2e" / name
         if p.is_file():
             return p
     return None
+
+
+def default_freeze() -> Path | None:
+    """The device image's freeze for pack without a list: a real one (`pip list --format=freeze`
+    taken on the device, kept as shared/gpu-e2e/device-image-freeze.txt) before the approximation
+    in tools/payload/."""
+    p = shared_gpu_e2e(REAL_FREEZE)
+    if p:
+        return p
+    p = PAYLOAD_DIR / APPROX_FREEZE
+    return p if p.is_file() else None
+
+
+def default_list(release: str) -> Path | None:
+    """The list file for a release, in shared/gpu-e2e/."""
+    return shared_gpu_e2e(f"vllm-{release}-wheels.txt")
 
 
 # ---------------------------------------------------------------------------------------------
