@@ -67,6 +67,12 @@ phase() {
   log "end $name rc=$?"
 }
 
+# layers, seconds it needs, first port: tools/bench_decode.py's matrix on that layer count
+decode_phase() {
+  phase "decode$1" "$2" python3 tools/bench_decode.py matrix "$BENCH/L$1" --port "$3" \
+    --out "$GS/decode/raw.jsonl" --logs "$GS/decode" --deadline $(( $(left) - 20 < 420 ? $(left) - 20 : 420 ))
+}
+
 run_phases() {
   cd "$REPO" || exit 1
   set -a; . "$ENV_SH"; set +a
@@ -103,12 +109,10 @@ print(fleet.plugin_site(fleet.Context(work=pathlib.Path('$GS/work'), out=pathlib
           mkdir -p "$GS/decode" "$GS/kernels"
         fi
         case "$p" in
-          decode8) phase decode8 300 python3 tools/bench_decode.py matrix "$BENCH/L8" --port 18600 \
-                     --out "$GS/decode/raw.jsonl" --logs "$GS/decode" --deadline $(( $(left) - 20 < 420 ? $(left) - 20 : 420 )) ;;
+          decode8) decode_phase 8 300 18600 ;;
           kernels) phase kernels 100 bash -c "timeout 120 python3 tools/bench_step_kernels.py --out '$GS/kernels/kernels.jsonl';
                      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu" ;;
-          decode4) phase decode4 280 python3 tools/bench_decode.py matrix "$BENCH/L4" --port 18610 \
-                     --out "$GS/decode/raw.jsonl" --logs "$GS/decode" --deadline $(( $(left) - 20 < 420 ? $(left) - 20 : 420 )) ;;
+          decode4) decode_phase 4 280 18610 ;;
         esac ;;
     esac
   done
@@ -152,7 +156,7 @@ case "${1:-}" in
     tar --exclude=./.payload --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C "$REPO"
     echo $(( $(date +%s) + BUDGET )) >"$GS/end"
     export COMMIT PHASES
-    setsid bash -c "$(declare -f log left phase run_phases); GS=$GS REPO=$REPO ENV_SH=$ENV_SH BENCH=$BENCH ROWS=$ROWS run_phases" \
+    setsid bash -c "$(declare -f log left phase decode_phase run_phases); GS=$GS REPO=$REPO ENV_SH=$ENV_SH BENCH=$BENCH ROWS=$ROWS run_phases" \
       </dev/null >"$GS/driver.log" 2>&1 &
     log "launched (pid $!, budget ${BUDGET}s, phases $PHASES, commit $COMMIT)"
     ;;
