@@ -53,8 +53,7 @@ def mode(env: Mapping[str, str]) -> str | None:
 
 def det_enabled(env: Mapping[str, str]) -> bool:
     """Patch 8's gate: VLLM_QSA_DET_TOPK=1 (the exact path) or =radix (the Triton kernel)."""
-    det = env.get("VLLM_QSA_DET_TOPK", "").strip().lower()
-    return det in TRUE or det == "radix"
+    return mode({"VLLM_QSA_DET_TOPK": env.get("VLLM_QSA_DET_TOPK", "")}) is not None  # det or radix
 
 
 def _radix():
