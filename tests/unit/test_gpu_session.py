@@ -130,3 +130,38 @@ def test_phases_run_in_the_order_asked_and_unknown_ones_are_refused(tmp_path):
     starts = [line.split()[2] for line in log.splitlines() if " start " in line]
     assert starts == ["kernels", "e2e"], log
     assert "skip decode8 (not asked)" in log and "skip decode4 (not asked)" in log and "prepare" not in log
+
+
+def test_e2e_deadline_keeps_what_the_later_phases_need(tmp_path):
+    """The e2e tier gets what the budget leaves after the phases asked after it (run37's fixed 900 s
+    cut 14 wave servers short while 644 s went to later phases), capped; the JIT caches are packed
+    as soon as e2e ends, so a session cut short later still returns them."""
+    env_sh = tmp_path / "env.sh"
+    env_sh.write_text("")
+    home = tmp_path / "home"
+    (home / ".triton" / "cache").mkdir(parents=True)
+    (home / ".triton" / "cache" / "k.cubin").write_bytes(b"\x7fELF")
+    env = {**os.environ, "FLASH_E2E_VLLM_ENV": str(env_sh), "FLASH_SESSION_DIR": str(tmp_path / "gs"),
+           "FLASH_SESSION_REPO": str(tmp_path / "repo"), "FLASH_SESSION_BENCH": str(tmp_path / "bench"),
+           "OUT": str(tmp_path / "out"), "HOME": str(home), "CUDA_VISIBLE_DEVICES": ""}
+    (tmp_path / "out").mkdir()
+
+    def deadline(budget, phases, **extra):
+        r = subprocess.run(["bash", str(SCRIPT), "start", "c0ffee1", str(budget), phases], cwd=ROOT,
+                           env={**env, **extra}, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        r = subprocess.run(["bash", str(SCRIPT), "watch", "240"], cwd=ROOT, env={**env, **extra},
+                           capture_output=True, text=True, timeout=300)
+        assert "all phases ended" in r.stdout, r.stdout[-2000:]
+        log = (tmp_path / "gs" / "phases.log").read_text()
+        line = next(x for x in log.splitlines() if " e2e deadline " in x)
+        return int(line.split()[3]), int(line.split()[5].strip("(")), log
+
+    d, kept, log = deadline(1000, "e2e,kernels")  # kernels needs 160
+    assert kept == 160 and 1000 - 160 - 30 - 15 <= d <= 1000 - 160 - 30, log
+    assert log.index("e2e deadline") < log.index("jit caches: jit-cache.tar.gz")  # packed after e2e
+    assert (tmp_path / "out" / "jit-cache.tar.gz").is_file()
+    d, kept, log = deadline(1000, "e2e", FLASH_SESSION_E2E_MAX="700")  # nothing after: the cap
+    assert (d, kept) == (700, 0), log
+    d, kept, log = deadline(560, "e2e,kernels")  # 370 s would be under e2e's 420: e2e first, all but 30 s
+    assert kept == 160 and 560 - 30 - 15 <= d <= 560 - 30, log
