@@ -225,7 +225,9 @@ class Stager:
     def _eager(self, s, n, k, dedup, raw):
         dev = self.device
         rows = self._rows[s][:k].to(dev, non_blocking=True, copy=True)
-        inv_d = self._inv[s][:n].to(dev, non_blocking=True, copy=True) if dedup and k < n else None
+        # Deduplicated rows come in sorted-id order, so the inverse is needed even when every id
+        # is distinct (k == n): skipping it there served a prefill's rows permuted (run38).
+        inv_d = self._inv[s][:n].to(dev, non_blocking=True, copy=True) if dedup else None
         self._record(s)
         if inv_d is not None:
             rows = rows.index_select(0, inv_d)

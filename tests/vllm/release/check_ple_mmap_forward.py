@@ -25,7 +25,7 @@ import torch
 
 NGRAM = "vllm.models.qwen4_exp.nvidia.ngram_embedding"
 PREFIX = "model.language_model.layers.1.ple.ple_embedding"
-EOS, VOCAB, BASE, HEADS_PER, PARTS, HEAD_DIM = 511, 512, 1000, 8, 4, 16
+EOS, VOCAB, BASE, HEADS_PER, PARTS, HEAD_DIM = 511, 512, 20000, 8, 4, 16  # BASE: few collisions
 
 
 def _storage_base(base):
@@ -87,8 +87,13 @@ def layers(base, request, tmp_path_factory, cpu_world):
     from flash_vllm.patches import ple_mmap
     from flash_vllm.registry import Context
 
+    from flash_vllm.registry import original
+
     ng = importlib.import_module(NGRAM)
-    stock_classes = (ng.Qwen4ExpPLEPinnedHostEmbedding, ng.Qwen4ExpPLEDeviceEmbedding)
+    # the release's own classes, even when an earlier check of this session left patch 1 bound
+    # (check_ple_mmap.py did: the "stock" side was then patch 1 too, and a permuted gather passed)
+    stock_classes = tuple(original(c) for c in (ng.Qwen4ExpPLEPinnedHostEmbedding, ng.Qwen4ExpPLEDeviceEmbedding))
+    ng.Qwen4ExpPLEPinnedHostEmbedding, ng.Qwen4ExpPLEDeviceEmbedding = stock_classes
     with cpu_world(tmp_path_factory, checkpoint.dir) as cfg:
         if getattr(cfg, "engram_config", None) is not None:
             cfg.engram_config.cpu_offload = False  # stock: the device class (pinned needs UVA, no CPU)
@@ -106,6 +111,11 @@ def layers(base, request, tmp_path_factory, cpu_world):
             ple_mmap.check(ctx)
             ple_mmap.apply(ctx)
             ours = build()
+            # each side is what it claims: an earlier check that left the release patched would
+            # make this a comparison of patch 1 with itself
+            assert type(stock.ngram_embedding) is stock_classes[1], type(stock.ngram_embedding)
+            assert not getattr(stock_classes[1], "__flash_patch__", None)
+            assert type(ours.ngram_embedding).__name__.startswith("FlashMmap"), type(ours.ngram_embedding)
             yield SimpleNamespace(stock=stock, ours=ours)
         finally:
             # Leave the release as found for the other checks of this session (every binding).
@@ -139,6 +149,9 @@ CASES = {
     "prefill-chunks": ([37, 5, 20], [[EOS, EOS], [3, 4], [EOS, 9]]),
     "decode": ([1] * 6, [[1, 2], [EOS, 5], [7, EOS], [8, 9], [10, 11], [EOS, EOS]]),
     "mtp-verify": ([3, 3, 3], [[1, 2], [3, 4], [5, EOS]]),  # 1 + 2 draft positions per request
+    # >= the Stager's dedup_min (256) rows, every id distinct: deduplicated rows come back sorted and
+    # still need the inverse (run38: 16-33-token prefills diverged from stock on the H200)
+    "prefill-distinct": ([16], [[EOS, EOS]]),
 }
 
 
@@ -155,6 +168,16 @@ def test_patched_layer_forward_matches_stock(layers, base, case, request):
     want = layers.stock.ngram_embedding.dequantize(layers.stock(hs, ids, qsl, ctx), torch.bfloat16)
     got = layers.ours.ngram_embedding.dequantize(layers.ours(hs, ids, qsl, ctx), torch.bfloat16)
     assert got.shape == want.shape == (sum(lens), 16 * HEAD_DIM)
+    # both against an independent reference: the checkpoint's rows for the ids the stock layer
+    # computes, dequantised (stock == ours alone would pass if both went wrong the same way)
+    row_ids = layers.stock.compute_ngram_ids(ids, qsl, ctx)
+    table = torch.cat([checkpoint.tensors[f"ngram_embedding.shard_{k}.weight"] for k in range(PARTS)])
+    scale = checkpoint.tensors["ngram_embedding.weight_scale"].to(torch.bfloat16)
+    ref = (table[row_ids.long()].to(torch.bfloat16) * scale).flatten(-2)
+    assert torch.equal(want.view(torch.int16), ref.view(torch.int16))
+    if case == "prefill-distinct":
+        flat = row_ids.reshape(-1)
+        assert flat.numel() >= 256 and flat.unique().numel() == flat.numel(), "case lost its point"
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # bitwise, fp8 NaNs included
     from flash_vllm.patches.ple_mmap_debug import check_ids
 
