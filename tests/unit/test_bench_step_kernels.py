@@ -161,3 +161,29 @@ def test_bad_arguments_are_refused(tmp_path):
     assert proc.returncode == 2 and "not allowed with" in proc.stderr
     proc = _run("--cpu-smoke", "--only", "nope")
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def test_a_candidate_that_cannot_run_is_reported_and_the_rest_are_timed(bk, monkeypatch, capsys):
+    """run38: the radix kernel did not compile on the GPU and the whole qsa_topk bench was lost
+    (no patch-8 ratio at all). A failing candidate is now a setup record of its own."""
+    from flash_vllm.patches import _qsa_topk
+
+    real = _qsa_topk.make_hook
+
+    def make_hook(orig, mode, base):
+        if mode != "radix":
+            return real(orig, mode, base)
+
+        def broken(*args):
+            raise RuntimeError("CompilationError: at 13:8: constexpr cannot be reassigned")
+        return broken
+
+    monkeypatch.setattr(_qsa_topk, "make_hook", make_hook)
+    monkeypatch.setattr(bk, "radix_unavailable", lambda device: None)
+    assert bk.main(["--cpu-smoke", "--only", "qsa_topk"]) == bk.EXIT_CHECK_FAILED  # an error is not a pass
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    setup = [r for r in lines if r["kind"] == "setup"]
+    assert setup and all(r["impl"] == "radix" and "constexpr" in r["error"] for r in setup)
+    summary = lines[-1]
+    assert summary["qsa_topk_ratio_vs_stock_max"] is not None and summary["qsa_topk_radix_ratio_vs_stock_max"] is None
+    assert any("qsa_topk/radix" in e for e in summary["errors"])

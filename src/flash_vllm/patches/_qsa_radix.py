@@ -51,7 +51,7 @@ def _radix_block_topk(logits_ptr, stride_row, visible_ptr, out_ptr, stride_out, 
     pmask = tl.full([], 0, tl.int64)
     remaining = kk  # how many of the keys matching `prefix` still belong to the top k
     for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
+        shift = 24 - 8 * p  # a constexpr (p is); annotating it fails on the real compiler (run38)
         hist = tl.zeros([256], dtype=tl.int32)
         for start in range(0, v, BLOCK):
             offs = start + tl.arange(0, BLOCK)
