@@ -785,13 +785,24 @@ def first_divergence(cold: dict, warm: dict) -> dict | None:
     return out
 
 
+PUBLISH_WAIT_S = 5.0  # the metrics bridge's publish interval (1 s) with room for a loaded machine
+
+
 def check_ple_memory(ctx: Context, on: str, off: str) -> dict:
     p_on, p_off = need_up(ctx, on), need_up(ctx, off)
     m0 = metrics(p_on.spec["url"])
     _chat(p_on.spec["url"], p_on.spec["model"], "invoice ledger balance credit debit account " * 20, 16)
-    m1 = metrics(p_on.spec["url"])
-    ple = {k: m1[k] - m0.get(k, 0.0) for k in m1 if k.startswith("vllm:ple_mmap")}
-    moved = {k: v for k, v in ple.items() if v}
+    # the engine publishes its record at most every FLASH_METRICS_INTERVAL_MS (1 s): a scrape right
+    # after the reply can still see the previous one (run38 scraped at once and saw no movement)
+    t0 = time.monotonic()
+    while True:
+        m1 = metrics(p_on.spec["url"])
+        ple = {k: m1[k] - m0.get(k, 0.0) for k in m1 if k.startswith("vllm:ple_mmap")}
+        moved = {k: v for k, v in ple.items() if v}
+        if moved or time.monotonic() - t0 > PUBLISH_WAIT_S:
+            break
+        time.sleep(0.25)
+    publish_wait_s = round(time.monotonic() - t0, 2)
     gpu = gpu_memory_by_server(ctx)
     init_on, init_off = PLE_INIT.findall(log_text(p_on)), PLE_INIT.findall(log_text(p_off))
     mmap_on, mmap_off = PATCH1_TABLE.findall(log_text(p_on)), PATCH1_TABLE.findall(log_text(p_off))
@@ -800,7 +811,7 @@ def check_ple_memory(ctx: Context, on: str, off: str) -> dict:
     res = {"patch1_table": {on: mmap_on, off: mmap_off}, "kv_memory": kv,
            "gpu_mib": {on: gpu.get(on), off: gpu.get(off)},
            "pinned_kib": {on: pinned_kib(p_on), off: pinned_kib(p_off)},
-           "ple_init": {on: init_on, off: init_off}, "ple_mmap_deltas": ple}
+           "ple_init": {on: init_on, off: init_off}, "ple_mmap_deltas": ple, "publish_wait_s": publish_wait_s}
     assert mmap_on, f"{on}: no 'flash_vllm patch 1: PLE mmap' line: the table was not opened from disk"
     assert not mmap_off, f"{off}: patch 1 is off but its table line is in the log"
     assert ple, "no vllm:ple_mmap_* series on /metrics"

@@ -480,3 +480,37 @@ def test_boot_wave_setting_is_checked_and_the_plan_shows_the_waves(monkeypatch, 
                      "  boot wave 2 (at most 3 at once, FLASH_E2E_BOOT_WAVE): probe-p4, probe-p5, probe-p8",
                      "  boot wave 3 (at most 3 at once, FLASH_E2E_BOOT_WAVE): probe-p13"]
     assert "group 1 (one scenario at a time; groups side by side): probe_p1, probe_p3, probe_p4" in proc.stdout
+
+
+def test_ple_memory_waits_for_the_engines_next_record(monkeypatch):
+    """The engine publishes its PLE record at most once a second (metrics_bridge), so run38's scrape
+    right after the reply saw no movement. The check now polls: a counter that moves on the third
+    scrape passes, one that never moves still fails after PUBLISH_WAIT_S, naming the series."""
+    procs = {n: fleet.Proc.__new__(fleet.Proc) for n in ("on", "off")}
+    for n, p in procs.items():
+        p.spec = {"url": f"http://{n}", "model": "m"}
+    logs = {"on": "flash_vllm patch 1: PLE mmap: 8 shards\nInitialized PLE embedding x: weight_dtype=fp8, "
+                  "weight_device=meta, pinned=False\n",
+            "off": "Initialized PLE embedding x: weight_dtype=fp8, weight_device=cpu, pinned=True\n"}
+    monkeypatch.setattr(fleet, "need_up", lambda ctx, name: procs[name])
+    monkeypatch.setattr(fleet, "log_text", lambda p: logs["on" if p is procs["on"] else "off"])
+    monkeypatch.setattr(fleet, "gpu_memory_by_server", lambda ctx: {})
+    monkeypatch.setattr(fleet, "pinned_kib", lambda p: {})
+    monkeypatch.setattr(fleet, "_chat", lambda *a, **k: {})
+    monkeypatch.setattr(fleet, "PUBLISH_WAIT_S", 1.0)
+
+    def scrapes(moves_at):
+        n = {"i": 0}
+
+        def metrics(url):
+            n["i"] += 1
+            ops = 5.0 + (3.0 if moves_at and n["i"] >= moves_at else 0.0)
+            return {"vllm:ple_mmap_lookup_ops_total": ops, "vllm:ple_mmap_lookup_ops_created": 17.0}
+        return metrics
+
+    monkeypatch.setattr(fleet, "metrics", scrapes(moves_at=3))  # m0, a stale m1, then the new record
+    res = fleet.check_ple_memory(None, "on", "off")
+    assert res["ple_mmap_deltas"]["vllm:ple_mmap_lookup_ops_total"] == 3.0 and 0 < res["publish_wait_s"] < 1.0
+    monkeypatch.setattr(fleet, "metrics", scrapes(moves_at=None))
+    with pytest.raises(AssertionError, match="did not move after a request"):
+        fleet.check_ple_memory(None, "on", "off")
