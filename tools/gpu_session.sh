@@ -24,8 +24,8 @@
 # JIT caches travel between sessions: every device session starts on a fresh machine, and the
 # first boots spend minutes compiling Triton kernels and autotuning FlashInfer (run37: `init engine`
 # 197 s cold vs 23 s warm). They are packed once e2e ends and again when every phase has, and the
-# next `watch` puts the newest pack as $OUT/jit-cache.tar.gz, once (FLASH_SESSION_JIT_DIRS under
-# $HOME, when no bigger than FLASH_SESSION_JIT_MAX_MIB, default 56);
+# next `watch` puts the newest pack as $OUT/jit-cache.tar.gz.NN parts of 15 MiB, once
+# (FLASH_SESSION_JIT_DIRS under $HOME, when no bigger than FLASH_SESSION_JIT_MAX_MIB, default 45);
 # keep it as .payload/jit-cache.tar.gz here and carry it in a call before `start`, which unpacks it.
 set -uo pipefail
 
@@ -37,7 +37,7 @@ BENCH=${FLASH_SESSION_BENCH:-/var/tmp/bench-decode}
 ROWS=${FLASH_SESSION_PLE_ROWS:-32000000}  # the reduced PLE table (4.8 GiB; real width and heads)
 
 JIT_DIRS=${FLASH_SESSION_JIT_DIRS:-.triton/cache .cache/flashinfer .cache/vllm}  # relative to $HOME
-JIT_MAX_MIB=${FLASH_SESSION_JIT_MAX_MIB:-56}
+JIT_MAX_MIB=${FLASH_SESSION_JIT_MAX_MIB:-45}  # 3 returned parts of 15 MiB beside gs.tar.gz
 JIT_CARRIED=${FLASH_SESSION_JIT_TAR:-.payload/jit-cache.tar.gz}  # carried into the checkout
 
 log() { echo "$(date -u +%H:%M:%S) $*" | tee -a "$GS/phases.log"; }
@@ -195,9 +195,11 @@ case "${1:-}" in
       tail -n 3 "$GS"/e2e.log "$GS"/decode8.log "$GS"/decode4.log 2>/dev/null | cut -c1-220
     done
     collect
-    # the newest JIT pack (after e2e, then at the end), once: 56 MiB is a slow return
+    # the newest JIT pack (after e2e, then at the end), once, in parts the device tool returns
+    # (files of at most 16 MiB, 8 a call: a 19 MiB pack in one piece was left out, run38);
+    # here: cat jit-cache.tar.gz.* > .payload/jit-cache.tar.gz
     if [ -f "$GS/jit-cache.tar.gz" ] && [ "$GS/jit-cache.tar.gz" -nt "$GS/jit-returned" ]; then
-      cp -f "$GS/jit-cache.tar.gz" "$OUT/jit-cache.tar.gz" && touch "$GS/jit-returned"
+      split -b 15M -d "$GS/jit-cache.tar.gz" "$OUT/jit-cache.tar.gz." && touch "$GS/jit-returned"
     fi
     echo "=== phases"; cat "$GS/phases.log" 2>/dev/null
     [ -f "$GS/done" ] && echo "=== all phases ended"

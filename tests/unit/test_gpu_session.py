@@ -43,7 +43,8 @@ def test_start_runs_detached_and_watch_returns_one_archive(tmp_path):
     (home / ".triton" / "cache" / "ab12" / "kernel.cubin").write_bytes(b"\x7fELF" + bytes(1000))
     env = {**os.environ, "HOME": str(home), "PATH": f"{bindir}:{os.environ['PATH']}", "FLASH_E2E_VLLM_ENV": str(env_sh),
            "FLASH_SESSION_DIR": str(gs), "FLASH_SESSION_REPO": str(tmp_path / "repo"),
-           "FLASH_SESSION_BENCH": str(tmp_path / "bench"), "FLASH_SESSION_PLE_ROWS": "40000", "OUT": str(out)}
+           "FLASH_SESSION_BENCH": str(tmp_path / "bench"),
+           "FLASH_SESSION_JIT_TAR": str(tmp_path / "no-carried-jit.tar.gz"), "FLASH_SESSION_PLE_ROWS": "40000", "OUT": str(out)}
     t0 = time.monotonic()
     r = subprocess.run(["bash", str(SCRIPT), "start", "abc1234", "420", "decode8"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)
@@ -55,7 +56,7 @@ def test_start_runs_detached_and_watch_returns_one_archive(tmp_path):
     assert "all phases ended" in r.stdout
     phases = (gs / "phases.log").read_text()
     assert "commit abc1234" in phases and "skip e2e (not asked)" in phases and "end decode8 rc=0" in phases
-    assert sorted(p.name for p in out.iterdir()) == ["gs.tar.gz", "jit-cache.tar.gz"]
+    assert sorted(p.name for p in out.iterdir()) == ["gs.tar.gz", "jit-cache.tar.gz.00"], phases
     assert "jit caches: jit-cache.tar.gz" in phases
     with tarfile.open(out / "gs.tar.gz") as tar:
         names = set(tar.getnames())
@@ -86,6 +87,7 @@ def test_jit_caches_come_back_small_and_are_restored_by_the_next_start(tmp_path)
     out.mkdir()
     base = {**os.environ, "FLASH_E2E_VLLM_ENV": str(env_sh), "FLASH_SESSION_DIR": str(tmp_path / "gs"),
             "FLASH_SESSION_REPO": str(tmp_path / "repo"), "FLASH_SESSION_BENCH": str(tmp_path / "bench"),
+           "FLASH_SESSION_JIT_TAR": str(tmp_path / "no-carried-jit.tar.gz"),
             "OUT": str(out)}
 
     def session(home, phases, **extra):
@@ -99,11 +101,12 @@ def test_jit_caches_come_back_small_and_are_restored_by_the_next_start(tmp_path)
         return (tmp_path / "gs" / "phases.log").read_text()
 
     log = session(old_home, "none", FLASH_SESSION_JIT_MAX_MIB="1")  # 2 MiB of random bytes: over the cap
-    assert "over 1 MiB: not returned" in log and not (out / "jit-cache.tar.gz").exists()
-    log = session(old_home, "none")
-    assert (out / "jit-cache.tar.gz").is_file() and "carry it as" in log
-    carried = tmp_path / "carried.tar.gz"
-    (out / "jit-cache.tar.gz").rename(carried)
+    assert "over 1 MiB: not returned" in log and not list(out.glob("jit-cache*"))
+    log = session(old_home, "none", FLASH_SESSION_JIT_MAX_MIB="40")
+    parts = sorted(out.glob("jit-cache.tar.gz.*"))
+    assert parts and "carry it as" in log
+    carried = tmp_path / "carried.tar.gz"  # what `cat jit-cache.tar.gz.* >` gives here
+    carried.write_bytes(b"".join(p.read_bytes() for p in parts))
     log = session(new_home, "none", FLASH_SESSION_JIT_TAR=str(carried))
     assert "jit caches restored from" in log.splitlines()[0]
     assert "prepare" not in log and not (tmp_path / "bench").exists()  # no decode phase: no 4.8 GiB table
@@ -115,6 +118,7 @@ def test_phases_run_in_the_order_asked_and_unknown_ones_are_refused(tmp_path):
     env_sh.write_text("")
     env = {**os.environ, "FLASH_E2E_VLLM_ENV": str(env_sh), "FLASH_SESSION_DIR": str(tmp_path / "gs"),
            "FLASH_SESSION_REPO": str(tmp_path / "repo"), "FLASH_SESSION_BENCH": str(tmp_path / "bench"),
+           "FLASH_SESSION_JIT_TAR": str(tmp_path / "no-carried-jit.tar.gz"),
            "OUT": str(tmp_path), "HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
     r = subprocess.run(["bash", str(SCRIPT), "start", "c0ffee1", "60", "kernels,decode5"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)
@@ -143,6 +147,7 @@ def test_e2e_deadline_keeps_what_the_later_phases_need(tmp_path):
     (home / ".triton" / "cache" / "k.cubin").write_bytes(b"\x7fELF")
     env = {**os.environ, "FLASH_E2E_VLLM_ENV": str(env_sh), "FLASH_SESSION_DIR": str(tmp_path / "gs"),
            "FLASH_SESSION_REPO": str(tmp_path / "repo"), "FLASH_SESSION_BENCH": str(tmp_path / "bench"),
+           "FLASH_SESSION_JIT_TAR": str(tmp_path / "no-carried-jit.tar.gz"),
            "OUT": str(tmp_path / "out"), "HOME": str(home), "CUDA_VISIBLE_DEVICES": ""}
     (tmp_path / "out").mkdir()
 
@@ -160,7 +165,7 @@ def test_e2e_deadline_keeps_what_the_later_phases_need(tmp_path):
     d, kept, log = deadline(1000, "e2e,kernels")  # kernels needs 160
     assert kept == 160 and 1000 - 160 - 30 - 15 <= d <= 1000 - 160 - 30, log
     assert log.index("e2e deadline") < log.index("jit caches: jit-cache.tar.gz")  # packed after e2e
-    assert (tmp_path / "out" / "jit-cache.tar.gz").is_file()
+    assert (tmp_path / "out" / "jit-cache.tar.gz.00").is_file()
     d, kept, log = deadline(1000, "e2e", FLASH_SESSION_E2E_MAX="700")  # nothing after: the cap
     assert (d, kept) == (700, 0), log
     d, kept, log = deadline(560, "e2e,kernels")  # 370 s would be under e2e's 420: e2e first, all but 30 s
