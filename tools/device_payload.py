@@ -130,13 +130,16 @@ def shared_gpu_e2e(name: str) -> Path | None:
 
 def default_freeze() -> Path | None:
     """The device image's freeze for pack without a list: a real one (`pip list --format=freeze`
-    taken on the device, kept as shared/gpu-e2e/device-image-freeze.txt) before the approximation
-    in tools/payload/."""
+    taken on the device: shared/gpu-e2e/device-image-freeze.txt, else tools/payload/'s, taken in
+    the session of 25174b3) before the approximation in tools/payload/."""
     p = shared_gpu_e2e(REAL_FREEZE)
     if p:
         return p
-    p = PAYLOAD_DIR / APPROX_FREEZE
-    return p if p.is_file() else None
+    for name in (REAL_FREEZE, APPROX_FREEZE):
+        p = PAYLOAD_DIR / name
+        if p.is_file():
+            return p
+    return None
 
 
 def default_list(release: str) -> Path | None:
@@ -896,7 +899,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "without one, pip resolves vllm==RELEASE)")
     p.add_argument("--image-freeze", help="without a list: the device's `pip list --format=freeze`, whose "
                                           "exact name==version pairs are left out (default: shared/gpu-e2e/"
-                                          f"{REAL_FREEZE}, else tools/payload/{APPROX_FREEZE})")
+                                          f"{REAL_FREEZE}, else tools/payload/{REAL_FREEZE} (measured), else "
+                                          f"tools/payload/{APPROX_FREEZE})")
     p.add_argument("--python", help=f"a CPython {PY_VERSION} to run pip's resolver under (default: this one, "
                                     f"python{PY_VERSION} on PATH, or ~/.pyenv/versions/{PY_VERSION}*)")
     p.add_argument("--out", help="output dir (default .payload/vllm-RELEASE)")

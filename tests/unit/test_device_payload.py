@@ -469,3 +469,13 @@ def test_install_names_a_parser_that_cannot_load(dp, tmp_path):
     assert problem and "ModuleNotFoundError" in problem and "pycountry_not_carried" in problem
     good = _fake_vllm_prefix(tmp_path / "good", "return object")
     assert dp.parsers_problem(good) is None
+
+
+def test_the_measured_device_freeze_is_the_default_and_agrees_with_what_booted(dp):
+    """tools/payload/device-image-freeze.txt is the device's real `pip list` (session of 25174b3): pack
+    prefers it to the approximation, and it agrees with what the 0.33.0 boots showed: the image's
+    own torch 2.11 and transformers 5.17, no vllm, no pycountry (both travelled)."""
+    assert dp.default_freeze() in (dp.PAYLOAD_DIR / dp.REAL_FREEZE, dp.shared_gpu_e2e(dp.REAL_FREEZE))
+    pairs = dp.read_freeze(dp.PAYLOAD_DIR / dp.REAL_FREEZE)
+    assert pairs["torch"] == "2.11.0" and pairs["transformers"] == "5.17.0"
+    assert "vllm" not in pairs and "pycountry" not in pairs and len(pairs) > 150
