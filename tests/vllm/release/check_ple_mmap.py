@@ -88,7 +88,8 @@ def _flavour(base):
 @pytest.fixture(scope="module")
 def applied(patch1, base):
     if _flavour(base) != "storage":
-        return None
+        yield None
+        return
     ng = importlib.import_module(NGRAM)
     # where the storage classes are defined: nvidia/ngram_embedding on 0.30, common/ on 0.31+
     common = importlib.import_module(ng.Qwen4ExpPLEPinnedHostEmbedding.__module__)
@@ -100,7 +101,17 @@ def applied(patch1, base):
     patch1.apply(ctx)
     patch1.verify(ctx)
     patch1.check(ctx)  # still passes after apply (anchors read from the originals)
-    return SimpleNamespace(ng=ng, common=common, stock=stock, first=first)
+    yield SimpleNamespace(ng=ng, common=common, stock=stock, first=first)
+    # Leave the release as found: a later check of this session (check_ple_mmap_forward.py) built
+    # its "stock" side from these names and compared patch 1 with itself.
+    from flash_vllm.registry import rebind_stale
+
+    for old, new in zip((ng.Qwen4ExpPLEPinnedHostEmbedding, ng.Qwen4ExpPLEDeviceEmbedding), stock):
+        rebind_stale(old, new)
+    ng.Qwen4ExpPLEPinnedHostEmbedding, ng.Qwen4ExpPLEDeviceEmbedding = stock
+    fwd = ng.Qwen4ExpNGramEmbedding.forward
+    if getattr(fwd, "__flash_patch__", None):
+        ng.Qwen4ExpNGramEmbedding.forward = fwd.__flash_original__
 
 
 def test_apply_swaps_storage_classes_idempotently(applied, base, patch1):
