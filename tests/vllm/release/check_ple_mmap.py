@@ -86,7 +86,7 @@ def _flavour(base):
 
 
 @pytest.fixture(scope="module")
-def applied(patch1, base):
+def applied(patch1, base, restore_ple_storage):
     if _flavour(base) != "storage":
         yield None
         return
@@ -102,16 +102,7 @@ def applied(patch1, base):
     patch1.verify(ctx)
     patch1.check(ctx)  # still passes after apply (anchors read from the originals)
     yield SimpleNamespace(ng=ng, common=common, stock=stock, first=first)
-    # Leave the release as found: a later check of this session (check_ple_mmap_forward.py) built
-    # its "stock" side from these names and compared patch 1 with itself.
-    from flash_vllm.registry import rebind_stale
-
-    for old, new in zip((ng.Qwen4ExpPLEPinnedHostEmbedding, ng.Qwen4ExpPLEDeviceEmbedding), stock):
-        rebind_stale(old, new)
-    ng.Qwen4ExpPLEPinnedHostEmbedding, ng.Qwen4ExpPLEDeviceEmbedding = stock
-    fwd = ng.Qwen4ExpNGramEmbedding.forward
-    if getattr(fwd, "__flash_patch__", None):
-        ng.Qwen4ExpNGramEmbedding.forward = fwd.__flash_original__
+    restore_ple_storage(ng, stock)  # check_ple_mmap_forward.py builds its stock side from these names
 
 
 def test_apply_swaps_storage_classes_idempotently(applied, base, patch1):

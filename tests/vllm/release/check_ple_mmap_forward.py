@@ -77,7 +77,7 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def layers(base, request, tmp_path_factory, cpu_world):
+def layers(base, request, tmp_path_factory, cpu_world, restore_ple_storage):
     """(stock, patched) `Qwen4ExpNGramEmbedding`, both loaded from the checkpoint."""
     if not _storage_base(base):  # 0.29 has no nvidia/ngram_embedding module (its own flavour)
         yield None
@@ -118,15 +118,7 @@ def layers(base, request, tmp_path_factory, cpu_world):
             assert type(ours.ngram_embedding).__name__.startswith("FlashMmap"), type(ours.ngram_embedding)
             yield SimpleNamespace(stock=stock, ours=ours)
         finally:
-            # Leave the release as found for the other checks of this session (every binding).
-            from flash_vllm.registry import rebind_stale
-
-            for old, new in zip((ng.Qwen4ExpPLEPinnedHostEmbedding, ng.Qwen4ExpPLEDeviceEmbedding), stock_classes):
-                rebind_stale(old, new)
-            ng.Qwen4ExpPLEPinnedHostEmbedding, ng.Qwen4ExpPLEDeviceEmbedding = stock_classes
-            fwd = ng.Qwen4ExpNGramEmbedding.forward
-            if getattr(fwd, "__flash_patch__", None):
-                ng.Qwen4ExpNGramEmbedding.forward = fwd.__flash_original__
+            restore_ple_storage(ng, stock_classes)  # the other checks of this session see the release
 
 
 def _runner_inputs(lens, max_reqs, contexts, gen):

@@ -88,3 +88,24 @@ def _cpu_world(tmp_path_factory, model_dir, cfg=None):
 def cpu_world():
     """`with cpu_world(tmp_path_factory, model_dir) as cfg:` (see `_cpu_world`)."""
     return _cpu_world
+
+
+def _restore_ple_storage(ng, stock) -> None:
+    """Put the release's own PLE storage classes (`stock`: pinned-host, device) back under their
+    names in `ng` (nvidia/ngram_embedding) and in every module that imported them, and the layer's
+    own forward: a check that applied patch 1 leaves the session as it found it, or a later check's
+    "stock" side is patch 1 (run38's order bug hid that way)."""
+    from flash_vllm.registry import rebind_stale
+
+    for old, new in zip((ng.Qwen4ExpPLEPinnedHostEmbedding, ng.Qwen4ExpPLEDeviceEmbedding), stock):
+        rebind_stale(old, new)
+    ng.Qwen4ExpPLEPinnedHostEmbedding, ng.Qwen4ExpPLEDeviceEmbedding = stock
+    fwd = ng.Qwen4ExpNGramEmbedding.forward
+    if getattr(fwd, "__flash_patch__", None):
+        ng.Qwen4ExpNGramEmbedding.forward = fwd.__flash_original__
+
+
+@pytest.fixture(scope="session")
+def restore_ple_storage():
+    """`_restore_ple_storage`, for the checks that apply patch 1 in the session's process."""
+    return _restore_ple_storage
