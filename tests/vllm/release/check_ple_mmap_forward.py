@@ -85,9 +85,7 @@ def layers(base, request, tmp_path_factory, cpu_world, restore_ple_storage):
     hf_config, checkpoint = request.getfixturevalue("hf_config"), request.getfixturevalue("checkpoint")
     from flash_vllm import compat
     from flash_vllm.patches import ple_mmap
-    from flash_vllm.registry import Context
-
-    from flash_vllm.registry import original
+    from flash_vllm.registry import Context, original
 
     ng = importlib.import_module(NGRAM)
     # the release's own classes, even when an earlier check of this session left patch 1 bound
