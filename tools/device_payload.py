@@ -780,9 +780,8 @@ def cmd_pack(a) -> int:
                     else "no --image-freeze and no tools/payload/" + APPROX_FREEZE + ": nothing excluded"))
             names = resolve_release(a.release, exclude, python)
             source = "pip resolver" + (f" minus {freeze.name}" if freeze else "")
-    extra = Path(a.extra_list) if a.extra_list else PAYLOAD_DIR / f"vllm-{a.release}-extra.txt"
-    if extra.is_file():  # what real boots on the device found missing from the shared list
-        names += [n for n in read_list(extra) if n not in names]
+    extra = add_extra(names, a.release, a.extra_list)
+    if extra:
         source += f" + {extra.name}"
     vllm = [n for n in names if canon(wheel_requirement(n)[0]) == "vllm"]
     if not vllm:  # the release's own wheel rides along unless the list already holds it
@@ -802,14 +801,23 @@ def cmd_pack(a) -> int:
     return 0
 
 
+def add_extra(names: list[str], release: str, explicit: str | None) -> Path | None:
+    """Append (in place, once each) the release's extra wheels: what real boots on the device found
+    missing beyond the shared list (`explicit`, else tools/payload/vllm-RELEASE-extra.txt when
+    present). Returns the file read, or None."""
+    extra = Path(explicit) if explicit else PAYLOAD_DIR / f"vllm-{release}-extra.txt"
+    if not extra.is_file():
+        return None
+    names += [n for n in read_list(extra) if n not in names]
+    return extra
+
+
 def cmd_image_freeze(a) -> int:
     lst = Path(a.list) if a.list else default_list(a.release)
     if lst is None:
         raise PayloadError(f"no wheel list for {a.release} (give --list: the wheels the device lacked)", 2)
     lacking = read_list(lst)
-    extra = Path(a.extra_list) if a.extra_list else PAYLOAD_DIR / f"vllm-{a.release}-extra.txt"
-    if extra.is_file():
-        lacking += [n for n in read_list(extra) if n not in lacking]
+    extra = add_extra(lacking, a.release, a.extra_list)
     python = device_python(a.python)
     pip_v = subprocess.run([python, "-m", "pip", "--version"], capture_output=True, text=True).stdout.split()[:2]
     py_v = subprocess.run([python, "-c", "import platform; print(platform.python_version())"],
@@ -824,7 +832,7 @@ def cmd_image_freeze(a) -> int:
         f"vllm=={a.release} for cp{PY_VERSION.replace('.', '')} manylinux_2_5..2_{RESOLVE_GLIBC_MAX} x86_64 "
         f"(`pip install --dry-run --report`, nothing installed): {len(resolved)} packages,",
         f"minus the {len(lacking)} wheels the device lacked ({lst.name}"
-        + (f" + {extra.name}" if extra.is_file() else "") + f") = {len(lines)} packages.",
+        + (f" + {extra.name}" if extra else "") + f") = {len(lines)} packages.",
         f"So: what the image has among what vLLM {a.release} needs, each at the version pip picked that day;",
         f"the image's own may be older (any that vLLM {a.release} accepted). Packages vLLM does not need are absent.",
         *a.note,
