@@ -29,22 +29,27 @@ def _fake_vllm(bindir: Path) -> None:
     exe.chmod(0o755)
 
 
+def _session_env(tmp_path: Path, env_sh: str = "", **more: str) -> dict:
+    """The environment every test gives the script: its own session, repo, bench and env.sh under
+    tmp_path, and no carried JIT pack (a checkout's .payload/jit-cache.tar.gz must not leak in)."""
+    (tmp_path / "env.sh").write_text(env_sh)
+    return {**os.environ, "FLASH_E2E_VLLM_ENV": str(tmp_path / "env.sh"), "FLASH_SESSION_DIR": str(tmp_path / "gs"),
+            "FLASH_SESSION_REPO": str(tmp_path / "repo"), "FLASH_SESSION_BENCH": str(tmp_path / "bench"),
+            "FLASH_SESSION_JIT_TAR": str(tmp_path / "no-carried-jit.tar.gz"), **more}
+
+
 def test_start_runs_detached_and_watch_returns_one_archive(tmp_path):
     bindir = tmp_path / "bin"
     bindir.mkdir()
     _fake_vllm(bindir)
     (bindir / "python3").symlink_to(sys.executable)  # the phases call python3 (the device's)
-    env_sh = tmp_path / "env.sh"
-    env_sh.write_text("export VLLM_USE_FLASHINFER_SAMPLER=0\n")
     gs, out = tmp_path / "gs", tmp_path / "out"
     out.mkdir()
     home = tmp_path / "home"
     (home / ".triton" / "cache" / "ab12").mkdir(parents=True)
     (home / ".triton" / "cache" / "ab12" / "kernel.cubin").write_bytes(b"\x7fELF" + bytes(1000))
-    env = {**os.environ, "HOME": str(home), "PATH": f"{bindir}:{os.environ['PATH']}", "FLASH_E2E_VLLM_ENV": str(env_sh),
-           "FLASH_SESSION_DIR": str(gs), "FLASH_SESSION_REPO": str(tmp_path / "repo"),
-           "FLASH_SESSION_BENCH": str(tmp_path / "bench"),
-           "FLASH_SESSION_JIT_TAR": str(tmp_path / "no-carried-jit.tar.gz"), "FLASH_SESSION_PLE_ROWS": "40000", "OUT": str(out)}
+    env = _session_env(tmp_path, "export VLLM_USE_FLASHINFER_SAMPLER=0\n", HOME=str(home),
+                       PATH=f"{bindir}:{os.environ['PATH']}", FLASH_SESSION_PLE_ROWS="40000", OUT=str(out))
     t0 = time.monotonic()
     r = subprocess.run(["bash", str(SCRIPT), "start", "abc1234", "420", "decode8"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)
@@ -77,18 +82,13 @@ def test_usage_and_a_missing_payload_are_refused(tmp_path):
 def test_jit_caches_come_back_small_and_are_restored_by_the_next_start(tmp_path):
     """`watch` returns the JIT caches only under the size cap (saying so otherwise); the next session's
     `start` unpacks a carried archive into $HOME before any phase runs."""
-    env_sh = tmp_path / "env.sh"
-    env_sh.write_text("")
     old_home, new_home, out = tmp_path / "h1", tmp_path / "h2", tmp_path / "out"
     (old_home / ".cache" / "flashinfer" / "autotune").mkdir(parents=True)
     (old_home / ".cache" / "flashinfer" / "autotune" / "cfg.json").write_text('{"tile": 128}')
     (old_home / ".cache" / "flashinfer" / "big.bin").write_bytes(os.urandom(2 << 20))
     new_home.mkdir()
     out.mkdir()
-    base = {**os.environ, "FLASH_E2E_VLLM_ENV": str(env_sh), "FLASH_SESSION_DIR": str(tmp_path / "gs"),
-            "FLASH_SESSION_REPO": str(tmp_path / "repo"), "FLASH_SESSION_BENCH": str(tmp_path / "bench"),
-           "FLASH_SESSION_JIT_TAR": str(tmp_path / "no-carried-jit.tar.gz"),
-            "OUT": str(out)}
+    base = _session_env(tmp_path, OUT=str(out))
 
     def session(home, phases, **extra):
         env = {**base, "HOME": str(home), **extra}
@@ -114,12 +114,7 @@ def test_jit_caches_come_back_small_and_are_restored_by_the_next_start(tmp_path)
 
 
 def test_phases_run_in_the_order_asked_and_unknown_ones_are_refused(tmp_path):
-    env_sh = tmp_path / "env.sh"
-    env_sh.write_text("")
-    env = {**os.environ, "FLASH_E2E_VLLM_ENV": str(env_sh), "FLASH_SESSION_DIR": str(tmp_path / "gs"),
-           "FLASH_SESSION_REPO": str(tmp_path / "repo"), "FLASH_SESSION_BENCH": str(tmp_path / "bench"),
-           "FLASH_SESSION_JIT_TAR": str(tmp_path / "no-carried-jit.tar.gz"),
-           "OUT": str(tmp_path), "HOME": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
+    env = _session_env(tmp_path, OUT=str(tmp_path), HOME=str(tmp_path), CUDA_VISIBLE_DEVICES="")
     r = subprocess.run(["bash", str(SCRIPT), "start", "c0ffee1", "60", "kernels,decode5"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unknown phase 'decode5'" in r.stderr and not (tmp_path / "gs").exists()
@@ -140,15 +135,10 @@ def test_e2e_deadline_keeps_what_the_later_phases_need(tmp_path):
     """The e2e tier gets what the budget leaves after the phases asked after it (run37's fixed 900 s
     cut 14 wave servers short while 644 s went to later phases), capped; the JIT caches are packed
     as soon as e2e ends, so a session cut short later still returns them."""
-    env_sh = tmp_path / "env.sh"
-    env_sh.write_text("")
     home = tmp_path / "home"
     (home / ".triton" / "cache").mkdir(parents=True)
     (home / ".triton" / "cache" / "k.cubin").write_bytes(b"\x7fELF")
-    env = {**os.environ, "FLASH_E2E_VLLM_ENV": str(env_sh), "FLASH_SESSION_DIR": str(tmp_path / "gs"),
-           "FLASH_SESSION_REPO": str(tmp_path / "repo"), "FLASH_SESSION_BENCH": str(tmp_path / "bench"),
-           "FLASH_SESSION_JIT_TAR": str(tmp_path / "no-carried-jit.tar.gz"),
-           "OUT": str(tmp_path / "out"), "HOME": str(home), "CUDA_VISIBLE_DEVICES": ""}
+    env = _session_env(tmp_path, OUT=str(tmp_path / "out"), HOME=str(home), CUDA_VISIBLE_DEVICES="")
     (tmp_path / "out").mkdir()
 
     def deadline(budget, phases, **extra):
