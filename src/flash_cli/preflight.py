@@ -127,15 +127,16 @@ def graph_regime(s: Settings) -> list[Problem]:
     """Patch 1's eager mode gathers PLE rows on the host between graph segments: a FULL CUDA graph
     would replay them as a constant (the plugin refuses at capture time, i.e. after the ten-minute
     load). COMPILE_FLAGS replaces flash's default and EXTRA can override it: check both now. The
-    hoisted mode (PLE_MODE=hoisted) gathers before the forward, so FULL graphs are legal with it,
-    on the bases the plugin's registry serves it on (refused elsewhere)."""
+    hoisted mode (PLE_MODE auto or hoisted) gathers before the forward, so FULL graphs are legal
+    with it, on the bases the plugin's registry serves it on (an explicit hoisted is refused
+    elsewhere; auto falls back to eager there)."""
     from .spec import compilation_args, ple_hoisted, ple_patch_off
 
     out = []
     if s["PLE_MODE"] == "hoisted" and not ple_hoisted(s):
         out.append(Problem(ConfigError, f"PLE_MODE=hoisted is not available on BASE={s['BASE']} "
                            "(patch 1's hoisted mode is not written for that release's runner)",
-                           f"use PLE_MODE=eager, or a base that has it: "
+                           f"use PLE_MODE=auto or eager, or a base that has it: "
                            f"{', '.join(sorted(releases.where('ple_hoisted', True)))}"))
     argv = compilation_args(s) + split_args(s["EXTRA"] or "", "EXTRA")
     if "--enforce-eager" in argv:
@@ -153,7 +154,9 @@ def graph_regime(s: Settings) -> list[Problem]:
         out.append(Problem(ConfigError, f"cudagraph_mode {mode} (from COMPILE_FLAGS/EXTRA) would capture the PLE "
                            "gather in a FULL CUDA graph and replay stale rows; patch 1 needs PIECEWISE (or NONE)",
                            "set cudagraph_mode PIECEWISE in the JSON config, or add -cc.cudagraph_mode=PIECEWISE: dotted "
-                           "-cc.* keys replace flash's whole compilation config in vLLM's parser"))
+                           "-cc.* keys replace flash's whole compilation config in vLLM's parser; or gather before "
+                           "the forward (PLE_MODE=auto or hoisted) on "
+                           f"{', '.join(sorted(releases.where('ple_hoisted', True)))}"))
     ops = cc.get("splitting_ops")
     if releases.cap(s["BASE"], "ple_storage") == "splitting-op" and isinstance(ops, list) and PLE_OP_V029 not in ops and mode != "NONE":
         out.append(Problem(ConfigError, f"splitting_ops {ops} (from COMPILE_FLAGS/EXTRA) leaves out patch 1's op "

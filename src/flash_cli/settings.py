@@ -195,9 +195,11 @@ SETTINGS: tuple[Setting, ...] = (
       minimum=1, maximum=256, env="VLLM_PLE_MMAP_WORKERS"),
     S("PREWARM", "bool", False, "Read the PLE table once at boot to warm the page cache.",
       "env VLLM_PLE_MMAP_PREWARM", env="VLLM_PLE_MMAP_PREWARM"),
-    S("PLE_MODE", "choice", "eager", "Where the PLE rows are gathered: eager (inside the forward, PIECEWISE "
-      "graphs) or hoisted (before the forward from the runner's inputs, FULL decode graphs; v0.30-v0.33).",
-      "env VLLM_PLE_MMAP_MODE; picks cudagraph_mode", choices=("eager", "hoisted"), env="VLLM_PLE_MMAP_MODE"),
+    S("PLE_MODE", "choice", "auto", "Where the PLE rows are gathered: eager (inside the forward, PIECEWISE "
+      "graphs), hoisted (before the forward from the runner's inputs, FULL decode graphs; v0.30-v0.33), or "
+      "auto: hoisted on the bases that serve it, eager elsewhere (measured 2.2-2.9x eager's decode, "
+      "greedy output identical: docs/benchmarks/decode-h200).",
+      "env VLLM_PLE_MMAP_MODE (auto resolved per base); picks cudagraph_mode", choices=("auto", "eager", "hoisted")),
     S("EFFORT_ALIAS", "bool", True, "Accept reasoning effort high/max (→ xhigh) and minimal (→ low), as "
       "Claude Code sends them.", "v0.33: vllm --reasoning-effort-map; older: env FLASH_EFFORT_ALIAS (plugin)"),
     S("LOG_REQUESTS", "bool", False, "Log prompts and outputs (DEBUG on vLLM's request logger only).",
@@ -219,7 +221,8 @@ SETTINGS: tuple[Setting, ...] = (
       "vllm --max-num-batched-tokens", minimum=256, maximum=131072),
     S("COMPILE_FLAGS", "str", None, "Replaces the compilation flags flash picks per base (upstream's CC, "
       "renamed: CC is the C compiler's variable). Split with shlex. Must keep cudagraph_mode PIECEWISE or "
-      "NONE unless PLE_MODE=hoisted (checked before a boot: FULL graphs would replay the PLE gather).", "vllm -cc.* arguments", optional=True),
+      "NONE unless the PLE gather is hoisted (PLE_MODE auto on v0.30+, or hoisted; checked before a boot: "
+      "FULL graphs would replay the eager gather).", "vllm -cc.* arguments", optional=True),
     S("EXTRA", "str", None, "Extra `vllm serve` arguments, split once with shlex (quotes work).",
       "vllm argv (appended)", optional=True),
     S("CONTAINER_ENV", "str", None, "Extra container environment, `KEY=VALUE` words split with shlex "

@@ -101,9 +101,19 @@ def model_path(model: str, snapshot: str, mode: str) -> str:
     return f"{HF_MOUNT}/hub/models--{org_name}/snapshots/{snapshot}{VARIANT_SUFFIX[mode]}"
 
 
+def ple_mode(s: Settings) -> str:
+    """Patch 1's gather mode for this base: PLE_MODE, with `auto` resolved to hoisted where the
+    catalogue's `ple_hoisted` says the runner hook exists, eager elsewhere (an explicit `hoisted`
+    on such a base is preflight's to refuse)."""
+    mode = s["PLE_MODE"]
+    if mode == "auto":
+        return "hoisted" if releases.has(s["BASE"], "ple_hoisted") else "eager"
+    return mode
+
+
 def ple_hoisted(s: Settings) -> bool:
-    """PLE_MODE=hoisted on a base whose runner patch 1 hooks (the catalogue's `ple_hoisted`)."""
-    return s["PLE_MODE"] == "hoisted" and releases.has(s["BASE"], "ple_hoisted")
+    """The hoisted gather, on a base whose runner patch 1 hooks."""
+    return ple_mode(s) == "hoisted" and releases.has(s["BASE"], "ple_hoisted")
 
 
 def ple_patch_off(s: Settings) -> bool:
@@ -117,8 +127,8 @@ def ple_patch_off(s: Settings) -> bool:
 def compilation_args(s: Settings) -> list[str]:
     """Graph regime per base. Patch 1's eager mode gathers the PLE rows on the host inside the
     forward, which a FULL decode graph would capture as a constant: PIECEWISE (vllm-releases.md
-    §3). Its hoisted mode (PLE_MODE=hoisted, where served) gathers before the forward, so vLLM's
-    FULL_AND_PIECEWISE applies. On 0.29 the plugin appends its lookup op to vLLM's splitting ops
+    §3). Its hoisted mode (PLE_MODE auto or hoisted, where served) gathers before the forward, so
+    vLLM's FULL_AND_PIECEWISE applies. On 0.29 the plugin appends its lookup op to vLLM's splitting ops
     itself, so no list is needed here."""
     if s["COMPILE_FLAGS"]:
         return split_args(s["COMPILE_FLAGS"], "COMPILE_FLAGS")
@@ -235,6 +245,7 @@ def container_env(s: Settings, needs_key: bool) -> dict[str, str]:
     for setting in SETTINGS:  # the table's direct env mappings (MADVISE, WORKERS, ...)
         if setting.env:
             env[setting.env] = setting.format(s[setting.name])
+    env["VLLM_PLE_MMAP_MODE"] = ple_mode(s)
     vocab = s["DRAFT_VOCAB"]
     if vocab != "0" and s["MTP"]:
         env["VLLM_MTP_DRAFT_VOCAB"] = "default" if vocab == "1" else vocab

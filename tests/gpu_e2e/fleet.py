@@ -110,7 +110,8 @@ def _disable_all_but(keep: int | None, among: tuple[int, ...] = ALL_PATCHES) -> 
 def _servers() -> dict[str, Server]:
     out = {f"{x}-default": Server(f"{x}-default", x) for x in "abc"}
     # greedy neutrality: the output-neutral patches all off vs exactly one on, same graph mode (the
-    # default PIECEWISE). The others stay at the recipe's default: with patch 2 (Mamba block size)
+    # default's: FULL_AND_PIECEWISE with the hoisted gather where the base serves it, else PIECEWISE).
+    # The others stay at the recipe's default: with patch 2 (Mamba block size)
     # off the tiny model's state blocks do not fit a small memory share (measured on the H200).
     out["probe-off"] = Server("probe-off", "a", words=("EXACT_TOPK=0", "DET_TOPK=0"),
                               container_env=(_disable_all_but(None, NEUTRAL), "VLLM_PLE_MMAP=0"))
@@ -125,7 +126,7 @@ def _servers() -> dict[str, Server]:
     for mtp in (2, 0):
         tag = "hx" if mtp else "hx0"
         common = ("CTX=4096", f"BATCHED_TOKENS={HX_CHUNK}", f"MTP={mtp}")
-        out[f"{tag}-eager-pw"] = Server(f"{tag}-eager-pw", "a", words=common)
+        out[f"{tag}-eager-pw"] = Server(f"{tag}-eager-pw", "a", words=common + ("PLE_MODE=eager",))
         out[f"{tag}-hoist-pw"] = Server(f"{tag}-hoist-pw", "a", words=common + ("PLE_MODE=hoisted", _graphs("PIECEWISE")))
         if mtp:
             out[f"{tag}-stock-full"] = Server(f"{tag}-stock-full", "a", words=common + (_graphs("FULL_AND_PIECEWISE"),),

@@ -1,5 +1,5 @@
-"""Preflight keeps FULL CUDA graphs (which would replay the PLE gather as a constant) out of the
-recipe: COMPILE_FLAGS replaces flash's PIECEWISE default and EXTRA can override it. The parser
+"""Preflight keeps FULL CUDA graphs (which would replay patch 1's eager PLE gather as a constant) out
+of the recipe: COMPILE_FLAGS replaces flash's per-base default and EXTRA can override it. The parser
 model is checked against each release's real parser in tests/vllm/release/check_compile_flags.py."""
 
 import json
@@ -34,9 +34,16 @@ def test_piecewise_recipes_pass(over):
     ({"EXTRA": "-cc.cudagraph_mode=FULL_DECODE_ONLY"}, "FULL_DECODE_ONLY"),
     ({"COMPILE_FLAGS": "-cc '" + json.dumps({"cudagraph_mode": "full"}) + "'"}, "FULL"),
 ])
-def test_full_graphs_are_refused_naming_the_mode(over, mode):
-    (p,) = problems(**over)
+@pytest.mark.parametrize("gather", [{"PLE_MODE": "eager"}, {"BASE": "v0.29"}])  # eager: asked, or auto's fallback
+def test_full_graphs_are_refused_naming_the_mode(over, mode, gather):
+    (p,) = problems(**over, **gather)
     assert p.error is ConfigError and f"cudagraph_mode {mode} " in p.message and "PIECEWISE" in p.hint
+    assert "PLE_MODE=auto or hoisted" in p.hint and "v0.30, v0.31, v0.32, v0.33" in p.hint
+
+
+def test_full_graphs_pass_with_the_default_gather_where_hoisted_is_served():
+    # PLE_MODE=auto gathers before the forward on v0.30+: vLLM's FULL modes are legal there
+    assert problems(COMPILE_FLAGS="-O3") == [] and problems(EXTRA="-cc.cudagraph_mode=FULL_DECODE_ONLY") == []
 
 
 def test_v029_splitting_ops_without_our_op_are_refused():
@@ -76,8 +83,12 @@ def test_hoisted_mode_allows_full_graphs_where_served():
         assert compilation_args(s) == ["--compilation-config", '{"cudagraph_mode":"FULL_AND_PIECEWISE"}']
     assert problems(PLE_MODE="hoisted", BASE="v0.33") == []
     assert problems(PLE_MODE="hoisted", BASE="v0.33", EXTRA="-cc.cudagraph_mode=FULL_DECODE_ONLY") == []
-    # the default stays eager + PIECEWISE
-    assert compilation_args(resolve(overrides={"BASE": "v0.33"}))[1] == '{"cudagraph_mode":"PIECEWISE"}'
+    # the default (auto) is the hoisted gather + FULL_AND_PIECEWISE where served, eager + PIECEWISE elsewhere
+    for base in ("v0.30", "v0.33"):
+        assert compilation_args(resolve(overrides={"BASE": base}))[1] == '{"cudagraph_mode":"FULL_AND_PIECEWISE"}'
+    assert compilation_args(resolve(overrides={"BASE": "v0.29"}))[1] == '{"cudagraph_mode":"PIECEWISE"}'
+    assert compilation_args(resolve(overrides={"PLE_MODE": "eager"}))[1] == '{"cudagraph_mode":"PIECEWISE"}'
+    assert problems(BASE="v0.29") == []  # auto is never refused: it falls back
 
 
 @pytest.mark.parametrize("base", ["v0.29"])
@@ -97,8 +108,12 @@ def test_hoisted_mode_is_refused_where_not_served(base):
 def test_hoisted_env_reaches_the_container():
     from flash_cli.spec import container_env
 
-    assert container_env(resolve(overrides={"PLE_MODE": "hoisted"}), False)["VLLM_PLE_MMAP_MODE"] == "hoisted"
-    assert container_env(resolve(overrides={}), False)["VLLM_PLE_MMAP_MODE"] == "eager"
+    def mode(**over):
+        return container_env(resolve(overrides=over), False)["VLLM_PLE_MMAP_MODE"]
+
+    assert mode(PLE_MODE="hoisted") == "hoisted" and mode(PLE_MODE="eager") == "eager"
+    # auto reaches the plugin resolved (the plugin knows only eager and hoisted)
+    assert mode() == "hoisted" and mode(BASE="v0.31") == "hoisted" and mode(BASE="v0.29") == "eager"
 
 
 @pytest.mark.parametrize("env", ["VLLM_PLE_MMAP=0", "FLASH_DISABLE_PATCHES=3,1,5", "VLLM_PLE_MMAP=off NCCL_DEBUG=INFO"])
@@ -109,5 +124,5 @@ def test_full_graphs_pass_when_the_user_turned_patch_1_off(env):
 
 @pytest.mark.parametrize("env", ["VLLM_PLE_MMAP=1", "FLASH_DISABLE_PATCHES=3,10", "NCCL_DEBUG=INFO"])
 def test_full_graphs_still_refused_while_patch_1_serves(env):
-    (p,) = problems(CONTAINER_ENV=env, EXTRA="-cc.cudagraph_mode=FULL_AND_PIECEWISE")
+    (p,) = problems(CONTAINER_ENV=env, PLE_MODE="eager", EXTRA="-cc.cudagraph_mode=FULL_AND_PIECEWISE")
     assert "cudagraph_mode FULL_AND_PIECEWISE " in p.message

@@ -19,12 +19,14 @@ names are replaced by subclasses of the release's `Qwen4ExpPLEEmbedding` that:
   segment (the ids queued before it are recorded, not computed, at that point) and refusing
   loudly when called inside a plain stream capture (a FULL graph would replay a constant).
 
-Graph regime (eager mode, the default): PIECEWISE. Qwen4Exp backends report UNIFORM_BATCH, so
-under the default FULL_AND_PIECEWISE uniform decode batches are captured FULL, where an eager break
-does not break and a host gather would be baked into the graph. The run spec therefore forces
-`--compilation-config {"cudagraph_mode":"PIECEWISE"}`. The hoisted mode
-(`VLLM_PLE_MMAP_MODE=hoisted`, `ple_hoist.py`, 0.30-0.33) gathers before the forward from the model
-runner's inputs; the forward only reads the buffer, so the run spec keeps FULL_AND_PIECEWISE.
+Graph regime of the eager mode (this plugin's default when VLLM_PLE_MMAP_MODE is unset; the recipe's
+on 0.29): PIECEWISE. Qwen4Exp backends report UNIFORM_BATCH, so under vLLM's default
+FULL_AND_PIECEWISE uniform decode batches are captured FULL, where an eager break does not break and
+a host gather would be baked into the graph. The run spec therefore forces
+`--compilation-config {"cudagraph_mode":"PIECEWISE"}` with it. The hoisted mode
+(`VLLM_PLE_MMAP_MODE=hoisted`, `ple_hoist.py`, 0.30-0.33; the recipe's default there, PLE_MODE=auto)
+gathers before the forward from the model runner's inputs; the forward only reads the buffer, so the
+run spec keeps FULL_AND_PIECEWISE.
 
 Bases, and the one place that tells them apart (`FLAVOURS`):
 - 0.30-0.33, "storage": the storage classes above are replaced (the abstract base is in
@@ -235,9 +237,9 @@ PATCH = Patch(
          "the checkpoint shards through the PLE engine into a persistent buffer: as an eager break "
          "on 0.30+, inside a splitting op of ours (vllm::flash_ple_mmap_lookup, appended to "
          "CompilationConfig._attention_ops) on 0.29, where the release's own layer still applies "
-         "the fp8 scale. Ships with cudagraph_mode=PIECEWISE (FULL decode graphs would capture the "
-         "gather). VLLM_PLE_MMAP_MODE=hoisted (0.30-0.33) gathers the step's rows before the forward, from "
-         "Qwen4ExpModelState.prepare_inputs, so FULL decode graphs are legal."),
+         "the fp8 scale. The eager gather ships with cudagraph_mode=PIECEWISE (FULL decode graphs would "
+         "capture it). VLLM_PLE_MMAP_MODE=hoisted (0.30-0.33, the recipe's default there) gathers the step's "
+         "rows before the forward, from Qwen4ExpModelState.prepare_inputs, so FULL decode graphs are legal."),
     upstream="vllm#54129 (VLLM_PLE_MMAP, open) / vllm#54070 (disk-backed tables, open)",
     gate=Gate.flag(ENV),
     targets=tuple(f"{m}:{q}" for m, q in (PINNED, DEVICE, INIT, FORWARD, LOAD) + V029_TARGETS + HOIST_TARGETS),
@@ -245,8 +247,9 @@ PATCH = Patch(
     not_ported={b: "no port of patch 1 to this release (catalogue: ple_storage=None)"
                 for b in releases.where("ple_storage", None)},
     check=check, apply=apply, verify=verify,
-    notes="Graph regime: eager mode (default): the run spec forces cudagraph_mode=PIECEWISE (and leaves "
-          "splitting_ops unset, so 0.29 copies its list with our op). Hoisted mode (PLE_MODE=hoisted, env "
-          "VLLM_PLE_MMAP_MODE; served on " + ", ".join(sorted(HOIST_BASES)) + " only, ple_hoist.BASES): "
-          "FULL_AND_PIECEWISE; elsewhere preflight refuses it and the plugin stays eager.",
+    notes="Graph regime: hoisted mode (env VLLM_PLE_MMAP_MODE=hoisted; served on " + ", ".join(sorted(HOIST_BASES))
+          + " only, ple_hoist.BASES; the recipe's PLE_MODE=auto picks it there): FULL_AND_PIECEWISE. Eager mode "
+          "(the plugin's default when the env is unset; auto's on the other bases; PLE_MODE=eager): the run spec "
+          "forces cudagraph_mode=PIECEWISE (and leaves splitting_ops unset, so 0.29 copies its list with our "
+          "op). An explicit PLE_MODE=hoisted where not served is refused by preflight (the plugin stays eager).",
 )
