@@ -246,3 +246,11 @@ def test_plan_refuses_a_block_the_qsa_ring_does_not_divide(tmp_path, capsys):
     assert main(["plan", "GPU_MEM=0.9", "CTX=2048", "MTP=0", "--hardware", "h200", "--config", str(d)]) == 2
     err = capsys.readouterr().err
     assert "ring capacity 100 does not divide" in err and "multiple of 400" in err
+
+
+@pytest.mark.parametrize("over, full", [({}, True), ({"BASE": "v0.30"}, True), ({"BASE": "v0.29"}, False),
+                                        ({"PLE_MODE": "eager"}, False)])
+def test_full_graph_regime_is_a_named_assumption(over, full):
+    # the overhead fits were measured under PIECEWISE; the hoisted default's FULL graphs are said to be outside them
+    text = " | ".join(build(resolve(None, None, over), H.PRESETS["gb10"], snapshot=None)["assumptions"])
+    assert ("graphs FULL_AND_PIECEWISE" in text) is full and ("PIECEWISE graphs" in text) is full
