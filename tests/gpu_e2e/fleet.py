@@ -1,7 +1,10 @@
 """The gpu-e2e tier: real `vllm serve` boots of the tiny model with our plugin, several at once on one GPU.
 
 Every server's argv and environment come from the RunSpec `flash serve` renders for the default
-profile (src/flash_cli/spec.py, through commands/serve.plan): the tiny model's sizes are substituted
+profile (src/flash_cli/spec.py, through commands/serve.plan) on the fleet's base (BASE=, fleet_base:
+FLASH_E2E_BASE, else the base of the vLLM the device env imports, else in a dry run the catalogue's
+CURRENT); a scenario that cannot run on that base (no hoisted PLE mode, a patch the plugin does not
+apply there) boots nothing and is reported N/A with its reason: the tiny model's sizes are substituted
 through settings (TINY_WORDS: CTX, SEQS, GPU_MEM, ports, EXTRA for --block-size/--gdn-prefill-backend,
 CONTAINER_ENV for the FlashInfer sampler), never by editing the argv. The container is then mapped
 onto plain processes: bind-mount targets are replaced by their host sources (the HF cache), the
@@ -17,7 +20,8 @@ the broken-patch boot the breaker's sitecustomize.
     python tests/gpu_e2e/fleet.py plan [-k EXPR]   # the dry run: every server's argv + env, the scenario plan
     FLASH_E2E_DRY=1 makes `run` a `plan`.
 
-Environment: FLASH_E2E_VLLM_ENV (the device payload's env.sh, sourced for every server), FLASH_E2E_OUT
+Environment: FLASH_E2E_VLLM_ENV (the device payload's env.sh, sourced for every server), FLASH_E2E_BASE
+(the base to render, e.g. v0.29: a plan for another base; in a real run it must match the installed vLLM), FLASH_E2E_OUT
 (results; default a new tmp dir), FLASH_E2E_WORK (fixtures, caches; default a tmp dir),
 FLASH_E2E_EXTRA (more `vllm serve` words for every server, appended to EXTRA, e.g.
 --language-model-only if the vision tower gets in the way), FLASH_E2E_GPU_MEM (a server's share for vLLM's
@@ -32,8 +36,8 @@ vLLM sizes its KV pool from the whole GPU's use at profiling time, so many concu
 later ones), FLASH_E2E_PARALLEL (scenario groups at a time; default all: each scenario of a group waits for its own servers' boots), FLASH_E2E_DEADLINE (s after start when unfinished scenarios are
 cut, servers stopped and results packed; 540, inside a 10-minute device call), FLASH_E2E_TEST_ARGS (how `flash test` declares the checks a random
 model cannot pass; default TEST_NA_ARGS), FLASH_E2E_COMMIT (the commit, when .git is absent).
-Results: at most 8 flat files: results.json, summary.txt, logs.tar.gz (every server's full log and
-each scenario's artefacts).
+Results: at most 8 flat files: results.json (with the base and the vLLM version), summary.txt (its first
+line names the base), logs.tar.gz (every server's full log and each scenario's artefacts).
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ for p in (ROOT / "src", ROOT / "tests"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from flash_common import releases  # noqa: E402 - stdlib only; the catalogue of bases
+
 NEUTRAL = (1, 3, 4, 5, 8, 13)   # output-neutral patches: greedy output must not change
 ALL_PATCHES = tuple(range(1, 14))
 # Checks a random model cannot pass, declared not applicable (visibly: `flash test --untrained`
@@ -74,9 +80,15 @@ TINY_WORDS = ("YARN=0", "CTX=2048", "SEQS=4", "BATCHED_TOKENS=2048", "NETWORK=ho
               "API_KEY=off", "COMPILE_CACHE=", "TEST_PREFILL_TOKENS=1024", "TEST_TIMEOUT=120")
 TINY_EXTRA = "--block-size 256 --gdn-prefill-backend triton"
 TINY_CONTAINER_ENV = ("VLLM_USE_FLASHINFER_SAMPLER=0",)
-# patch 1's anchor in 0.33's ngram_embedding.py, moved to an equivalent spelling: the plugin must refuse
-BREAK = {"module": "vllm.models.qwen4_exp.nvidia.ngram_embedding", "old": "embedding(ngram_ids).flatten(-2)",
-         "new": "embedding(ngram_ids).flatten(start_dim=-2)", "patch": 1, "name": "ple-mmap"}
+# Patch 1's forward anchor moved to an equivalent spelling (same code, other source): the plugin must
+# refuse. Keyed by the catalogue's `ple_storage` (patch 1's flavour): on 0.30+ its check reads
+# Qwen4ExpNGramEmbedding.forward in ngram_embedding.py; 0.29 has no such module, and its flavour
+# (ple_mmap_v029.check) reads the same line of Qwen4ExpNGramEmbedding.forward in ple_layer.py.
+# Each occurs once in its module (tests/vllm/test_gpu_e2e_breaker.py proves the refusal per release).
+_MOVED = {"old": "embedding(ngram_ids).flatten(-2)", "new": "embedding(ngram_ids).flatten(start_dim=-2)",
+          "patch": 1, "name": "ple-mmap"}
+BREAKS = {"storage": {"module": "vllm.models.qwen4_exp.nvidia.ngram_embedding", **_MOVED},
+          "splitting-op": {"module": "vllm.models.qwen4_exp.nvidia.ple_layer", **_MOVED}}
 PROBE_TOKENS = 48
 PREFIX_LOGPROB_TOL = 1e-4  # as `flash probe --diff`
 PREFIX_HIT_BLOCKS = 4   # the prefix-hit prompt: this many full KV blocks (vLLM caches whole blocks only)
@@ -150,6 +162,51 @@ class Scenario:
     doc: str
     run: Callable = field(compare=False, repr=False)
     solo: bool = False  # its servers must boot alone (memory profiling sees the whole GPU's usage)
+    # base -> why the scenario cannot run there (None: it applies); an n/a scenario boots nothing
+    # and is reported with its reason, never as passed
+    na: Callable[[str], str | None] = field(default=lambda base: None, compare=False, repr=False)
+
+
+def breaker(base: str) -> dict | None:
+    """The moved anchor for `base` (by patch 1's flavour there), None where none is known."""
+    return BREAKS.get(releases.cap(base, "ple_storage"))
+
+
+def _na_hoisted(base: str) -> str | None:
+    return None if releases.has(base, "ple_hoisted") else f"PLE_MODE=hoisted is not served on {base}"
+
+
+def _na_patch(n: int) -> Callable[[str], str | None]:
+    """N/a where the plugin's own registry does not apply patch n on the base (the banner's
+    `applied [...]` comes from the same expected_status; the registry imports no vLLM)."""
+    def na(base: str) -> str | None:
+        from flash_vllm.registry import by_number
+
+        p = by_number(n)
+        status = p.expected_status(base)
+        return None if status == "applies" else f"patch {n} ({p.name}) is {status} on {base}: the plugin applies no code"
+    return na
+
+
+def _na_broken(base: str) -> str | None:
+    return _na_patch(1)(base) or (None if breaker(base) else f"no breaker anchor for patch 1's flavour on {base}")
+
+
+def _na_diag(base: str) -> str | None:
+    # diag-stockdev's --engram-config cpu_offload=false switches 0.30+'s storage class to the device
+    # one; 0.29 has neither the flag (the boot would stop on an unknown argument) nor the class
+    return _na_patch(1)(base) or (None if releases.cap(base, "ple_storage") == "storage" else
+                                  f"--engram-config (stock PLE storage classes) does not exist on {base}")
+
+
+def not_applicable(chosen: list[Scenario], base: str) -> dict[str, str]:
+    """Scenario name -> why it cannot run on `base`, for the chosen ones that cannot."""
+    return {s.name: why for s in chosen if (why := s.na(base))}
+
+
+def applicable(chosen: list[Scenario], base: str) -> list[Scenario]:
+    na = not_applicable(chosen, base)
+    return [s for s in chosen if s.name not in na]
 
 
 def _scenarios() -> dict[str, Scenario]:
@@ -164,7 +221,8 @@ def _scenarios() -> dict[str, Scenario]:
                            solo=True))
     for n in NEUTRAL:
         sc.append(Scenario(f"probe_p{n}", ("probe-off", f"probe-p{n}"), f"greedy probe, patch {n} back on vs the neutral-off baseline "
-                           "(1,3,4,5,8,13 off): byte-identical", lambda ctx, n=n: check_probe(ctx, "probe-off", f"probe-p{n}")))
+                           "(1,3,4,5,8,13 off): byte-identical", lambda ctx, n=n: check_probe(ctx, "probe-off", f"probe-p{n}"),
+                           na=_na_patch(n)))
     sc.append(Scenario("prefix_hit_a", ("a-default",), f"a greedy prompt of {PREFIX_HIT_BLOCKS} KV blocks (sized with the "
                        "server's /tokenize) twice: hits registered, the hit run equals the cold one",
                        lambda ctx: check_prefix_hit(ctx, "a-default")))
@@ -172,19 +230,21 @@ def _scenarios() -> dict[str, Scenario]:
                        lambda ctx: check_prefix_hit(ctx, "probe-off")))
     sc.append(Scenario("ple_memory", ("probe-p1", "probe-off"), "GPU memory and pinned bytes with/without patch 1 "
                        "(the two differ in patch 1 only); vllm:ple_mmap_* counters move",
-                       lambda ctx: check_ple_memory(ctx, "probe-p1", "probe-off")))
+                       lambda ctx: check_ple_memory(ctx, "probe-p1", "probe-off"), na=_na_patch(1)))
     for tag, (a, b), what in (("pw", ("hx-eager-pw", "hx-hoist-pw"), "eager vs hoisted gather, both PIECEWISE, MTP=2"),
                               ("pw_nomtp", ("hx0-eager-pw", "hx0-hoist-pw"), "eager vs hoisted gather, both PIECEWISE, MTP=0"),
                               ("full", ("hx-stock-full", "hx-hoist-full"),
                                "stock vLLM (patch 1 off) vs hoisted, both FULL_AND_PIECEWISE, MTP=2")):
         sc.append(Scenario(f"hoist_exact_{tag}", (a, b), f"greedy token ids (tools/bench_decode.py greedy: EOS inside, "
                            f"a 3,000-token prompt in {HX_CHUNK}-token chunks, the same again as a prefix hit, a shared "
-                           f"prefix), {what}: identical", lambda ctx, a=a, b=b: check_greedy_pair(ctx, a, b)))
+                           f"prefix), {what}: identical", lambda ctx, a=a, b=b: check_greedy_pair(ctx, a, b),
+                           na=_na_hoisted))
     sc.append(Scenario("diag_ple_ids", ("diag-p1", "diag-stockdev"), "patch 1 with VLLM_PLE_MMAP_DEBUG and "
                        "stock vLLM with the PLE table on the GPU: records the id checks and how each boot ended",
-                       lambda ctx: check_diag(ctx, ("diag-p1", "diag-stockdev"))))
-    sc.append(Scenario("broken_patch_p1", ("broken-p1",), f"patch 1's anchor moved in {BREAK['module']}: the boot "
-                       "refuses, naming the patch", lambda ctx: check_broken(ctx, "broken-p1")))
+                       lambda ctx: check_diag(ctx, ("diag-p1", "diag-stockdev")), na=_na_diag))
+    sc.append(Scenario("broken_patch_p1", ("broken-p1",), "patch 1's anchor moved (BREAKS, by the base's patch 1 "
+                       "flavour): the boot refuses, naming the patch", lambda ctx: check_broken(ctx, "broken-p1"),
+                       na=_na_broken))
     return {s.name: s for s in sc}
 
 
@@ -224,6 +284,8 @@ class Context:
     kv_mem: str | None = "1G"
     solo_gpu_mem: float = 0.12
     dry: bool = False
+    base: str = releases.CURRENT  # the catalogue base every server renders (BASE=); fleet_base()
+    vllm: str | None = None        # the device env's vLLM version (None in a dry run)
     procs: dict = field(default_factory=dict)
     ready: dict = field(default_factory=dict)  # server → threading.Event, set once its boot settled
     artefacts: list[Path] = field(default_factory=list)
@@ -256,7 +318,7 @@ def words_for(ctx: Context, server: Server, index: int, solo: bool = False) -> l
         "MODEL": {"a": "nvidia/Qwen3.8-Flash-Next-NVFP4", "b": "nvidia/Qwen3.8-Flash-Next-NVFP4",
                   "c": "RadixArk/Qwen3.8-Flash-Next-NVFP4"}[server.fixture],
         "MODE": {"a": "nvfp4", "b": "hybrid", "c": "hybrid-mtp"}[server.fixture]}
-    words = list(TINY_WORDS) + [f"{k}={v}" for k, v in fx.items()]
+    words = list(TINY_WORDS) + [f"BASE={ctx.base}"] + [f"{k}={v}" for k, v in fx.items()]
     words += [f"HF_CACHE={ctx.cache}", f"PORT={ctx.port0 + index}", f"NAME=e2e-{server.name}",
               f"GPU_MEM={(ctx.solo_gpu_mem if solo else ctx.gpu_mem):.2f}", f"DRAFT_VOCAB={draft_vocab(ctx)}",
               f"EXTRA={TINY_EXTRA} {os.environ.get('FLASH_E2E_EXTRA', '')}".rstrip(),
@@ -300,7 +362,10 @@ def render(ctx: Context, server: Server, index: int, solo: bool = False) -> dict
         "VLLM_CACHE_ROOT": str(ctx.work / "vllm-cache" / server.name),
     }
     if server.breaks:
-        harness.update({"FLASH_E2E_BREAK": json.dumps({k: BREAK[k] for k in ("module", "old", "new")}),
+        brk = breaker(ctx.base)
+        if brk is None:
+            raise ValueError(f"server {server.name}: no breaker anchor for {ctx.base} (BREAKS)")
+        harness.update({"FLASH_E2E_BREAK": json.dumps({k: brk[k] for k in ("module", "old", "new")}),
                         "FLASH_E2E_BREAK_DIR": str(ctx.work / "broken-src")})
     port = r.settings["PORT"]
     return {"server": server.name, "fixture": server.fixture, "expect": server.expect, "solo": solo,
@@ -614,6 +679,8 @@ def check_boot(ctx: Context, name: str) -> dict:
     assert banners, "no flash_vllm banner in the log: the plugin did not load (entry point / PYTHONPATH?)"
     applied = {int(n) for n in banners[0][2].split(",") if n}
     assert 1 in applied, f"patch 1 not applied: {banners[0]}"
+    # the plugin resolves its base from the installed vLLM: the fleet must have rendered the same one
+    assert banners[0][0] == ctx.base, f"the plugin runs base {banners[0][0]}, the fleet rendered BASE={ctx.base}"
     return {"boot_s": round(p.healthy_at - p.started, 1), "banner": banners[0], "applied": sorted(applied),
             "ple_init": PLE_INIT.findall(text), "nvfp4_moe_backend": sorted(set(MOE_BACKEND.findall(text)))}
 
@@ -869,8 +936,9 @@ def check_diag(ctx: Context, names: tuple[str, ...]) -> dict:
 def check_broken(ctx: Context, name: str) -> dict:
     p = ctx.procs[name]
     text = log_text(p)
+    brk = breaker(ctx.base)
     assert p.exited is not None and p.exited != 0, f"the broken boot did not fail (state {poll(p)})"
-    want = f"flash_vllm patch {BREAK['patch']} ({BREAK['name']}) cannot apply"
+    want = f"flash_vllm patch {brk['patch']} ({brk['name']}) cannot apply"
     assert want in text, f"exit {p.exited} but the log does not name the patch ({want!r}); tail: {text[-1500:]}"
     assert "FLASH_E2E_BREAK applied" in text, "the breaker's sitecustomize did not run"
     return {"exit": p.exited, "refused_after_s": round((p.ended_at or time.monotonic()) - p.started, 1),
@@ -969,10 +1037,42 @@ def cuda_problem(env: dict[str, str], python: str) -> str | None:
     r = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True)
     if r.returncode != 0:
         return f"torch.cuda.is_available() is false in {python} ({r.stderr.strip()[-300:]})"
+    return None
+
+
+def vllm_version(env: dict[str, str], python: str) -> tuple[str | None, str | None]:
+    """(the vLLM version importable in the device env, None) or (None, why not)."""
     r = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], env=env, capture_output=True, text=True)
     if r.returncode != 0:
-        return f"vLLM does not import in {python} (set FLASH_E2E_VLLM_ENV to the payload's env.sh): {r.stderr.strip()[-300:]}"
-    return None
+        return None, (f"vLLM does not import in {python} (set FLASH_E2E_VLLM_ENV to the payload's env.sh): "
+                      f"{r.stderr.strip()[-300:]}")
+    return r.stdout.strip().splitlines()[-1].strip(), None
+
+
+def fleet_base(version: str | None) -> str:
+    """The base every server renders: FLASH_E2E_BASE if set, else the base of the device env's
+    vLLM `version` (catalogued exactly), else (a dry run: no version) the catalogue's CURRENT. A
+    FLASH_E2E_BASE that contradicts a catalogued installed version is refused: the plugin resolves
+    its base from the installed vLLM, so the servers would run another base than the one rendered."""
+    raw = os.environ.get("FLASH_E2E_BASE", "").strip()
+    installed = None
+    if version is not None:
+        try:
+            installed = releases.by_version(version).base
+        except releases.ReleaseError as exc:
+            if not raw:
+                raise SystemExit(f"gpu-e2e: the device env's {exc} (FLASH_E2E_VLLM_ENV; "
+                                 "or name the base with FLASH_E2E_BASE)") from None
+    if not raw:
+        return installed or releases.CURRENT
+    try:
+        base = releases.get(raw).base
+    except releases.ReleaseError as exc:
+        raise SystemExit(f"gpu-e2e: FLASH_E2E_BASE={raw!r}: {exc}") from None
+    if installed and installed != base:
+        raise SystemExit(f"gpu-e2e: FLASH_E2E_BASE={base} but the device env has vLLM {version} (base {installed}); "
+                         "unset FLASH_E2E_BASE or point FLASH_E2E_VLLM_ENV at that base's payload")
+    return base
 
 
 def fixture_problem(env: dict[str, str], python: str) -> str | None:
@@ -998,7 +1098,7 @@ def make_context(dry: bool) -> Context:
     out.mkdir(parents=True, exist_ok=True)
     env = {} if dry else device_env()
     python = os.environ.get("FLASH_E2E_PYTHON") or (shutil.which("python3", path=env.get("PATH")) if env else None) or sys.executable
-    return Context(work=work, out=out, python=python, base_env=env, snaps={},
+    return Context(work=work, out=out, python=python, base_env=env, snaps={}, base=fleet_base(None),
                    port0=int(os.environ.get("FLASH_E2E_PORT", "18400")),
                    gpu_mem=_share("FLASH_E2E_GPU_MEM", "0.05"), solo_gpu_mem=_share("FLASH_E2E_SOLO_GPU_MEM", "0.12"),
                    kv_mem=kv_mem(), dry=dry)
@@ -1030,15 +1130,22 @@ def kv_mem() -> str | None:
 
 
 def plan(ctx: Context, chosen: list[Scenario]) -> list[dict]:
+    """Every server of the chosen scenarios that apply on ctx.base (an n/a one boots nothing)."""
+    chosen = applicable(chosen, ctx.base)
     names = [n for n in SERVERS if any(n in s.servers for s in chosen)]
     solo = {n for s in chosen if s.solo for n in s.servers}
     return [render(ctx, SERVERS[n], i, n in solo) for i, n in enumerate(names)]
 
 
-def print_plan(specs: list[dict], chosen: list[Scenario]) -> None:
-    say(f"gpu-e2e plan: {len(chosen)} scenario(s), {len(specs)} server(s)")
+def print_plan(ctx: Context, specs: list[dict], chosen: list[Scenario]) -> None:
+    na = not_applicable(chosen, ctx.base)
+    chosen = applicable(chosen, ctx.base)
+    say(f"gpu-e2e plan on base {ctx.base} (vLLM {ctx.vllm or '?'}): {len(chosen)} scenario(s), "
+        f"{len(specs)} server(s), {len(na)} n/a")
     for s in chosen:
         say(f"  scenario {s.name}: servers {', '.join(s.servers)} — {s.doc}")
+    for name, why in na.items():
+        say(f"  N/A {name}: {why}")
     for i, g in enumerate(scenario_groups(chosen)):
         say(f"  group {i + 1} (one scenario at a time; groups side by side): {', '.join(s.name for s in g)}")
     size = boot_wave()
@@ -1060,9 +1167,15 @@ def print_plan(specs: list[dict], chosen: list[Scenario]) -> None:
 def pack(ctx: Context, results: dict) -> None:
     """≤ 8 flat files: results.json, summary.txt, logs.tar.gz (logs + artefacts, each capped at 4 MiB)."""
     (ctx.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    lines = [f"gpu-e2e at commit {results['commit']} on {results.get('device', '?')}: "
-             f"{sum(r['ok'] for r in results['scenarios'].values())}/{len(results['scenarios'])} scenarios passed"]
-    for name, r in results["scenarios"].items():
+    verdicts = results["scenarios"]
+    ran = [r for r in verdicts.values() if "na" not in r]
+    lines = [f"gpu-e2e on base {results.get('base', '?')} (vLLM {results.get('vllm', '?')}) at commit {results['commit']} "
+             f"on {results.get('device', '?')}: {sum(r['ok'] is True for r in ran)}/{len(ran)} scenarios passed, "
+             f"{len(verdicts) - len(ran)} n/a"]
+    for name, r in verdicts.items():
+        if "na" in r:
+            lines.append(f"N/A {name}: {r['na']}")
+            continue
         lines.append(f"{'PASS' if r['ok'] else 'FAIL'} {name}: " + (r.get("error") or json.dumps(r.get("result"), default=str))[:600])
     for name, s in results["servers"].items():
         lines.append(f"server {name}: {s}")
@@ -1084,7 +1197,14 @@ def run(chosen: list[Scenario], dry: bool) -> int:
     if "exit" in res:
         print(res["error"], file=sys.stderr)
         return res["exit"]
-    return 0 if all(r["ok"] for r in res["scenarios"].values()) else 1
+    return 0 if res.get("dry") or passed(res) else 1
+
+
+def passed(results: dict) -> bool:
+    """Every scenario that applies on the base passed, and one at least ran: an n/a scenario is
+    neither passed nor failed, and a selection that is all n/a proved nothing."""
+    ran = [r for r in results["scenarios"].values() if "na" not in r]
+    return bool(ran) and all(r["ok"] is True for r in ran)
 
 
 def run_selected(chosen: list[Scenario], dry: bool = False) -> dict:
@@ -1095,13 +1215,21 @@ def run_selected(chosen: list[Scenario], dry: bool = False) -> dict:
 
         ctx.snaps = tiny_model.build(ctx.cache)
         plugin_site(ctx)
-        print_plan(plan(ctx, chosen), chosen)
+        print_plan(ctx, plan(ctx, chosen), chosen)
         say("\n(dry run: nothing started; FLASH_E2E_DRY unset and a GPU give the real run)")
         return {"dry": True, "scenarios": {}}
     # FLASH_E2E_CUDA_CHECK=0: a CPU rehearsal against a stand-in `vllm` (tests/unit/test_gpu_e2e_dry.py)
     problem = cuda_problem(ctx.base_env, ctx.python) if os.environ.get("FLASH_E2E_CUDA_CHECK") != "0" else None
     if problem:
         return {"exit": 3, "error": f"gpu-e2e: needs an NVIDIA GPU with CUDA and vLLM: {problem}"}
+    ctx.vllm, problem = vllm_version(ctx.base_env, ctx.python)
+    if problem:
+        return {"exit": 3, "error": f"gpu-e2e: needs an NVIDIA GPU with CUDA and vLLM: {problem}"}
+    try:
+        ctx.base = fleet_base(ctx.vllm)
+    except SystemExit as exc:  # a result like the other refusals: the pytest tier reports it per test
+        return {"exit": 2, "error": str(exc.code)}
+    na = not_applicable(chosen, ctx.base)
     problem = fixture_problem(ctx.base_env, ctx.python)
     if problem:
         return {"exit": 3, "error": f"gpu-e2e: {problem}"}
@@ -1116,10 +1244,12 @@ def run_selected(chosen: list[Scenario], dry: bool = False) -> dict:
     ctx.snaps = {k: Path(v["path"]) for k, v in json.loads(fx.stdout).items()}
     plugin_site(ctx)
     specs = plan(ctx, chosen)
-    print_plan(specs, chosen)
+    print_plan(ctx, specs, chosen)
     timeout = float(os.environ.get("FLASH_E2E_BOOT_TIMEOUT", "420"))
-    results: dict = {"commit": commit(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                     "fixtures": json.loads(fx.stdout), "scenarios": {}, "servers": {}}
+    results: dict = {"commit": commit(), "base": ctx.base, "vllm": ctx.vllm,
+                     "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                     "fixtures": json.loads(fx.stdout), "not_applicable": na, "scenarios": {}, "servers": {}}
+    live = applicable(chosen, ctx.base)
     try:
         try:
             results["device"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
@@ -1128,12 +1258,12 @@ def run_selected(chosen: list[Scenario], dry: bool = False) -> dict:
         except (OSError, subprocess.TimeoutExpired) as exc:
             results["device"] = f"unknown ({exc})"
         say(f"gpu-e2e: booting {len(specs)} server(s)")
-        results["scenario_groups"] = [[s.name for s in g] for g in scenario_groups(chosen)]
+        results["scenario_groups"] = [[s.name for s in g] for g in scenario_groups(live)]
         for spec in specs:
             ctx.ready.setdefault(spec["server"], threading.Event())
         # each group starts once its own servers are up, while the others still boot
         holder: dict = {}
-        runner = threading.Thread(target=lambda: holder.update(v=run_scenarios(ctx, chosen, deadline)), daemon=True)
+        runner = threading.Thread(target=lambda: holder.update(v=run_scenarios(ctx, live, deadline)), daemon=True)
         runner.start()
         # Solo boots first, one at a time: a clean profiled pool each, and the first warms the JIT
         # caches every later boot shares (Triton, FlashInfer autotune, CuTeDSL: H200 run36, 8 cold
@@ -1142,7 +1272,9 @@ def run_selected(chosen: list[Scenario], dry: bool = False) -> dict:
         boot(ctx, specs, timeout, deadline, solos=False)
         (ctx.out / "results.json").write_text(json.dumps({**results, "phase": "booted"}, indent=2, default=str))
         runner.join(max(1.0, deadline - time.monotonic()))
-        results["scenarios"] = holder.get("v") or {s.name: {"ok": False, "error": "scenarios did not finish"} for s in chosen}
+        ran = holder.get("v") or {s.name: {"ok": False, "error": "scenarios did not finish"} for s in live}
+        # selection order; an n/a scenario is reported with its reason and ok None: not a pass
+        results["scenarios"] = {s.name: ran[s.name] if s.name in ran else {"ok": None, "na": na[s.name]} for s in chosen}
     finally:
         states = {name: poll(p) for name, p in ctx.procs.items()}
         stop_all(list(ctx.procs.values()))
@@ -1154,8 +1286,9 @@ def run_selected(chosen: list[Scenario], dry: bool = False) -> dict:
                                             re.search(r"GPU KV cache size:[^\n]*", log_text(p)))}
         results["wall_s"] = round(time.monotonic() - t0, 1)
         pack(ctx, results)
-    ok = all(r["ok"] for r in results["scenarios"].values())
-    say(f"gpu-e2e: {'all passed' if ok else 'FAILURES'}; results in {ctx.out} (results.json, summary.txt, logs.tar.gz)")
+    ok = passed(results)
+    say(f"gpu-e2e on base {ctx.base}: {'all passed' if ok else 'FAILURES'}"
+        f"{f' ({len(na)} n/a)' if na else ''}; results in {ctx.out} (results.json, summary.txt, logs.tar.gz)")
     return results
 
 
@@ -1185,6 +1318,8 @@ if __name__ == "__main__":
     try:
         rc = main(sys.argv[1:])
     except SystemExit as exc:  # SIGTERM (after the results were packed) or a usage exit
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)  # os._exit below would drop what Python prints for it
         rc = exc.code if isinstance(exc.code, int) else 1
     sys.stdout.flush()
     sys.stderr.flush()

@@ -69,6 +69,7 @@ def test_every_server_is_the_default_profiles_runspec(planned):
         assert s["spec_env"]["VLLM_PLE_MMAP_MODE"] == "hoisted"
         assert "--hf-overrides" not in argv  # YARN=0 for a 2,048-token tiny model
         assert not s["preflight"], (name, s["preflight"])
+        assert "BASE=v0.33" in s["words"] and ctx.base == "v0.33"
         assert s["harness_env"]["VLLM_CACHE_ROOT"].endswith(f"/vllm-cache/{name}")
         assert s["spec_env"]["VLLM_MTP_DRAFT_VOCAB"].endswith("draft-vocab.npy")
     modes = {n: specs[n]["argv"][7] for n in ("a-default", "b-default", "c-default")}
@@ -98,7 +99,9 @@ def test_patch_switches(planned):
     assert specs["a-default"]["spec_env"]["VLLM_PLE_MMAP"] == "1"
     brk = specs["broken-p1"]["harness_env"]
     assert brk["PYTHONPATH"].split(os.pathsep)[0].endswith("tests/gpu_e2e/breaker")
-    assert json.loads(brk["FLASH_E2E_BREAK"])["module"] == fleet.BREAK["module"]
+    assert json.loads(brk["FLASH_E2E_BREAK"]) == {"module": "vllm.models.qwen4_exp.nvidia.ngram_embedding",
+                                                  "old": "embedding(ngram_ids).flatten(-2)",
+                                                  "new": "embedding(ngram_ids).flatten(start_dim=-2)"}
 
 
 def test_hoisted_mode_servers(planned):
@@ -231,19 +234,25 @@ def test_breaker_moves_an_anchor_and_keeps_the_code(tmp_path):
     assert proc.returncode != 0 and "nothing to move" in proc.stderr
 
 
+def _standin_vllm(tmp_path, version: str) -> Path:
+    """A `vllm` package whose CLI is tests/standin/server.py, reporting `version`."""
+    fake = tmp_path / "fake"
+    cli = fake / "vllm" / "entrypoints" / "cli"
+    cli.mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text(f'__version__ = "{version}"\n')
+    (fake / "vllm" / "entrypoints" / "__init__.py").write_text("")
+    (cli / "__init__.py").write_text("")
+    (cli / "main.py").write_text("import runpy, sys\nsys.argv = ['vllm', *sys.argv[1:]]\n"
+                                 f"runpy.run_path({str(ROOT / 'tests' / 'standin' / 'server.py')!r}, run_name='__main__')\n")
+    return fake
+
+
 def test_rehearsal_against_the_standin(tmp_path):
     """The whole run path on CPU, with tests/standin/server.py as `vllm` (a stand-in package on
     PYTHONPATH, FLASH_E2E_CUDA_CHECK=0): fixtures, boots from the planned argv, probes and diffs,
     prefix-hit, stop, results packed flat. The stand-in has no plugin, so the broken boot stays up
     and that scenario must FAIL, saying why."""
-    fake = tmp_path / "fake"
-    cli = fake / "vllm" / "entrypoints" / "cli"
-    cli.mkdir(parents=True)
-    (fake / "vllm" / "__init__.py").write_text('__version__ = "0.33.0"\n')
-    (fake / "vllm" / "entrypoints" / "__init__.py").write_text("")
-    (cli / "__init__.py").write_text("")
-    (cli / "main.py").write_text("import runpy, sys\nsys.argv = ['vllm', *sys.argv[1:]]\n"
-                                 f"runpy.run_path({str(ROOT / 'tests' / 'standin' / 'server.py')!r}, run_name='__main__')\n")
+    fake = _standin_vllm(tmp_path, "0.33.0")
     out = tmp_path / "out"
     # STANDIN_TOKEN_CHARS=3: a small-vocabulary tokenizer like the tiny model's (~3 tokens a ledger word,
     # not the estimate's 1.41), so only prompts measured with /tokenize fit max_model_len 2,048; the
@@ -261,6 +270,8 @@ def test_rehearsal_against_the_standin(tmp_path):
     assert verdicts == {"flash_test_a": True, "probe_p1": True, "probe_p13": True, "prefix_hit_a": True,
                         "prefix_hit_off": True, "broken_patch_p1": False}, res["scenarios"]
     assert "did not fail" in res["scenarios"]["broken_patch_p1"]["error"]
+    assert res["base"] == "v0.33" and res["vllm"] == "0.33.0" and res["not_applicable"] == {}
+    assert (out / "summary.txt").read_text().startswith("gpu-e2e on base v0.33 (vLLM 0.33.0) at commit ")
     for name in ("prefix_hit_a", "prefix_hit_off"):
         hit = res["scenarios"][name]["result"]
         assert hit["measured"] and hit["block_size"] == 256 and hit["full_blocks"] >= fleet.PREFIX_HIT_BLOCKS
@@ -517,3 +528,170 @@ def test_ple_memory_waits_for_the_engines_next_record(monkeypatch):
     monkeypatch.setattr(fleet, "metrics", scrapes(moves_at=None))
     with pytest.raises(AssertionError, match="did not move after a request"):
         fleet.check_ple_memory(None, "on", "off")
+
+
+# --- the fleet's base: v0.29 renders v0.29's argv, reports what cannot run there --------------------
+
+HOIST_NA = "PLE_MODE=hoisted is not served on v0.29"
+
+
+@pytest.fixture(scope="module")
+def planned_v029(tmp_path_factory):
+    work = tmp_path_factory.mktemp("e2e29")
+    ctx = fleet.Context(work=work, out=work / "out", python="/opt/py/bin/python3", base_env={}, snaps={}, dry=True,
+                        base="v0.29")
+    ctx.snaps = tiny_model.build(ctx.cache)
+    return ctx, {s["server"]: s for s in fleet.plan(ctx, fleet.select(None))}
+
+
+def test_v029_plan_renders_every_server_on_v029(planned_v029):
+    ctx, specs = planned_v029
+    # no hoisted-mode server (their scenarios are n/a), no diagnosis pair (0.30+'s --engram-config)
+    assert set(specs) == set(fleet.SERVERS) - {n for n in fleet.SERVERS if n.startswith(("hx", "diag"))}
+    assert {n for n in specs if n.startswith(("probe", "broken"))} == {
+        "probe-off", "broken-p1", *(f"probe-p{n}" for n in fleet.NEUTRAL)}
+    for name, s in specs.items():
+        assert "BASE=v0.29" in s["words"], name
+        assert not s["preflight"], (name, s["preflight"])
+        argv = s["argv"]
+        # PLE_MODE=auto on v0.29: eager gather, PIECEWISE graphs (0.29 would capture decode FULL)
+        assert json.loads(argv[argv.index("--compilation-config") + 1]) == {"cudagraph_mode": "PIECEWISE"}, name
+        assert s["spec_env"]["VLLM_PLE_MMAP_MODE"] == "eager", name
+        assert s["spec_env"]["VLLM_MTP_DRAFT_VOCAB"].endswith("draft-vocab.npy")  # patch 10 applies on 0.29 too
+        # the same words through flash serve's own planner give the same argv: nothing is edited for 0.29
+        r = recipe.load(["default", *s["words"]], env={})
+        assert r.settings["BASE"] == "v0.29"
+        assert s["argv"][6:] == [a.replace("/hf/", f"{ctx.cache}/", 1) if a.startswith("/hf/") else a
+                                 for a in serve.plan(r, r.snapshot().name).command[1:]]
+    # 0.29 has no ngram_embedding module: patch 1's forward anchor lives in ple_layer there
+    assert json.loads(specs["broken-p1"]["harness_env"]["FLASH_E2E_BREAK"]) == {
+        "module": "vllm.models.qwen4_exp.nvidia.ple_layer", "old": "embedding(ngram_ids).flatten(-2)",
+        "new": "embedding(ngram_ids).flatten(start_dim=-2)"}
+    assert fleet.breaker("v0.29")["patch"] == 1 and fleet.breaker("v0.33")["module"].endswith(".ngram_embedding")
+
+
+def test_scenarios_not_applicable_per_base():
+    every = fleet.select(None)
+    assert fleet.not_applicable(every, "v0.33") == {}
+    assert fleet.not_applicable(every, "v0.29") == {
+        "hoist_exact_pw": HOIST_NA, "hoist_exact_pw_nomtp": HOIST_NA, "hoist_exact_full": HOIST_NA,
+        "diag_ple_ids": "--engram-config (stock PLE storage classes) does not exist on v0.29"}
+    # the output-neutral patches all apply on v0.29 (the plugin's registry): every probe runs
+    assert {s.name for s in fleet.applicable(every, "v0.29")} >= {f"probe_p{n}" for n in fleet.NEUTRAL}
+    # a patch the registry does not apply on a base: its reason comes from the registry's status
+    assert fleet._na_patch(12)("v0.33") == "patch 12 (effort-alias) is upstream on v0.33: the plugin applies no code"
+    assert fleet._na_patch(12)("v0.29") is None
+
+
+def test_a_probe_is_na_where_the_registry_does_not_apply_its_patch(planned_v029, monkeypatch):
+    """probe_pN follows the plugin's own registry: were patch 13 not ported to v0.29, probe_p13 would be
+    n/a there with that reason, and probe-p13 would not boot."""
+    from flash_vllm import registry
+
+    ctx, _ = planned_v029
+    real = registry.by_number
+
+    class NotPorted:
+        name = "tool-marker-guard"
+
+        @staticmethod
+        def expected_status(base):
+            return "not-ported" if base == "v0.29" else "applies"
+
+    monkeypatch.setattr(registry, "by_number", lambda n: NotPorted if n == 13 else real(n))
+    na = fleet.not_applicable(fleet.select("probe"), "v0.29")
+    assert na == {"probe_p13": "patch 13 (tool-marker-guard) is not-ported on v0.29: the plugin applies no code"}
+    assert [s["server"] for s in fleet.plan(ctx, fleet.select("probe"))] == [
+        "probe-off", *(f"probe-p{n}" for n in fleet.NEUTRAL if n != 13)]
+    assert fleet.not_applicable(fleet.select("probe"), "v0.33") == {}
+
+
+def test_the_base_comes_from_flash_e2e_base_or_the_installed_vllm(monkeypatch):
+    monkeypatch.delenv("FLASH_E2E_BASE", raising=False)
+    assert fleet.fleet_base(None) == "v0.33"  # a dry run: the catalogue's CURRENT
+    assert fleet.fleet_base("0.29.0") == "v0.29" and fleet.fleet_base("0.33.0") == "v0.33"
+    with pytest.raises(SystemExit, match=r"vLLM 0\.28\.1 is not catalogued; catalogued: 0\.29\.0, .*0\.33\.0"):
+        fleet.fleet_base("0.28.1")
+    monkeypatch.setenv("FLASH_E2E_BASE", "v0.29")
+    assert fleet.fleet_base(None) == "v0.29" and fleet.fleet_base("0.29.0") == "v0.29"
+    with pytest.raises(SystemExit, match=r"FLASH_E2E_BASE=v0\.29 but the device env has vLLM 0\.33\.0 \(base v0\.33\)"):
+        fleet.fleet_base("0.33.0")
+    monkeypatch.setenv("FLASH_E2E_BASE", "0.29")
+    with pytest.raises(SystemExit, match=r"FLASH_E2E_BASE='0\.29': unknown vLLM base '0\.29'; supported: v0\.29, v0\.30"):
+        fleet.fleet_base(None)
+
+
+def test_an_unknown_base_is_named_on_the_command_line(tmp_path):
+    env = {**os.environ, "FLASH_E2E_BASE": "v0.28", "FLASH_E2E_WORK": str(tmp_path / "w"),
+           "FLASH_E2E_OUT": str(tmp_path / "o")}
+    proc = subprocess.run([sys.executable, str(FLEET), "plan", "-k", "boot_a"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1, proc.stdout[-1000:]
+    assert "FLASH_E2E_BASE='v0.28': unknown vLLM base 'v0.28'; supported: v0.29" in proc.stderr
+
+
+def test_v029_dry_run_prints_the_base_and_the_na_scenarios(tmp_path):
+    env = {**os.environ, "FLASH_E2E_BASE": "v0.29", "FLASH_E2E_WORK": str(tmp_path / "w"),
+           "FLASH_E2E_OUT": str(tmp_path / "o")}
+    proc = subprocess.run([sys.executable, str(FLEET), "plan", "-k", "hoist_exact or broken"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "gpu-e2e plan on base v0.29 (vLLM ?): 1 scenario(s), 1 server(s), 3 n/a" in proc.stdout
+    assert f"  N/A hoist_exact_full: {HOIST_NA}" in proc.stdout
+    assert [ln for ln in proc.stdout.splitlines() if ln.startswith("== server")] == [
+        "== server broken-p1 (fixture a, expect refuse) http://127.0.0.1:18400"]
+
+
+def test_rehearsal_on_v029_reports_na_and_boots_only_what_applies(tmp_path):
+    """The run path on CPU with a stand-in `vllm` 0.29.0: the base is read from it, hoist_exact_full
+    is N/A (reason in results.json and summary.txt, not a pass), only probe-off boots, PIECEWISE."""
+    fake = _standin_vllm(tmp_path, "0.29.0")
+    out = tmp_path / "out"
+    env = {**os.environ, "FLASH_E2E_CUDA_CHECK": "0", "PYTHONPATH": str(fake), "FLASH_E2E_PYTHON": sys.executable,
+           "FLASH_E2E_WORK": str(tmp_path / "work"), "FLASH_E2E_OUT": str(out), "STANDIN_BOOT_SECONDS": "1",
+           "FLASH_E2E_PORT": "18660", "STANDIN_TOKEN_CHARS": "3"}
+    for k in ("FLASH_E2E_DRY", "FLASH_E2E_BASE"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, str(FLEET), "run", "-k", "hoist_exact_full or prefix_hit_off"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    assert res["base"] == "v0.29" and res["vllm"] == "0.29.0"
+    assert res["scenarios"]["hoist_exact_full"] == {"ok": None, "na": HOIST_NA}
+    assert res["scenarios"]["prefix_hit_off"]["ok"] is True
+    assert res["not_applicable"] == {"hoist_exact_full": HOIST_NA} and list(res["servers"]) == ["probe-off"]
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert summary[0].startswith("gpu-e2e on base v0.29 (vLLM 0.29.0) at commit ")
+    assert summary[0].endswith(": 1/1 scenarios passed, 1 n/a")
+    assert f"N/A hoist_exact_full: {HOIST_NA}" in summary
+    log = (tmp_path / "work" / "logs" / "probe-off.log").read_text().splitlines()[0]
+    assert """--compilation-config '{"cudagraph_mode":"PIECEWISE"}'""" in log
+
+
+def test_an_uncatalogued_vllm_stops_the_run_clearly(tmp_path):
+    fake = _standin_vllm(tmp_path, "0.28.1")
+    env = {**os.environ, "FLASH_E2E_CUDA_CHECK": "0", "PYTHONPATH": str(fake), "FLASH_E2E_PYTHON": sys.executable,
+           "FLASH_E2E_WORK": str(tmp_path / "work"), "FLASH_E2E_OUT": str(tmp_path / "out")}
+    for k in ("FLASH_E2E_DRY", "FLASH_E2E_BASE"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, str(FLEET), "run", "-k", "boot_a"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert "gpu-e2e: the device env's vLLM 0.28.1 is not catalogued; catalogued: 0.29.0" in proc.stderr
+    assert not (tmp_path / "work" / "logs").exists()  # nothing booted
+
+
+def test_na_never_counts_as_passed(tmp_path):
+    ctx = _ctx(tmp_path)
+    results = {"commit": "c0ffee", "base": "v0.29", "vllm": "0.29.0", "device": "H200", "servers": {},
+               "scenarios": {"boot_a": {"ok": True, "result": {}}, "hoist_exact_pw": {"ok": None, "na": HOIST_NA}}}
+    (tmp_path / "logs").mkdir()
+    fleet.pack(ctx, results)
+    lines = (tmp_path / "summary.txt").read_text().splitlines()
+    assert lines[0] == "gpu-e2e on base v0.29 (vLLM 0.29.0) at commit c0ffee on H200: 1/1 scenarios passed, 1 n/a"
+    assert lines[1:3] == ["PASS boot_a: {}", f"N/A hoist_exact_pw: {HOIST_NA}"]
+    assert fleet.passed(results)
+    results["scenarios"]["boot_a"]["ok"] = False
+    assert not fleet.passed(results)
+    results["scenarios"] = {"hoist_exact_pw": {"ok": None, "na": HOIST_NA}}
+    assert not fleet.passed(results)  # all n/a: nothing failed, nothing was proven either
