@@ -73,15 +73,17 @@ def test_gather_guard_refuses_a_stream_capture_and_calls_the_stager(monkeypatch)
     assert ple_mmap_v029.SPLIT_OP == f"vllm::{ple_mmap_v029.OP_NAME}" != ple_mmap_v029.STOCK_SPLIT_OP
 
 
-@pytest.mark.parametrize("base", ["v0.29", "v0.30", "v0.33"])
-def test_run_spec_turns_the_gate_on_with_piecewise_graphs(base):
-    """The patch is only legal under PIECEWISE graphs: the run spec must ship both together, and
-    leave splitting_ops unset (0.29 then copies its list, which our lookup op was appended to)."""
+@pytest.mark.parametrize("base, mode", [("v0.29", "auto"), ("v0.30", "eager"), ("v0.33", "eager")])
+def test_run_spec_turns_the_gate_on_with_piecewise_graphs(base, mode):
+    """The eager gather is only legal under PIECEWISE graphs: the run spec must ship both together,
+    and leave splitting_ops unset (0.29 then copies its list, which our lookup op was appended to).
+    (auto is the eager gather on v0.29; on v0.30+ it is the hoisted one: test_graph_regime.)"""
     import json
 
     from flash_cli import settings, spec
 
-    s = settings.resolve({}, {}, {"BASE": base})
+    s = settings.resolve({}, {}, {"BASE": base, "PLE_MODE": mode})
+    assert spec.container_env(s, needs_key=False)["VLLM_PLE_MMAP_MODE"] == "eager"
     assert spec.container_env(s, needs_key=False)["VLLM_PLE_MMAP"] == "1"
     args = spec.compilation_args(s)
     cc = json.loads(args[args.index("--compilation-config") + 1])
