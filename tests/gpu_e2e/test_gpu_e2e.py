@@ -3,8 +3,9 @@
 The selected tests' scenarios run once per session through fleet.run_selected (servers booted
 together, results under $FLASH_E2E_OUT); each test then asserts its scenario's verdict. Without
 CUDA every test fails with fleet's message (a GPU tier that cannot run must not look green). A
-scenario fleet reports N/A on the base skips with the reason (tests/conftest.py turns a skip inside
-a selected GPU tier into a failure; results.json and summary.txt list it as N/A).
+scenario fleet reports N/A on the base skips with the reason, "N/A on vX.Y: why" (tests/conftest.py
+turns any other skip inside a selected GPU tier into a failure; results.json and summary.txt list it
+as N/A); a selection with nothing applicable fails.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def verdicts(request):
 def test_scenario(scenario, verdicts):
     if "error" in verdicts and "scenarios" not in verdicts:
         pytest.fail(verdicts["error"])
+    if all("na" in v for v in verdicts["scenarios"].values()):
+        pytest.fail(f"no selected scenario applies on {verdicts.get('base')}: nothing was proven")
     got = verdicts["scenarios"][scenario]
     if "na" in got:  # not applicable on this base: reported, never a pass
         pytest.skip(f"N/A on {verdicts.get('base')}: {got['na']}")

@@ -49,3 +49,24 @@ def test_a_broken_uring_path_fails_where_io_uring_works():
 def test_probe_reasons_name_the_missing_feature(tmp_path):
     for reason in (uring_missing(), direct_missing(tmp_path)):
         assert reason is None or ("io_uring" in reason or "O_DIRECT" in reason)
+
+
+def test_only_a_declared_gpu_e2e_na_skip_survives_a_gpu_tier(tmp_path):
+    # the real tests/conftest.py as a plugin over three skipping GPU tests: only the gpu-e2e one whose
+    # reason is the fleet's "N/A on vX.Y: ..." stays a skip; the other two fail the tier
+    (tmp_path / "test_tier.py").write_text(
+        "import pytest\n"
+        "@pytest.mark.gpu_e2e\n"
+        "def test_na():\n    pytest.skip('N/A on v0.29: PLE_MODE=hoisted is not served on v0.29')\n"
+        "@pytest.mark.gpu_e2e\n"
+        "def test_no_cuda():\n    pytest.skip('no CUDA device')\n"
+        "@pytest.mark.gpu\n"
+        "def test_na_outside_e2e():\n    pytest.skip('N/A on v0.29: not a gpu-e2e scenario')\n")
+    env = {**os.environ, "FLASH_REQUIRE_GPU": "1", "PYTHONPATH": str(ROOT / "tests")}
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", "-c", os.devnull,
+                          "-rA", str(tmp_path / "test_tier.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 1, res.stdout[-2000:]
+    assert "2 failed, 1 skipped" in outcome(res), res.stdout[-2000:]
+    assert "SKIPPED [1] " in res.stdout and "N/A on v0.29: PLE_MODE=hoisted" in res.stdout
+    assert "FAILED" in res.stdout and "test_no_cuda" in res.stdout and "test_na_outside_e2e" in res.stdout
