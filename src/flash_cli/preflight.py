@@ -133,11 +133,11 @@ def graph_regime(s: Settings) -> list[Problem]:
     from .spec import compilation_args, ple_hoisted, ple_patch_off
 
     out = []
+    hoisted_bases = ", ".join(sorted(releases.where("ple_hoisted", True)))
     if s["PLE_MODE"] == "hoisted" and not ple_hoisted(s):
         out.append(Problem(ConfigError, f"PLE_MODE=hoisted is not available on BASE={s['BASE']} "
                            "(patch 1's hoisted mode is not written for that release's runner)",
-                           f"use PLE_MODE=auto or eager, or a base that has it: "
-                           f"{', '.join(sorted(releases.where('ple_hoisted', True)))}"))
+                           f"use PLE_MODE=auto or eager, or a base that has it: {hoisted_bases}"))
     argv = compilation_args(s) + split_args(s["EXTRA"] or "", "EXTRA")
     if "--enforce-eager" in argv:
         return out
@@ -155,8 +155,7 @@ def graph_regime(s: Settings) -> list[Problem]:
                            "gather in a FULL CUDA graph and replay stale rows; patch 1 needs PIECEWISE (or NONE)",
                            "set cudagraph_mode PIECEWISE in the JSON config, or add -cc.cudagraph_mode=PIECEWISE: dotted "
                            "-cc.* keys replace flash's whole compilation config in vLLM's parser; or gather before "
-                           "the forward (PLE_MODE=auto or hoisted) on "
-                           f"{', '.join(sorted(releases.where('ple_hoisted', True)))}"))
+                           f"the forward (PLE_MODE=auto or hoisted) on {hoisted_bases}"))
     ops = cc.get("splitting_ops")
     if releases.cap(s["BASE"], "ple_storage") == "splitting-op" and isinstance(ops, list) and PLE_OP_V029 not in ops and mode != "NONE":
         out.append(Problem(ConfigError, f"splitting_ops {ops} (from COMPILE_FLAGS/EXTRA) leaves out patch 1's op "

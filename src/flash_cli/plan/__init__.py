@@ -24,6 +24,7 @@ from typing import Any
 
 from flash_common import releases
 
+from ..spec import ple_hoisted
 from . import geometry as geometry_mod
 from . import hardware as hardware_mod
 from . import kvcache, weights as weights_mod
@@ -233,9 +234,7 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
         assumptions.append(f"runtime overhead {_gib(overhead)} GiB (graphs, non-torch buffers; the discrete-GPU fit): "
                            f"fitted on three boots of the tiny fixtures alone on an H200 ({H200_RUN}), each within "
                            f"±{_gib(overhead_band)} GiB of it; not yet checked on the real model")
-    from ..spec import ple_hoisted  # the graph regime the run spec will pass
-
-    if ple_hoisted(s):
+    if ple_hoisted(s):  # the graph regime the run spec will pass
         assumptions.append("graphs FULL_AND_PIECEWISE (PLE_MODE resolves to the hoisted gather): both overhead fits "
                            "were measured with PIECEWISE graphs; the FULL decode graphs' capture pool is not in them "
                            "(unmeasured: the pool may come out smaller by it)")
