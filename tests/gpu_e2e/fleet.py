@@ -1168,7 +1168,7 @@ def pack(ctx: Context, results: dict) -> None:
     """≤ 8 flat files: results.json, summary.txt, logs.tar.gz (logs + artefacts, each capped at 4 MiB)."""
     (ctx.out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     verdicts = results["scenarios"]
-    ran = [r for r in verdicts.values() if "na" not in r]
+    ran = ran_verdicts(results)
     lines = [f"gpu-e2e on base {results.get('base', '?')} (vLLM {results.get('vllm', '?')}) at commit {results['commit']} "
              f"on {results.get('device', '?')}: {sum(r['ok'] is True for r in ran)}/{len(ran)} scenarios passed, "
              f"{len(verdicts) - len(ran)} n/a"]
@@ -1200,10 +1200,15 @@ def run(chosen: list[Scenario], dry: bool) -> int:
     return 0 if res.get("dry") or passed(res) else 1
 
 
+def ran_verdicts(results: dict) -> list[dict]:
+    """The verdicts of the scenarios that applied on the base (an n/a one carries "na", no verdict)."""
+    return [r for r in results["scenarios"].values() if "na" not in r]
+
+
 def passed(results: dict) -> bool:
     """Every scenario that applies on the base passed, and one at least ran: an n/a scenario is
     neither passed nor failed, and a selection that is all n/a proved nothing."""
-    ran = [r for r in results["scenarios"].values() if "na" not in r]
+    ran = ran_verdicts(results)
     return bool(ran) and all(r["ok"] is True for r in ran)
 
 
