@@ -255,12 +255,27 @@ def _make_impl_init(orig):
     return __init__
 
 
+# keywords only the fp8 copies take: the rewritten forward_qsa always passes them (None for a
+# bf16 cache), and the stock launcher refuses them (run40: every 0.29 boot died on `k_scale`)
+FP8_ONLY_KWARGS = ("k_scale", "v_scale")
+
+
 def _dispatch(orig, fp8_fn, is_fp8):
+    """The fp8 copy for fp8 caches, else the stock function without the fp8-only keywords. Both
+    are read from the wrapper at call time (`flash_fp8`, `flash_stock`), so a check can put a
+    stand-in with the stock signature underneath."""
     def fn(*args, **kwargs):
-        return fp8_fn(*args, **kwargs) if is_fp8(*args, **kwargs) else orig(*args, **kwargs)
+        if is_fp8(*args, **kwargs):
+            return fn.flash_fp8(*args, **kwargs)
+        for k in FP8_ONLY_KWARGS:
+            if kwargs.get(k) is not None:
+                raise ValueError(f"{fn.__name__}: {k}={kwargs[k]!r} given for a non-fp8 cache")
+            kwargs.pop(k, None)
+        return fn.flash_stock(*args, **kwargs)
     fn.__name__ = orig.__name__
     fn.__doc__ = orig.__doc__
     fn.flash_fp8 = fp8_fn
+    fn.flash_stock = orig
     return fn
 
 
