@@ -274,6 +274,10 @@ PROBES = {
     # patch 1's hoisted mode hooks the V2 runner's model state (ple_hoist.PREPARE) on the storage flavour
     "ple_hoisted": lambda read, names: _ple_storage(read, names) == "storage" and "def prepare_inputs" in (
         read("vllm/models/qwen4_exp/nvidia/model_state.py") or ""),
+    # 0.30+ resolve the PLE table's FP8 through ModelOpt's per-layer quant_algo; 0.29 only under Fp8Config
+    "ple_fp8_modelopt": lambda read, names: any("ModelOptMixedPrecisionConfig" in (read(f"vllm/models/qwen4_exp/{d}/"
+                                                                                          "ngram_embedding.py") or "")
+                                                for d in ("nvidia", "common")),
     "overhead_fitted": lambda read, names: False,  # a new release has not been calibrated on hardware
 }
 NOT_FROM_SOURCE = {"overhead_fitted": "not calibrated on this release",

@@ -48,6 +48,15 @@ def weights(s: Settings, hf_cache: Path, snapshot: Path | None) -> list[Problem]
     if mode != "nvfp4" and hfcache.quant_method(snapshot) == "compressed-tensors":
         out.append(Problem(ConfigError, f"{model} is a compressed-tensors checkpoint: MODE={mode} cannot prepare it",
                            "serve it as published: flash serve published"))
+    from .spec import ple_patch_off
+
+    if ple_patch_off(s) and not releases.has(s["BASE"], "ple_fp8_modelopt") and hfcache.quant_method(snapshot) == "modelopt":
+        fixed = ", ".join(sorted(releases.where("ple_fp8_modelopt", True)))
+        out.append(Problem(ConfigError, f"patch 1 is off (CONTAINER_ENV) and vLLM on BASE={s['BASE']} cannot load {model}'s "
+                           "fp8 PLE table without it: its fp8 method is gated on Fp8Config, so a ModelOpt checkpoint gets "
+                           "a bf16 table with no weight_scale and the boot fails at load (H200 run40)",
+                           f"keep patch 1 on (drop VLLM_PLE_MMAP=0, and 1 from FLASH_DISABLE_PATCHES), or use a base "
+                           f"whose stock loader reads it: {fixed}"))
     if mode != "nvfp4" and not out:
         state = hfcache.variant_state(snapshot, mode)
         if state != "ready":

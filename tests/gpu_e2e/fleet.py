@@ -106,6 +106,9 @@ class Server:
     container_env: tuple[str, ...] = ()
     expect: str = "healthy"           # healthy | refuse
     breaks: bool = False
+    # a neutral-probe server with patch 1 off: where stock vLLM cannot load the fp8 PLE table
+    # (ple_fp8_modelopt, 0.29) patch 1 stays on in it, so the baseline boots and the others still differ in one patch
+    p1_off_if_stock_loads: bool = False
 
 
 HX_CHUNK = 512  # --max-num-batched-tokens of the hoisted-mode servers
@@ -126,11 +129,12 @@ def _servers() -> dict[str, Server]:
     # The others stay at the recipe's default: with patch 2 (Mamba block size)
     # off the tiny model's state blocks do not fit a small memory share (measured on the H200).
     out["probe-off"] = Server("probe-off", "a", words=("EXACT_TOPK=0", "DET_TOPK=0"),
-                              container_env=(_disable_all_but(None, NEUTRAL), "VLLM_PLE_MMAP=0"))
+                              container_env=(_disable_all_but(None, NEUTRAL), "VLLM_PLE_MMAP=0"),
+                              p1_off_if_stock_loads=True)
     for n in NEUTRAL:
         gate = {5: ("EXACT_TOPK=1", "DET_TOPK=0"), 8: ("EXACT_TOPK=0", "DET_TOPK=1")}.get(n, ("EXACT_TOPK=0", "DET_TOPK=0"))
         env = (_disable_all_but(n, NEUTRAL),) + (() if n == 1 else ("VLLM_PLE_MMAP=0",))
-        out[f"probe-p{n}"] = Server(f"probe-p{n}", "a", words=gate, container_env=env)
+        out[f"probe-p{n}"] = Server(f"probe-p{n}", "a", words=gate, container_env=env, p1_off_if_stock_loads=n != 1)
     out["broken-p1"] = Server("broken-p1", "a", expect="refuse", breaks=True)
     # patch 1's hoisted mode (issue 12): greedy token ids against the eager gather in one graph mode
     # (PIECEWISE), and against stock vLLM in FULL_AND_PIECEWISE; with MTP=2 (the recipe's) and
@@ -188,6 +192,26 @@ def _na_patch(n: int) -> Callable[[str], str | None]:
     return na
 
 
+def _na_stock_ple(base: str) -> str | None:
+    return None if releases.has(base, "ple_fp8_modelopt") else (
+        f"stock vLLM on {base} cannot load the checkpoints' fp8 PLE table (its fp8 method is gated on Fp8Config: "
+        "a bf16 table without weight_scale), so there is no patch-1-off server to compare with")
+
+
+def container_env(server: Server, base: str) -> tuple[str, ...]:
+    """The server's container env on `base`: patch 1 kept on where a baseline needs it (see Server)."""
+    if not server.p1_off_if_stock_loads or releases.has(base, "ple_fp8_modelopt"):
+        return server.container_env
+    out = []
+    for e in server.container_env:
+        if e == "VLLM_PLE_MMAP=0":
+            continue
+        if e.startswith("FLASH_DISABLE_PATCHES="):
+            e = "FLASH_DISABLE_PATCHES=" + ",".join(n for n in e.split("=", 1)[1].split(",") if n != "1")
+        out.append(e)
+    return tuple(out)
+
+
 def _na_broken(base: str) -> str | None:
     return _na_patch(1)(base) or (None if breaker(base) else f"no breaker anchor for patch 1's flavour on {base}")
 
@@ -221,16 +245,19 @@ def _scenarios() -> dict[str, Scenario]:
                            solo=True))
     for n in NEUTRAL:
         sc.append(Scenario(f"probe_p{n}", ("probe-off", f"probe-p{n}"), f"greedy probe, patch {n} back on vs the neutral-off baseline "
-                           "(1,3,4,5,8,13 off): byte-identical", lambda ctx, n=n: check_probe(ctx, "probe-off", f"probe-p{n}"),
-                           na=_na_patch(n)))
+                           "(1,3,4,5,8,13 off; 1 stays on where stock cannot load the PLE table): byte-identical",
+                           lambda ctx, n=n: check_probe(ctx, "probe-off", f"probe-p{n}"),
+                           na=(lambda base: _na_patch(1)(base) or _na_stock_ple(base)) if n == 1 else _na_patch(n)))
     sc.append(Scenario("prefix_hit_a", ("a-default",), f"a greedy prompt of {PREFIX_HIT_BLOCKS} KV blocks (sized with the "
                        "server's /tokenize) twice: hits registered, the hit run equals the cold one",
                        lambda ctx: check_prefix_hit(ctx, "a-default")))
-    sc.append(Scenario("prefix_hit_off", ("probe-off",), "the same with the output-neutral patches off (is a difference ours?)",
+    sc.append(Scenario("prefix_hit_off", ("probe-off",), "the same with the output-neutral patches off (is a difference ours?; patch 1 "
+                       "stays on where stock cannot load the PLE table)",
                        lambda ctx: check_prefix_hit(ctx, "probe-off")))
     sc.append(Scenario("ple_memory", ("probe-p1", "probe-off"), "GPU memory and pinned bytes with/without patch 1 "
                        "(the two differ in patch 1 only); vllm:ple_mmap_* counters move",
-                       lambda ctx: check_ple_memory(ctx, "probe-p1", "probe-off"), na=_na_patch(1)))
+                       lambda ctx: check_ple_memory(ctx, "probe-p1", "probe-off"),
+                       na=lambda base: _na_patch(1)(base) or _na_stock_ple(base)))
     for tag, (a, b), what in (("pw", ("hx-eager-pw", "hx-hoist-pw"), "eager vs hoisted gather, both PIECEWISE, MTP=2"),
                               ("pw_nomtp", ("hx0-eager-pw", "hx0-hoist-pw"), "eager vs hoisted gather, both PIECEWISE, MTP=0"),
                               ("full", ("hx-stock-full", "hx-hoist-full"),
@@ -322,7 +349,7 @@ def words_for(ctx: Context, server: Server, index: int, solo: bool = False) -> l
     words += [f"HF_CACHE={ctx.cache}", f"PORT={ctx.port0 + index}", f"NAME=e2e-{server.name}",
               f"GPU_MEM={(ctx.solo_gpu_mem if solo else ctx.gpu_mem):.2f}", f"DRAFT_VOCAB={draft_vocab(ctx)}",
               f"EXTRA={TINY_EXTRA} {os.environ.get('FLASH_E2E_EXTRA', '')}".rstrip(),
-              "CONTAINER_ENV=" + " ".join(TINY_CONTAINER_ENV + server.container_env)]
+              "CONTAINER_ENV=" + " ".join(TINY_CONTAINER_ENV + container_env(server, ctx.base))]
     if not solo and ctx.kv_mem:
         words.append(f"KV_CACHE_MEM={ctx.kv_mem}")
     return words + list(server.words)

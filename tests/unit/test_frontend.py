@@ -95,6 +95,20 @@ def test_hybrid_needs_prepared_layout_and_radixark_for_graft(tmp_path):
     assert p[0].error is ConfigError and "RadixArk" in p[0].message
 
 
+def test_patch1_off_on_a_base_whose_stock_cannot_load_the_fp8_ple_table(tmp_path):
+    """vLLM 0.29 builds the PLE table in bf16 without weight_scale for ModelOpt checkpoints (H200
+    run40: every patch-1-off server died at load): refused before the boot, not after it."""
+    snap = make_snapshot(tmp_path, "nvidia/Qwen3.8-Flash-Next-NVFP4", COMPLETE)
+    for off in ("VLLM_PLE_MMAP=0", "FLASH_DISABLE_PATCHES=3,1"):
+        p = preflight.weights(resolve(overrides={"MODE": "nvfp4", "BASE": "v0.29", "CONTAINER_ENV": off}), tmp_path, snap)
+        assert [x.error for x in p] == [ConfigError], off
+        assert "BASE=v0.29 cannot load" in p[0].message and "v0.30" in p[0].hint
+    # patch 1 on, or a base whose stock loader reads the table: nothing to say
+    assert preflight.weights(resolve(overrides={"MODE": "nvfp4", "BASE": "v0.29"}), tmp_path, snap) == []
+    on30 = resolve(overrides={"MODE": "nvfp4", "BASE": "v0.30", "CONTAINER_ENV": "VLLM_PLE_MMAP=0"})
+    assert preflight.weights(on30, tmp_path, snap) == []
+
+
 def test_compressed_tensors_points_to_published(tmp_path):
     files = dict(COMPLETE, **{"config.json": json.dumps({"quantization_config": {"config_groups": {}}})})
     snap = make_snapshot(tmp_path, "nvidia/Qwen3.8-Flash-Next-NVFP4", files)

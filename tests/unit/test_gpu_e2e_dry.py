@@ -546,10 +546,22 @@ def planned_v029(tmp_path_factory):
 
 def test_v029_plan_renders_every_server_on_v029(planned_v029):
     ctx, specs = planned_v029
-    # no hoisted-mode server (their scenarios are n/a), no diagnosis pair (0.30+'s --engram-config)
-    assert set(specs) == set(fleet.SERVERS) - {n for n in fleet.SERVERS if n.startswith(("hx", "diag"))}
+    # no hoisted-mode server (their scenarios are n/a), no diagnosis pair (0.30+'s --engram-config),
+    # no probe-p1 (below)
+    assert set(specs) == set(fleet.SERVERS) - {n for n in fleet.SERVERS if n.startswith(("hx", "diag"))} - {"probe-p1"}
+    # stock 0.29 cannot load the fp8 PLE table (run40: no weight_scale parameter), so the neutral
+    # baseline keeps patch 1 on and nothing compares patch 1 against stock there (probe_p1, ple_memory n/a)
     assert {n for n in specs if n.startswith(("probe", "broken"))} == {
-        "probe-off", "broken-p1", *(f"probe-p{n}" for n in fleet.NEUTRAL)}
+        "probe-off", "broken-p1", *(f"probe-p{n}" for n in fleet.NEUTRAL if n != 1)}
+    na = fleet.not_applicable(fleet.select(None), "v0.29")
+    assert {n for n, why in na.items() if "cannot load the checkpoints' fp8 PLE table" in why} == {"probe_p1", "ple_memory"}
+    assert fleet.not_applicable(fleet.select(None), "v0.33").keys() <= {"diag_ple_ids"}
+    for name in ("probe-off", *(f"probe-p{n}" for n in fleet.NEUTRAL if n != 1)):
+        env = specs[name]["spec_env"]
+        assert env.get("VLLM_PLE_MMAP") != "0" and "1" not in env["FLASH_DISABLE_PATCHES"].split(","), (name, env)
+    for name in ("probe-p3", "probe-p8"):  # each baseline + one patch: they still differ in exactly that patch
+        off = set(specs["probe-off"]["spec_env"]["FLASH_DISABLE_PATCHES"].split(","))
+        assert off - set(specs[name]["spec_env"]["FLASH_DISABLE_PATCHES"].split(",")) == {name[-1]}
     for name, s in specs.items():
         assert "BASE=v0.29" in s["words"], name
         assert not s["preflight"], (name, s["preflight"])
@@ -570,14 +582,19 @@ def test_v029_plan_renders_every_server_on_v029(planned_v029):
     assert fleet.breaker("v0.29")["patch"] == 1 and fleet.breaker("v0.33")["module"].endswith(".ngram_embedding")
 
 
+STOCK_PLE_NA = ("stock vLLM on v0.29 cannot load the checkpoints' fp8 PLE table (its fp8 method is gated on "
+                "Fp8Config: a bf16 table without weight_scale), so there is no patch-1-off server to compare with")
+
+
 def test_scenarios_not_applicable_per_base():
     every = fleet.select(None)
     assert fleet.not_applicable(every, "v0.33") == {}
     assert fleet.not_applicable(every, "v0.29") == {
         "hoist_exact_pw": HOIST_NA, "hoist_exact_pw_nomtp": HOIST_NA, "hoist_exact_full": HOIST_NA,
-        "diag_ple_ids": "--engram-config (stock PLE storage classes) does not exist on v0.29"}
-    # the output-neutral patches all apply on v0.29 (the plugin's registry): every probe runs
-    assert {s.name for s in fleet.applicable(every, "v0.29")} >= {f"probe_p{n}" for n in fleet.NEUTRAL}
+        "diag_ple_ids": "--engram-config (stock PLE storage classes) does not exist on v0.29",
+        "probe_p1": STOCK_PLE_NA, "ple_memory": STOCK_PLE_NA}
+    # the output-neutral patches all apply on v0.29 (the plugin's registry): every probe but patch 1's runs
+    assert {s.name for s in fleet.applicable(every, "v0.29")} >= {f"probe_p{n}" for n in fleet.NEUTRAL if n != 1}
     # a patch the registry does not apply on a base: its reason comes from the registry's status
     assert fleet._na_patch(12)("v0.33") == "patch 12 (effort-alias) is upstream on v0.33: the plugin applies no code"
     assert fleet._na_patch(12)("v0.29") is None
@@ -600,9 +617,10 @@ def test_a_probe_is_na_where_the_registry_does_not_apply_its_patch(planned_v029,
 
     monkeypatch.setattr(registry, "by_number", lambda n: NotPorted if n == 13 else real(n))
     na = fleet.not_applicable(fleet.select("probe"), "v0.29")
-    assert na == {"probe_p13": "patch 13 (tool-marker-guard) is not-ported on v0.29: the plugin applies no code"}
+    assert na == {"probe_p13": "patch 13 (tool-marker-guard) is not-ported on v0.29: the plugin applies no code",
+                  "probe_p1": STOCK_PLE_NA}
     assert [s["server"] for s in fleet.plan(ctx, fleet.select("probe"))] == [
-        "probe-off", *(f"probe-p{n}" for n in fleet.NEUTRAL if n != 13)]
+        "probe-off", *(f"probe-p{n}" for n in fleet.NEUTRAL if n not in (1, 13))]
     assert fleet.not_applicable(fleet.select("probe"), "v0.33") == {}
 
 

@@ -163,6 +163,7 @@ def test_propose_reads_capabilities_from_source_markers():
     files = {
         "vllm/compilation/breakable_cudagraph.py": "",
         "vllm/models/qwen4_exp/nvidia/ngram_embedding.py": "from ..common import Qwen4ExpPLEPinnedHostEmbedding",
+        "vllm/models/qwen4_exp/common/ngram_embedding.py": "if isinstance(quant_config, ModelOptMixedPrecisionConfig):",
         "vllm/models/qwen4_exp/nvidia/qsa.py": 'supported_kv_cache_dtypes = [\n "auto",\n "fp8_e4m3",\n]\n',
         "vllm/renderers/params.py": "return effort_map.get(effort, effort)",
         "vllm/model_executor/layers/mamba/abstract.py": "def get_mamba_prefill_checkpoint_alignment(",
@@ -179,6 +180,7 @@ def test_propose_reads_capabilities_from_source_markers():
     assert caps["qsa_fp8_kv"] is None and caps["ple_storage"] is None
     assert caps["spec_tokens_per_batch_size"] and caps["spec_eagle_block_drop_flag"]
     assert not caps["ple_hoisted"]  # no storage flavour, no hoisted mode
+    assert not caps["ple_fp8_modelopt"]  # 0.29's gate: the fp8 table only under Fp8Config
     old_spec = dict(files, **{"vllm/config/speculative.py": "    num_speculative_tokens_per_batch_size: list\n"})
     caps, _ = _tool().propose_from("0.34.0", "2.15.0", old_spec.get, set(old_spec))
     assert caps["spec_tokens_per_batch_size"] and not caps["spec_eagle_block_drop_flag"]
