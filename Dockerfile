@@ -20,7 +20,7 @@ LABEL org.flash.selfcheck=skipped
 FROM selfcheck-${SELFCHECK}
 ARG FLASH_VLLM_BASE=v0.33
 ARG SELFCHECK=1
-ARG PATCHSET=e4def5cce9b79f9b
+ARG PATCHSET=22ff36e8f6496bfd
 ENV FLASH_VLLM_BASE=${FLASH_VLLM_BASE}
 LABEL qwen38.base=${FLASH_VLLM_BASE} \
       org.flash.base=${FLASH_VLLM_BASE} \

@@ -21,7 +21,10 @@ What runs (the real model's shapes, bf16 head, fp32 indexer scores):
   arguments (the op the GB10/sm_121 dispatch picks), `patched` = the replacement patch 8 installs
   (`_qsa_topk.make_hook(stock, "det", ...)`, i.e. exact `torch.topk`), `radix` = the candidate
   patch 8 installs with VLLM_QSA_DET_TOPK=radix (`_qsa_radix`: a Triton radix select over the
-  visible columns only; on --cpu-smoke through Triton's interpreter).
+  visible columns only; on --cpu-smoke through Triton's interpreter), `repair` = what it installs
+  with VLLM_QSA_DET_TOPK=repair (`make_hook(stock, "repair", ...)`: the `stock` above, then
+  `_qsa_radix.repair_block_topk` rewriting its output deterministically; on --cpu-smoke the CPU
+  stand-in, then the kernel through the interpreter).
 - copy bandwidth: a device-to-device copy of 4 GiB (1 GiB with --quick).
 
 Each timing is measured eager (CUDA events around every call) and, where capture works, inside a
@@ -56,7 +59,8 @@ HIDDEN, VOCAB, DRAFT_IDS = 2560, 248320, 65536
 TOKEN_TOPK, COMPRESS_RATIO = 2048, 4          # indexer_budget, indexer_compress_ratio -> 512 blocks
 DECODE_QUERY_LEN = 3                          # 1 verified + 2 draft positions per request
 TOPK_WORKSPACE_BYTES = 1024 * 1024            # qsa_indexer._TOPK_WORKSPACE_BYTES in 0.30+
-CANDIDATES = ("patched", "radix")             # flash's implementations, each timed against the references
+CANDIDATES = ("patched", "radix", "repair")   # flash's implementations, each timed against the references
+TRITON_MODES = ("radix", "repair")            # the candidates that run a Triton kernel
 
 
 class BenchError(RuntimeError):
@@ -407,11 +411,12 @@ def bench_qsa_topk(torch, sink: Sink, plan: Plan) -> None:
         impls = {"stock": cpu_standin_topk}
         label = "cpu stand-in (smoke)"
     impls["patched"] = _qsa_topk.make_hook(impls["stock"], "det", "v0.30")
-    why_not = radix_unavailable(plan.device)
-    if why_not:
-        sink.emit({"kind": "note", "bench": "qsa_topk", "impl": "radix", "note": f"not run: {why_not}"})
-    else:
-        impls["radix"] = _qsa_topk.make_hook(impls["stock"], "radix", "v0.30")
+    why_not = triton_unavailable(plan.device)
+    for mode in TRITON_MODES:  # repair wraps impls["stock"]: the real stock op on CUDA, the stand-in on CPU
+        if why_not:
+            sink.emit({"kind": "note", "bench": "qsa_topk", "impl": mode, "note": f"not run: {why_not}"})
+        else:
+            impls[mode] = _qsa_topk.make_hook(impls["stock"], mode, "v0.30")
     k = plan.block_topk
     gen = torch.Generator().manual_seed(8)  # the scores are made on the CPU, then moved
     ws = torch.empty(TOPK_WORKSPACE_BYTES, dtype=torch.uint8, device=plan.device)
@@ -460,8 +465,8 @@ def bench_qsa_topk(torch, sink: Sink, plan: Plan) -> None:
     measure(torch, sink, plan, jobs)
 
 
-def radix_unavailable(device: str) -> str | None:
-    """Why the `radix` candidate cannot run here, or None. On a GPU it always runs (a missing
+def triton_unavailable(device: str) -> str | None:
+    """Why the Triton candidates (`radix`, `repair`) cannot run here, or None. On a GPU it always runs (a missing
     Triton is an error like any other). On CPU it runs through Triton's interpreter, which
     TRITON_INTERPRET=1 switches on when Triton is first imported: set here when Triton is not
     imported yet; a process that already imported it for a GPU cannot switch (pytest's unit tier,
@@ -541,8 +546,9 @@ def summarize(records: list[dict]) -> dict:
     for kind in GOALS:
         rs = [r["ratio"] for r in ratios if r["bench"] == kind and r["vs"] == "stock" and r["impl"] == "patched"]
         out[f"{kind}_ratio_vs_stock_max"] = max(rs) if rs else None
-    rs = [r["ratio"] for r in ratios if r["bench"] == "qsa_topk" and r["vs"] == "stock" and r["impl"] == "radix"]
-    out["qsa_topk_radix_ratio_vs_stock_max"] = max(rs) if rs else None
+    for impl in TRITON_MODES:
+        rs = [r["ratio"] for r in ratios if r["bench"] == "qsa_topk" and r["vs"] == "stock" and r["impl"] == impl]
+        out[f"qsa_topk_{impl}_ratio_vs_stock_max"] = max(rs) if rs else None
     return out
 
 

@@ -47,7 +47,7 @@ def test_smoke_runs_every_part_once_per_shape(bk, smoke):
     assert draft == {(t, i) for t in plan.draft_tokens for i in ("stock", "patched")}
     qsa = {(r["batch"], r["context"], r["max_model_len"], r["impl"]) for r in timed if r["kind"] == "qsa_topk"}
     assert qsa == {(b, c, m, i) for b in plan.batches for c in plan.contexts for m in plan.max_model_lens
-                   for i in ("stock", "patched", "radix")}
+                   for i in ("stock", "patched", "radix", "repair")}
     for r in timed:
         assert r["mode"] == "eager" and "error" not in r
         assert r["n"] == plan.iters == len(r["raw_us"])
@@ -71,15 +71,16 @@ def test_smoke_checks_prove_equal_results(smoke):
     assert len(qsa) == 4
     for c in qsa:
         assert c["ok"] and c["stock_equals_expected"] and c["patched_equals_expected"] and c["radix_equals_expected"]
-        assert c["random_sets_equal"] == {"stock": True, "patched": True, "radix": True}
+        assert c["repair_equals_expected"]
+        assert c["random_sets_equal"] == {"stock": True, "patched": True, "radix": True, "repair": True}
 
 
 def test_summary_ratios_are_patched_over_stock(smoke):
     s = smoke[-1]
     med = {(r["kind"], r.get("tokens"), r.get("batch"), r.get("context"), r["impl"]): r["median_us"]
            for r in smoke if r["kind"] in ("draft_head", "qsa_topk")}
-    # one ratio per flash implementation and shape: patched (draft head, QSA) and radix (QSA only)
-    assert len(s["ratios"]) == sum(1 for k in med if k[-1] in ("patched", "radix"))
+    # one ratio per flash implementation and shape: patched (draft head, QSA), radix and repair (QSA only)
+    assert len(s["ratios"]) == sum(1 for k in med if k[-1] in ("patched", "radix", "repair"))
     assert s["checks"] == s["checks_passed"] == 6 and s["errors"] == []
     for r in s["ratios"]:
         key = (r["bench"], r.get("tokens"), r.get("batch"), r.get("context"))
@@ -88,6 +89,7 @@ def test_summary_ratios_are_patched_over_stock(smoke):
         assert r["meets_goal"] == (r["patched_us"] / r["ref_us"] <= {"draft_head": 0.30, "qsa_topk": 1.0}[r["bench"]])
     assert s["draft_head_ratio_vs_stock_max"] == max(r["ratio"] for r in s["ratios"] if r["bench"] == "draft_head")
     assert s["qsa_topk_radix_ratio_vs_stock_max"] == max(r["ratio"] for r in s["ratios"] if r["impl"] == "radix")
+    assert s["qsa_topk_repair_ratio_vs_stock_max"] == max(r["ratio"] for r in s["ratios"] if r["impl"] == "repair")
     assert {r["impl"] for r in s["ratios"] if r["bench"] == "draft_head"} == {"patched"}
     assert s["gb10_over_this_device_bandwidth"] == round(273.0 / s["copy_gbps_read_plus_write"], 4)
 
@@ -125,6 +127,7 @@ def test_qsa_check_fails_when_the_stock_side_selects_a_wrong_block(bk, monkeypat
     assert bk.main(["--cpu-smoke", "--only", "qsa_topk"]) == bk.EXIT_CHECK_FAILED
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     checks = [r for r in lines if r["kind"] == "check"]
+    # repair is not judged here: it is the (broken) stock op plus a pass that trusts its threshold
     assert checks and all(not c["ok"] and not c["stock_equals_expected"] and c["patched_equals_expected"]
                           and c.get("radix_equals_expected", True) for c in checks)
     assert lines[-1]["checks_passed"] == 0
@@ -132,18 +135,20 @@ def test_qsa_check_fails_when_the_stock_side_selects_a_wrong_block(bk, monkeypat
 
 def test_patched_qsa_is_patch_8s_installed_hook(bk, monkeypatch, capsys):
     """The `patched` side is what patch 8 installs: `_qsa_topk.make_hook(stock, "det", ...)`; the
-    `radix` side what it installs with VLLM_QSA_DET_TOPK=radix."""
+    `radix` and `repair` sides what it installs with VLLM_QSA_DET_TOPK=radix / =repair, around the
+    same stock function (here the CPU stand-in: the stock CUDA ops do not exist on CPU)."""
     from flash_vllm.patches import _qsa_topk
 
     seen = []
     real = _qsa_topk.make_hook
     monkeypatch.setattr(_qsa_topk, "make_hook", lambda orig, mode, base: seen.append((orig, mode, base))
                         or real(orig, mode, base))
-    radix_runs = bk.radix_unavailable("cpu") is None  # not in a process that imported Triton for a GPU
+    triton_runs = bk.triton_unavailable("cpu") is None  # not in a process that imported Triton for a GPU
     assert bk.main(["--cpu-smoke", "--only", "qsa_topk"]) == 0
     notes = [json.loads(x) for x in capsys.readouterr().out.splitlines() if '"note"' in x]
-    assert seen == [(bk.cpu_standin_topk, "det", "v0.30")] + ([(bk.cpu_standin_topk, "radix", "v0.30")] if radix_runs else [])
-    assert bool(notes) is not radix_runs  # a candidate left out is said, never silent
+    assert seen == [(bk.cpu_standin_topk, m, "v0.30") for m in ("det",) + (("radix", "repair") if triton_runs else ())]
+    # a candidate left out is said, never silent
+    assert [n["impl"] for n in notes] == ([] if triton_runs else ["radix", "repair"])
     hook = real(bk.cpu_standin_topk, "det", "v0.30")
     assert hook.flash_mode == "det"
 
@@ -165,25 +170,29 @@ def test_bad_arguments_are_refused(tmp_path):
 
 def test_a_candidate_that_cannot_run_is_reported_and_the_rest_are_timed(bk, monkeypatch, capsys):
     """run38: the radix kernel did not compile on the GPU and the whole qsa_topk bench was lost
-    (no patch-8 ratio at all). A failing candidate is now a setup record of its own."""
+    (no patch-8 ratio at all). A failing candidate is now a setup record of its own (both Triton
+    candidates fail here)."""
     from flash_vllm.patches import _qsa_topk
 
     real = _qsa_topk.make_hook
 
     def make_hook(orig, mode, base):
-        if mode != "radix":
+        if mode not in ("radix", "repair"):
             return real(orig, mode, base)
 
         def broken(*args):
-            raise RuntimeError("CompilationError: at 13:8: constexpr cannot be reassigned")
+            raise RuntimeError(f"CompilationError in {mode}: at 13:8: constexpr cannot be reassigned")
         return broken
 
     monkeypatch.setattr(_qsa_topk, "make_hook", make_hook)
-    monkeypatch.setattr(bk, "radix_unavailable", lambda device: None)
+    monkeypatch.setattr(bk, "triton_unavailable", lambda device: None)
     assert bk.main(["--cpu-smoke", "--only", "qsa_topk"]) == bk.EXIT_CHECK_FAILED  # an error is not a pass
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     setup = [r for r in lines if r["kind"] == "setup"]
-    assert setup and all(r["impl"] == "radix" and "constexpr" in r["error"] for r in setup)
+    assert setup and all(r["impl"] in ("radix", "repair") and f"in {r['impl']}:" in r["error"] for r in setup)
+    assert {r["impl"] for r in setup} == {"radix", "repair"}
     summary = lines[-1]
     assert summary["qsa_topk_ratio_vs_stock_max"] is not None and summary["qsa_topk_radix_ratio_vs_stock_max"] is None
-    assert any("qsa_topk/radix" in e for e in summary["errors"])
+    assert summary["qsa_topk_repair_ratio_vs_stock_max"] is None
+    assert all(any(f"qsa_topk/{m}" in e for e in summary["errors"]) for m in ("radix", "repair"))
+    assert {r["impl"] for r in lines if r["kind"] == "qsa_topk"} == {"stock", "patched"}  # the rest are timed

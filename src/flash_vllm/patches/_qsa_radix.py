@@ -1,25 +1,34 @@
-"""A deterministic QSA block top-k that reads only the visible columns (patch 8's `radix` mode).
+"""Deterministic QSA block top-k kernels that read only the visible columns (patch 8's `radix` and
+`repair` modes).
 
 Patch 8's default path (`_qsa_topk.exact_block_topk`) masks the whole scores row and runs
 `torch.topk` over it: its cost follows the row width, which is max_model_len / compress_ratio
 (125,056 columns at flash's CTX=500000), not the context. On the H200 that is 5.5-34.6x the stock
-kernels (docs/benchmarks/decode-h200/KERNELS.md). This kernel is the candidate replacement:
+kernels (docs/benchmarks/decode-h200/KERNELS.md). Two kernels here, one program per row, each
+looping over `min(visible, columns)` columns only:
 
-- one program per row, loops over `min(visible, columns)` columns only;
-- a 4-pass radix select (8-bit digits of an order-preserving integer key of the fp32 score)
-  finds the k-th largest key exactly; histograms count, they never race (`tl.histogram`);
-- a last pass writes the selected columns in ascending column order: every score above the k-th
-  key, then as many of the scores equal to it as needed, lowest columns first. The result is a
-  function of the scores alone: the same set and order on every call, batch and graph replay;
-- slots past `min(k, visible)` get -1, as the stock kernels and the exact path leave them.
+- `radix_block_topk` (`radix`): a 4-pass radix select (8-bit digits of an order-preserving integer
+  key of the fp32 score) finds the k-th largest key exactly; histograms count, they never race
+  (`tl.histogram`). Run4: 7.9 us at 8k context, 100 us at 128k (five reads of the row).
+- `repair_block_topk` (`repair`): runs after the stock kernel, in place on its output. An exact
+  top-k differs between runs only among the scores equal to the k-th one, so the smallest selected
+  key is that k-th key and the count above it is fixed; one pass then rewrites the selection
+  deterministically (one read of the row instead of radix's five).
+
+Both end in the same write pass (`_write_selection`): the selected columns in ascending column
+order, every key above the k-th one, then as many keys equal to it as needed, lowest columns first;
+-1 past min(k, visible), as the stock kernels and the exact path leave them. The result is a
+function of the scores alone: the same set and order on every call, batch and graph replay (for
+`repair`: when the stock kernel returned an exact top-k; otherwise it is still well-formed, at most
+min(k, visible) distinct columns in ascending order, then -1).
 
 Ties are broken by column and compared by bit pattern (-0.0 ranks below +0.0; the stock kernels
 and torch.topk make no promise on ties). Order differs from `torch.topk(sorted=True)` (score
 order); `expand_qsa_block_indices_cuda` and the sparse attention treat the selection as a set.
 
 No host sync and fixed launch shapes: capturable in a CUDA graph. Imported only when
-VLLM_QSA_DET_TOPK=radix (it needs Triton, which the vLLM image has); the unit tier runs it through
-Triton's interpreter (TRITON_INTERPRET=1) on CPU. Not yet measured on a GPU.
+VLLM_QSA_DET_TOPK=radix or =repair (it needs Triton, which the vLLM image has); the unit tier runs
+it through Triton's interpreter (TRITON_INTERPRET=1) on CPU.
 """
 
 from __future__ import annotations
@@ -36,6 +45,31 @@ def _key(x):
     b = x.to(tl.int32, bitcast=True)
     s = b ^ ((b >> 31) & 0x7FFFFFFF)  # signed int32 ordered like the float
     return s.to(tl.int64) + 2147483648
+
+
+@triton.jit
+def _write_selection(row, orow, v, kk, t, remaining, width, BLOCK: tl.constexpr):
+    # orow[:] = every column below v whose key is > t, then the lowest `remaining` columns whose key
+    # is == t, in ascending column order, at most min(kk, width) of them (a bad t or remaining
+    # cannot overflow the row); then -1 up to width
+    cap = tl.minimum(kk, width)
+    written = 0
+    ties = 0
+    for start in range(0, v, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < v
+        key = _key(tl.load(row + offs, mask=m, other=0.0))
+        eq = (m & (key == t)).to(tl.int32)
+        take = (m & (key > t)) | ((eq == 1) & (tl.cumsum(eq, axis=0) + ties <= remaining))
+        take32 = take.to(tl.int32)
+        pos = tl.cumsum(take32, axis=0) - 1 + written
+        tl.store(orow + pos, offs.to(tl.int32), mask=take & (pos < cap))
+        written += tl.sum(take32, axis=0)
+        ties += tl.sum(eq, axis=0)
+    written = tl.minimum(written, cap)
+    for start in range(0, width, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(orow + offs, tl.full([BLOCK], -1, tl.int32), mask=(offs >= written) & (offs < width))
 
 
 @triton.jit
@@ -66,22 +100,34 @@ def _radix_block_topk(logits_ptr, stride_row, visible_ptr, out_ptr, stride_out, 
         prefix = prefix | (d.to(tl.int64) << shift)
         pmask = pmask | (tl.full([], 0xFF, tl.int64) << shift)
     # `prefix` is the k-th largest key; `remaining` of the keys equal to it are selected
-    written = 0
-    ties = 0
-    for start in range(0, v, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        m = offs < v
-        key = _key(tl.load(row + offs, mask=m, other=0.0))
-        eq = (m & (key == prefix)).to(tl.int32)
-        take = (m & (key > prefix)) | ((eq == 1) & (tl.cumsum(eq, axis=0) + ties <= remaining))
-        take32 = take.to(tl.int32)
-        pos = tl.cumsum(take32, axis=0) - 1 + written
-        tl.store(orow + pos, offs.to(tl.int32), mask=take & (kk > 0))
-        written += tl.sum(take32, axis=0)
-        ties += tl.sum(eq, axis=0)
-    for start in range(0, width, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        tl.store(orow + offs, tl.full([BLOCK], -1, tl.int32), mask=(offs >= written) & (offs < width))
+    _write_selection(row, orow, v, kk, prefix, remaining, width, BLOCK)
+
+
+@triton.jit
+def _repair_block_topk(logits_ptr, stride_row, visible_ptr, out_ptr, stride_out, columns, k, width,
+                       SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    row = logits_ptr + r.to(tl.int64) * stride_row
+    orow = out_ptr + r.to(tl.int64) * stride_out
+    v = tl.maximum(tl.minimum(tl.load(visible_ptr + r).to(tl.int32), columns), 0)
+    kk = tl.minimum(v, k)
+    # the stock selection, read whole into registers before the write pass overwrites it in place
+    slots = tl.arange(0, SLOTS)
+    idx = tl.load(orow + slots, mask=slots < tl.minimum(k, width), other=-1)
+    valid = (idx >= 0) & (idx < v)
+    key = tl.where(valid, _key(tl.load(row + idx, mask=valid, other=0.0)), 4294967296)  # 2**32: above every key
+    t = tl.min(key, axis=0)  # the k-th largest key if the selection is an exact top-k
+    above = tl.sum((valid & (key > t)).to(tl.int32), axis=0)
+    # every key above t is in any exact top-k; only which keys equal to t made it can vary
+    _write_selection(row, orow, v, kk, t, kk - above, width, BLOCK)
+
+
+def _refuse(what: str, logits, block_indices) -> None:
+    if logits.dtype.itemsize != 4 or not logits.dtype.is_floating_point or logits.stride(1) != 1:
+        raise ValueError(f"{what} top-k needs fp32 scores with unit column stride, got {logits.dtype} "
+                         f"stride {tuple(logits.stride())}")
+    if block_indices.dtype.itemsize != 4 or block_indices.dtype.is_floating_point:
+        raise ValueError(f"{what} top-k writes int32 block indices, got {block_indices.dtype}")
 
 
 def radix_block_topk(logits, visible_blocks, block_indices, block_topk: int, columns: int) -> None:
@@ -91,10 +137,20 @@ def radix_block_topk(logits, visible_blocks, block_indices, block_topk: int, col
     rows = logits.shape[0]
     if rows == 0:
         return
-    if logits.dtype.itemsize != 4 or not logits.dtype.is_floating_point or logits.stride(1) != 1:
-        raise ValueError(f"radix top-k needs fp32 scores with unit column stride, got {logits.dtype} "
-                         f"stride {tuple(logits.stride())}")
-    if block_indices.dtype.itemsize != 4 or block_indices.dtype.is_floating_point:
-        raise ValueError(f"radix top-k writes int32 block indices, got {block_indices.dtype}")
+    _refuse("radix", logits, block_indices)
     _radix_block_topk[(rows,)](logits, logits.stride(0), visible_blocks, block_indices, block_indices.stride(0),
                                int(columns), max(int(block_topk), 0), block_indices.shape[1], BLOCK=BLOCK)
+
+
+def repair_block_topk(logits, visible_blocks, block_indices, block_topk: int, columns: int) -> None:
+    """Rewrites, in place, the stock kernel's `block_indices` (the top `block_topk` columns of
+    `logits[r, :visible_blocks[r]]` in any order, ties broken anyhow, -1 padded) into what
+    `radix_block_topk` returns: column order, ties to the lowest column. Same argument contract."""
+    rows = logits.shape[0]
+    if rows == 0:
+        return
+    _refuse("repair", logits, block_indices)
+    k = max(int(block_topk), 0)
+    slots = triton.next_power_of_2(max(min(k, block_indices.shape[1]), 1))  # the slots read, one block
+    _repair_block_topk[(rows,)](logits, logits.stride(0), visible_blocks, block_indices, block_indices.stride(0),
+                                int(columns), k, block_indices.shape[1], SLOTS=slots, BLOCK=BLOCK)

@@ -1,0 +1,224 @@
+"""Patch 8's repair kernel (`_qsa_radix.repair_block_topk`, VLLM_QSA_DET_TOPK=repair) on CPU, through
+Triton's interpreter, in a child process like tests/unit/test_qsa_radix.py (whose CASES and
+reference it reuses).
+
+The kernel runs after the stock top-k and rewrites its output in place. The stand-in for the stock
+output here is an exact top-k whose ties at the k-th value are resolved at random and whose slots
+are shuffled (what a nondeterministic exact kernel may return); three such draws per case must all
+be repaired into the reference: the same set and order whatever the stock kernel chose. A stock
+output that is not an exact top-k (a missing element, the best swapped for the (k+1)-th, garbage
+indices) must still come out well-formed: at most min(k, visible) distinct visible columns in
+ascending order, then -1."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch  # the unit tier's venv has CPU torch (the test extra)
+
+from test_qsa_radix import CASES, _bits, case_inputs, reference
+
+ROOT = Path(__file__).resolve().parents[2]
+DRAWS = 3  # scrambled stock outputs per case
+UNSET = 12345  # slots the stock kernel never writes (past k) keep whatever was there
+NO_TIES = ("random", "negative_scores", "visible_zero_and_past_row", "longer_than_a_loop_step",
+           "k_wider_than_row", "every_exponent", "wider_output", "hook")  # continuous random scores
+
+
+def _rank(row: list[float], j: int, tiebreak: float) -> tuple:
+    # the reference's order (score descending, -0.0 below +0.0), ties by `tiebreak`
+    return (-row[j], -_bits(row[j]) if row[j] == 0 else 0, tiebreak)
+
+
+def scrambled_stock(logits, visible, k: int, width: int, seed: int) -> list[list[int]]:
+    """An exact top-k per row (by the kernel's total order) with ties at the k-th value picked at
+    random and the slots shuffled; -1 in slots [kk, k), UNSET past k (the stock op writes k slots)."""
+    rng = random.Random(seed)
+    out = []
+    for r in range(logits.shape[0]):
+        v = max(0, min(int(visible[r]), logits.shape[1]))
+        kk = max(0, min(k, v))
+        row = logits[r, :v].tolist()
+        noise = [rng.random() for _ in range(v)]
+        chosen = sorted(range(v), key=lambda j: _rank(row, j, noise[j]))[:kk]
+        rng.shuffle(chosen)
+        out.append((chosen + [-1] * (k - kk) + [UNSET] * width)[:width])
+    return out
+
+
+def broken_stock(logits, visible, k: int, width: int) -> dict[str, list[list[int]]]:
+    """Stock outputs that are not an exact top-k (rows of the reference, damaged)."""
+    ref = reference(logits, visible, k, width)
+    out = {"missing": [], "best_swapped": [], "garbage": []}
+    for r, sel in enumerate(ref):
+        v = max(0, min(int(visible[r]), logits.shape[1]))
+        kk = max(0, min(k, v))
+        row = logits[r, :v].tolist()
+        ranked = sorted(range(v), key=lambda j: _rank(row, j, j))
+        top = list(reversed(sel[:kk]))
+        missing = list(top)
+        if missing:
+            missing[len(missing) // 2] = -1
+        swapped = list(top)
+        if swapped and kk < v:
+            swapped[swapped.index(ranked[0])] = ranked[kk]
+        garbage = [ranked[0] if v else -1, ranked[0] if v else -1, v, logits.shape[1] + 7, -5, 2 ** 31 - 1]
+        for name, slots in (("missing", missing), ("best_swapped", swapped), ("garbage", garbage)):
+            slots = (slots + [-1] * k)[:k]
+            out[name].append((slots + [UNSET] * width)[:width])
+    return out
+
+
+def kernel_results() -> dict:
+    """Runs in the child (TRITON_INTERPRET=1): the repair of every case's scrambled and broken stock
+    outputs, k = 0, and patch 8's hook in repair mode (stock op first, then the kernel)."""
+    import flash_vllm.patches._qsa_radix as q
+    from flash_vllm.patches import _qsa_topk, qsa_det_topk
+
+    assert type(q._repair_block_topk).__name__ == "InterpretedFunction", type(q._repair_block_topk)
+    res: dict = {"scrambled": {}, "broken": {}}
+    for case in CASES:
+        logits, vis, k, width = case_inputs(case)
+        runs = []
+        for seed in range(DRAWS):
+            out = torch.tensor(scrambled_stock(logits, vis, k, width, seed), dtype=torch.int32)
+            q.repair_block_topk(logits, vis, out, k, logits.shape[1])
+            runs.append(out.tolist())
+        res["scrambled"][case] = runs
+        res["broken"][case] = {}
+        for name, stock in broken_stock(logits, vis, k, width).items():
+            out = torch.tensor(stock, dtype=torch.int32)
+            q.repair_block_topk(logits, vis, out, k, logits.shape[1])
+            res["broken"][case][name] = out.tolist()
+    out = torch.tensor([[3, 1, UNSET, UNSET]], dtype=torch.int32)
+    q.repair_block_topk(torch.randn(1, 10), torch.tensor([10]), out, 0, 10)
+    res["k_zero"] = out.tolist()
+    # the hook: the stock op (a scrambled exact top-k) runs, then the repair, on the same buffer
+    logits, vis, _, _ = case_inputs("ties_at_kth")
+    called = []
+
+    def stock(lg, v, token_topk, ratio, block_indices, ws):
+        called.append(token_topk // ratio)
+        block_indices.copy_(torch.tensor(scrambled_stock(lg, v, token_topk // ratio, block_indices.shape[1], 7)))
+
+    out = torch.full((logits.shape[0], 64), UNSET, dtype=torch.int32)
+    _qsa_topk.make_hook(stock, "repair", "v0.30")(logits, vis, 256, 4, out, torch.empty(0))
+    res["hook"] = {"called": called, "out": out.tolist()}
+    env = {"VLLM_QSA_DET_TOPK": "repair"}
+    res["gate"] = [qsa_det_topk.PATCH.enabled(env), _qsa_topk.mode(env),
+                   _qsa_topk.mode({**env, "VLLM_QSA_EXACT_TOPK": "1"})]
+    try:
+        q.repair_block_topk(torch.randn(1, 20), torch.tensor([10]), torch.zeros(1, 4, dtype=torch.int64), 4, 20)
+        res["refusal"] = None
+    except ValueError as exc:
+        res["refusal"] = str(exc)
+    return res
+
+
+@pytest.fixture(scope="module")
+def child():
+    code = (f"import json, sys; sys.path[:0] = [{str(ROOT / 'src')!r}, {str(Path(__file__).parent)!r}]\n"
+            "import test_qsa_repair as t; print(json.dumps(t.kernel_results()))")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_any_exact_stock_selection_is_repaired_into_the_reference(child, case):
+    logits, vis, k, width = case_inputs(case)
+    want = reference(logits, vis, k, width)
+    assert child["scrambled"][case] == [want] * DRAWS
+
+
+def test_the_scrambled_stock_outputs_do_differ_from_the_reference():
+    """The inputs exercise the repair: on tie-heavy cases the stock stand-in's sets differ from the
+    reference's and from one draw to the next (not only its slot order)."""
+    for case in ("ties_at_kth", "all_equal", "signed_zeros", "minus_inf"):
+        logits, vis, k, width = case_inputs(case)
+        want = [sorted(c for c in row if c >= 0) for row in reference(logits, vis, k, width)]
+        sets = [[sorted(c for c in row if 0 <= c < UNSET) for row in scrambled_stock(logits, vis, k, width, s)]
+                for s in range(DRAWS)]
+        assert all(s != want for s in sets) and sets[0] != sets[1], case
+
+
+def _well_formed(rows, logits, visible, k: int, width: int) -> None:
+    for r, row in enumerate(rows):
+        v = max(0, min(int(visible[r]), logits.shape[1]))
+        n = sum(1 for c in row if c != -1)
+        assert len(row) == width and n <= min(k, v), (r, row)
+        assert row[n:] == [-1] * (width - n), (r, row)
+        assert all(0 <= c < v for c in row[:n]) and row[:n] == sorted(set(row[:n])), (r, row)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_stock_output_that_is_not_a_top_k_still_gives_a_well_formed_row(child, case):
+    logits, vis, k, width = case_inputs(case)
+    want = reference(logits, vis, k, width)
+    broken = child["broken"][case]
+    for name, rows in broken.items():
+        _well_formed(rows, logits, vis, k, width)
+    if case not in NO_TIES:
+        return
+    # without ties the damage stays small: everything above the smallest selected score is taken
+    # again, so a missing column comes back (unless it was the smallest one), and a swapped-in
+    # (k+1)-th competes with the top k for the min(k, visible) slots in column order
+    for r, ref in enumerate(want):
+        top = {c for c in ref if c >= 0}
+        missing = {c for c in broken["missing"][r] if c >= 0}
+        swapped = {c for c in broken["best_swapped"][r] if c >= 0}
+        assert missing <= top and len(missing) >= len(top) - 1, (case, r)
+        assert len(swapped) == len(top) and len(swapped & top) >= len(top) - 1, (case, r)
+
+def test_k_zero_gives_an_empty_row(child):
+    assert child["k_zero"] == [[-1, -1, -1, -1]]
+
+
+def test_the_hook_runs_the_stock_op_then_the_repair(child):
+    """`VLLM_QSA_DET_TOPK=repair`: patch 8's gate is on, the hook's mode is `repair` (EXACT_TOPK
+    still wins), and the 0.30+ `_topk` replacement called the stock op once, then repaired its
+    (scrambled) output into the reference."""
+    assert child["gate"] == [True, "repair", "exact"]
+    logits, vis, _, _ = case_inputs("ties_at_kth")
+    assert child["hook"]["called"] == [64]
+    assert child["hook"]["out"] == reference(logits, vis, 64, 64)
+
+
+def test_refuses_what_it_cannot_write(child):
+    assert "repair top-k writes int32 block indices" in child["refusal"]
+
+
+TTIR = """
+import sys; sys.path.insert(0, {src!r})
+from triton._C.libtriton import ir
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.compiler.compiler import ASTSource
+from flash_vllm.patches import _qsa_radix as q
+target = GPUTarget("cuda", 90, 32)  # the H200; the front end needs no GPU
+backend = make_backend(target)
+options = backend.parse_options({{}})
+sig = {{"logits_ptr": "*fp32", "stride_row": "i64", "visible_ptr": "*i32", "out_ptr": "*i32", "stride_out": "i64",
+        "columns": "i32", "k": "i32", "width": "i32", "SLOTS": "constexpr", "BLOCK": "constexpr"}}
+ctx = ir.context(); ir.load_dialects(ctx); backend.load_dialects(ctx)
+mod = ASTSource(q._repair_block_topk, sig, constexprs={{"SLOTS": 512, "BLOCK": q.BLOCK}}).make_ir(
+    target, options, backend.get_codegen_implementation(options), backend.get_module_map(), ctx)
+print("ttir", "tt.reduce" in str(mod) and "tt.scan" in str(mod))
+"""
+
+
+def test_the_kernel_passes_the_real_compilers_front_end():
+    """The interpreter accepts what the compiler refuses (run38); Triton's own front end lowers the
+    repair kernel (its min reduction and the shared write pass's scans) to TTIR without a GPU."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", TTIR.format(src=str(ROOT / "src"))], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "ttir True", proc.stdout
