@@ -24,7 +24,8 @@ What runs (the real model's shapes, bf16 head, fp32 indexer scores):
   visible columns only; on --cpu-smoke through Triton's interpreter), `repair` = what it installs
   with VLLM_QSA_DET_TOPK=repair (`make_hook(stock, "repair", ...)`: the `stock` above, then
   `_qsa_radix.repair_block_topk` rewriting its output deterministically; on --cpu-smoke the CPU
-  stand-in, then the kernel through the interpreter).
+  stand-in, then the kernel through the interpreter), `repair_persistent` = the same repair after
+  `persistent_topk` (GB10's stock op; read its ratio against `persistent`).
 - copy bandwidth: a device-to-device copy of 4 GiB (1 GiB with --quick).
 
 Each timing is measured eager (CUDA events around every call) and, where capture works, inside a
@@ -59,7 +60,9 @@ HIDDEN, VOCAB, DRAFT_IDS = 2560, 248320, 65536
 TOKEN_TOPK, COMPRESS_RATIO = 2048, 4          # indexer_budget, indexer_compress_ratio -> 512 blocks
 DECODE_QUERY_LEN = 3                          # 1 verified + 2 draft positions per request
 TOPK_WORKSPACE_BYTES = 1024 * 1024            # qsa_indexer._TOPK_WORKSPACE_BYTES in 0.30+
-CANDIDATES = ("patched", "radix", "repair")   # flash's implementations, each timed against the references
+# flash's implementations, each timed against the references; repair_persistent = the repair after
+# persistent_topk, what a GB10 (sm_121, whose stock dispatch is persistent_topk) runs: read it vs "persistent"
+CANDIDATES = ("patched", "radix", "repair", "repair_persistent")
 TRITON_MODES = ("radix", "repair")            # the candidates that run a Triton kernel
 
 
@@ -417,6 +420,8 @@ def bench_qsa_topk(torch, sink: Sink, plan: Plan) -> None:
             sink.emit({"kind": "note", "bench": "qsa_topk", "impl": mode, "note": f"not run: {why_not}"})
         else:
             impls[mode] = _qsa_topk.make_hook(impls["stock"], mode, "v0.30")
+    if not why_not and "persistent" in impls:
+        impls["repair_persistent"] = _qsa_topk.make_hook(impls["persistent"], "repair", "v0.30")
     k = plan.block_topk
     gen = torch.Generator().manual_seed(8)  # the scores are made on the CPU, then moved
     ws = torch.empty(TOPK_WORKSPACE_BYTES, dtype=torch.uint8, device=plan.device)
@@ -549,6 +554,9 @@ def summarize(records: list[dict]) -> dict:
     for impl in TRITON_MODES:
         rs = [r["ratio"] for r in ratios if r["bench"] == "qsa_topk" and r["vs"] == "stock" and r["impl"] == impl]
         out[f"qsa_topk_{impl}_ratio_vs_stock_max"] = max(rs) if rs else None
+    rs = [r["ratio"] for r in ratios if r["bench"] == "qsa_topk" and r["vs"] == "persistent"
+          and r["impl"] == "repair_persistent"]
+    out["qsa_topk_repair_persistent_ratio_vs_persistent_max"] = max(rs) if rs else None
     return out
 
 
