@@ -258,6 +258,11 @@ def _scenarios() -> dict[str, Scenario]:
                        "(the two differ in patch 1 only); vllm:ple_mmap_* counters move",
                        lambda ctx: check_ple_memory(ctx, "probe-p1", "probe-off"),
                        na=lambda base: _na_patch(1)(base) or _na_stock_ple(base)))
+    sc.append(Scenario("ple_memory_p1", ("a-default",), "where ple_memory is n/a for want of a stock side: the patch-1 "
+                       "side alone (the table opened from disk, off the GPU, not pinned; vllm:ple_mmap_* move)",
+                       lambda ctx: check_ple_memory(ctx, "a-default", None),
+                       na=lambda base: _na_patch(1)(base) or (None if _na_stock_ple(base) else
+                                                              f"ple_memory covers it on {base}, against stock")))
     for tag, (a, b), what in (("pw", ("hx-eager-pw", "hx-hoist-pw"), "eager vs hoisted gather, both PIECEWISE, MTP=2"),
                               ("pw_nomtp", ("hx0-eager-pw", "hx0-hoist-pw"), "eager vs hoisted gather, both PIECEWISE, MTP=0"),
                               ("full", ("hx-stock-full", "hx-hoist-full"),
@@ -883,8 +888,12 @@ def first_divergence(cold: dict, warm: dict) -> dict | None:
 PUBLISH_WAIT_S = 5.0  # the metrics bridge's publish interval (1 s) with room for a loaded machine
 
 
-def check_ple_memory(ctx: Context, on: str, off: str) -> dict:
-    p_on, p_off = need_up(ctx, on), need_up(ctx, off)
+def check_ple_memory(ctx: Context, on: str, off: str | None) -> dict:
+    """Patch 1's table from disk, off the GPU and unpinned, its series moving; against `off` (the same
+    server without patch 1) also the GPU memory and pinned bytes. `off` None: the patch-1 side alone
+    (where stock cannot load the table, _na_stock_ple)."""
+    p_on = need_up(ctx, on)
+    p_off = need_up(ctx, off) if off else None
     m0 = metrics(p_on.spec["url"])
     _chat(p_on.spec["url"], p_on.spec["model"], "invoice ledger balance credit debit account " * 20, 16)
     # the engine publishes its record at most every FLASH_METRICS_INTERVAL_MS (1 s): a scrape right
@@ -899,16 +908,17 @@ def check_ple_memory(ctx: Context, on: str, off: str) -> dict:
         time.sleep(0.25)
     publish_wait_s = round(time.monotonic() - t0, 2)
     gpu = gpu_memory_by_server(ctx)
-    init_on, init_off = PLE_INIT.findall(log_text(p_on)), PLE_INIT.findall(log_text(p_off))
-    mmap_on, mmap_off = PATCH1_TABLE.findall(log_text(p_on)), PATCH1_TABLE.findall(log_text(p_off))
+    sides = ((on, p_on),) + (((off, p_off),) if p_off else ())
+    init = {n: PLE_INIT.findall(log_text(p)) for n, p in sides}
+    mmap = {n: PATCH1_TABLE.findall(log_text(p)) for n, p in sides}
     kv = {n: (lambda m: m.group(0) if m else None)(re.search(r"Available KV cache memory:[^\n]*", log_text(p)))
-          for n, p in ((on, p_on), (off, p_off))}
-    res = {"patch1_table": {on: mmap_on, off: mmap_off}, "kv_memory": kv,
-           "gpu_mib": {on: gpu.get(on), off: gpu.get(off)},
-           "pinned_kib": {on: pinned_kib(p_on), off: pinned_kib(p_off)},
-           "ple_init": {on: init_on, off: init_off}, "ple_mmap_deltas": ple, "publish_wait_s": publish_wait_s}
-    assert mmap_on, f"{on}: no 'flash_vllm patch 1: PLE mmap' line: the table was not opened from disk"
-    assert not mmap_off, f"{off}: patch 1 is off but its table line is in the log"
+          for n, p in sides}
+    res = {"patch1_table": mmap, "kv_memory": kv, "gpu_mib": {n: gpu.get(n) for n, _ in sides},
+           "pinned_kib": {n: pinned_kib(p) for n, p in sides},
+           "ple_init": init, "ple_mmap_deltas": ple, "publish_wait_s": publish_wait_s}
+    init_on = init[on]
+    assert mmap[on], f"{on}: no 'flash_vllm patch 1: PLE mmap' line: the table was not opened from disk"
+    assert not off or not mmap[off], f"{off}: patch 1 is off but its table line is in the log"
     assert ple, "no vllm:ple_mmap_* series on /metrics"
     assert moved, f"vllm:ple_mmap_* did not move after a request: {ple}"
     for dtype, device, pinned in init_on:

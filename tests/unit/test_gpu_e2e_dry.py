@@ -178,7 +178,7 @@ def test_selection_is_pytest_like():
     assert names("probe and not p13") == [f"probe_p{n}" for n in fleet.NEUTRAL if n != 13]
     assert names("boot_a or broken") == ["boot_a", "broken_patch_p1"]
     # + prefix_hit_a/off, ple_memory, diag_ple_ids, broken_patch_p1, 3 hoist_exact
-    assert len(names(None)) == len(fleet.SCENARIOS) == 3 * 3 + len(fleet.NEUTRAL) + 5 + 3
+    assert len(names(None)) == len(fleet.SCENARIOS) == 3 * 3 + len(fleet.NEUTRAL) + 6 + 3
 
 
 def test_plugin_site_declares_our_entry_point(planned):
@@ -555,7 +555,9 @@ def test_v029_plan_renders_every_server_on_v029(planned_v029):
         "probe-off", "broken-p1", *(f"probe-p{n}" for n in fleet.NEUTRAL if n != 1)}
     na = fleet.not_applicable(fleet.select(None), "v0.29")
     assert {n for n, why in na.items() if "cannot load the checkpoints' fp8 PLE table" in why} == {"probe_p1", "ple_memory"}
-    assert fleet.not_applicable(fleet.select(None), "v0.33").keys() <= {"diag_ple_ids"}
+    assert fleet.not_applicable(fleet.select(None), "v0.33") == {"ple_memory_p1": "ple_memory covers it on v0.33, against stock"}
+    # the patch-1 side of ple_memory still runs there, on the default recipe's server
+    assert "ple_memory_p1" in {sc.name for sc in fleet.applicable(fleet.select(None), "v0.29")}
     for name in ("probe-off", *(f"probe-p{n}" for n in fleet.NEUTRAL if n != 1)):
         env = specs[name]["spec_env"]
         assert env.get("VLLM_PLE_MMAP") != "0" and "1" not in env["FLASH_DISABLE_PATCHES"].split(","), (name, env)
@@ -588,7 +590,7 @@ STOCK_PLE_NA = ("stock vLLM on v0.29 cannot load the checkpoints' fp8 PLE table 
 
 def test_scenarios_not_applicable_per_base():
     every = fleet.select(None)
-    assert fleet.not_applicable(every, "v0.33") == {}
+    assert fleet.not_applicable(every, "v0.33") == {"ple_memory_p1": "ple_memory covers it on v0.33, against stock"}
     assert fleet.not_applicable(every, "v0.29") == {
         "hoist_exact_pw": HOIST_NA, "hoist_exact_pw_nomtp": HOIST_NA, "hoist_exact_full": HOIST_NA,
         "diag_ple_ids": "--engram-config (stock PLE storage classes) does not exist on v0.29",
@@ -670,17 +672,22 @@ def test_rehearsal_on_v029_reports_na_and_boots_only_what_applies(tmp_path):
            "FLASH_E2E_PORT": "18660", "STANDIN_TOKEN_CHARS": "3"}
     for k in ("FLASH_E2E_DRY", "FLASH_E2E_BASE"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, str(FLEET), "run", "-k", "hoist_exact_full or prefix_hit_off"],
+    proc = subprocess.run([sys.executable, str(FLEET), "run", "-k", "hoist_exact_full or prefix_hit_off or ple_memory"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
     assert res["base"] == "v0.29" and res["vllm"] == "0.29.0"
     assert res["scenarios"]["hoist_exact_full"] == {"ok": None, "na": HOIST_NA}
     assert res["scenarios"]["prefix_hit_off"]["ok"] is True
-    assert res["not_applicable"] == {"hoist_exact_full": HOIST_NA} and list(res["servers"]) == ["probe-off"]
+    # no stock side on 0.29 (run40): ple_memory n/a, its patch-1 side alone on the default recipe's server
+    assert res["scenarios"]["ple_memory"] == {"ok": None, "na": STOCK_PLE_NA}
+    one = res["scenarios"]["ple_memory_p1"]
+    assert one["ok"] is True and list(one["result"]["patch1_table"]) == ["a-default"], one
+    assert res["not_applicable"] == {"hoist_exact_full": HOIST_NA, "ple_memory": STOCK_PLE_NA}
+    assert sorted(res["servers"]) == ["a-default", "probe-off"]
     summary = (out / "summary.txt").read_text().splitlines()
     assert summary[0].startswith("gpu-e2e on base v0.29 (vLLM 0.29.0) at commit ")
-    assert summary[0].endswith(": 1/1 scenarios passed, 1 n/a")
+    assert summary[0].endswith(": 2/2 scenarios passed, 2 n/a")
     assert f"N/A hoist_exact_full: {HOIST_NA}" in summary
     log = (tmp_path / "work" / "logs" / "probe-off.log").read_text().splitlines()[0]
     assert """--compilation-config '{"cudagraph_mode":"PIECEWISE"}'""" in log
