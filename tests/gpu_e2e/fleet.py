@@ -259,7 +259,8 @@ def _scenarios() -> dict[str, Scenario]:
                        lambda ctx: check_ple_memory(ctx, "probe-p1", "probe-off"),
                        na=lambda base: _na_patch(1)(base) or _na_stock_ple(base)))
     sc.append(Scenario("ple_memory_p1", ("a-default",), "where ple_memory is n/a for want of a stock side: the patch-1 "
-                       "side alone (the table opened from disk, off the GPU, not pinned; vllm:ple_mmap_* move)",
+                       "side alone (the table opened from disk, vllm:ple_mmap_* move; the device and pinning only where "
+                       "the release logs its PLE init line, 0.30+)",
                        lambda ctx: check_ple_memory(ctx, "a-default", None),
                        na=lambda base: _na_patch(1)(base) or (None if _na_stock_ple(base) else
                                                               f"ple_memory covers it on {base}, against stock")))
