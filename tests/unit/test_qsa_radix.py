@@ -98,14 +98,19 @@ def kernel_results() -> dict:
     return res
 
 
-@pytest.fixture(scope="module")
-def child():
+def run_interpreted(module: str) -> dict:
+    """`module.kernel_results()` (a test module beside this one) in a child with TRITON_INTERPRET=1."""
     code = (f"import json, sys; sys.path[:0] = [{str(ROOT / 'src')!r}, {str(Path(__file__).parent)!r}]\n"
-            "import test_qsa_radix as t; print(json.dumps(t.kernel_results()))")
+            f"import {module} as t; print(json.dumps(t.kernel_results()))")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def child():
+    return run_interpreted("test_qsa_radix")
 
 
 def _bits(x: float) -> int:

@@ -12,7 +12,6 @@ ascending order, then -1."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import subprocess
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch  # the unit tier's venv has CPU torch (the test extra)
 
-from test_qsa_radix import CASES, _bits, case_inputs, reference
+from test_qsa_radix import CASES, _bits, case_inputs, reference, run_interpreted
 
 ROOT = Path(__file__).resolve().parents[2]
 DRAWS = 3  # scrambled stock outputs per case
@@ -123,12 +122,7 @@ def kernel_results() -> dict:
 
 @pytest.fixture(scope="module")
 def child():
-    code = (f"import json, sys; sys.path[:0] = [{str(ROOT / 'src')!r}, {str(Path(__file__).parent)!r}]\n"
-            "import test_qsa_repair as t; print(json.dumps(t.kernel_results()))")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted("test_qsa_repair")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
