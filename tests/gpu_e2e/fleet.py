@@ -198,6 +198,11 @@ def _na_stock_ple(base: str) -> str | None:
         "a bf16 table without weight_scale), so there is no patch-1-off server to compare with")
 
 
+def _na_stock_side(base: str) -> str | None:
+    """N/a for a comparison of patch 1 against stock vLLM's own PLE table."""
+    return _na_patch(1)(base) or _na_stock_ple(base)
+
+
 def container_env(server: Server, base: str) -> tuple[str, ...]:
     """The server's container env on `base`: patch 1 kept on where a baseline needs it (see Server)."""
     if not server.p1_off_if_stock_loads or releases.has(base, "ple_fp8_modelopt"):
@@ -247,7 +252,7 @@ def _scenarios() -> dict[str, Scenario]:
         sc.append(Scenario(f"probe_p{n}", ("probe-off", f"probe-p{n}"), f"greedy probe, patch {n} back on vs the neutral-off baseline "
                            "(1,3,4,5,8,13 off; 1 stays on where stock cannot load the PLE table): byte-identical",
                            lambda ctx, n=n: check_probe(ctx, "probe-off", f"probe-p{n}"),
-                           na=(lambda base: _na_patch(1)(base) or _na_stock_ple(base)) if n == 1 else _na_patch(n)))
+                           na=_na_stock_side if n == 1 else _na_patch(n)))
     sc.append(Scenario("prefix_hit_a", ("a-default",), f"a greedy prompt of {PREFIX_HIT_BLOCKS} KV blocks (sized with the "
                        "server's /tokenize) twice: hits registered, the hit run equals the cold one",
                        lambda ctx: check_prefix_hit(ctx, "a-default")))
@@ -257,7 +262,7 @@ def _scenarios() -> dict[str, Scenario]:
     sc.append(Scenario("ple_memory", ("probe-p1", "probe-off"), "GPU memory and pinned bytes with/without patch 1 "
                        "(the two differ in patch 1 only); vllm:ple_mmap_* counters move",
                        lambda ctx: check_ple_memory(ctx, "probe-p1", "probe-off"),
-                       na=lambda base: _na_patch(1)(base) or _na_stock_ple(base)))
+                       na=_na_stock_side))
     sc.append(Scenario("ple_memory_p1", ("a-default",), "where ple_memory is n/a for want of a stock side: the patch-1 "
                        "side alone (the table opened from disk, vllm:ple_mmap_* move; the device and pinning only where "
                        "the release logs its PLE init line, 0.30+)",
