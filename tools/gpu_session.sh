@@ -26,7 +26,7 @@
 # 197 s cold vs 23 s warm). They are packed once e2e ends and again when every phase has, and the
 # next `watch` puts the newest pack as $OUT/jit-cache.tar.gz.NN parts of 15 MiB, once
 # (FLASH_SESSION_JIT_DIRS under $HOME, when no bigger than FLASH_SESSION_JIT_MAX_MIB, default 45);
-# keep it as .payload/jit-cache.tar.gz here and carry it in a call before `start`, which unpacks it.
+# keep it as .payload/jit-cache-RELEASE.tar.gz here and carry it in a call before `start`, which unpacks it.
 set -uo pipefail
 
 # (the FLASH_SESSION_* overrides exist for the CPU rehearsal, tests/unit/test_gpu_session.py)
@@ -38,7 +38,9 @@ ROWS=${FLASH_SESSION_PLE_ROWS:-32000000}  # the reduced PLE table (4.8 GiB; real
 
 JIT_DIRS=${FLASH_SESSION_JIT_DIRS:-.triton/cache .cache/flashinfer .cache/vllm}  # relative to $HOME
 JIT_MAX_MIB=${FLASH_SESSION_JIT_MAX_MIB:-45}  # 3 returned parts of 15 MiB beside gs.tar.gz
-JIT_CARRIED=${FLASH_SESSION_JIT_TAR:-.payload/jit-cache.tar.gz}  # carried into the checkout
+REL=$(basename "$(dirname "$ENV_SH")"); REL=${REL#flash-vllm-}  # the payload's release, e.g. 0.29.0
+# carried into the checkout; one per release (another Triton's kernels would only be dead weight)
+JIT_CARRIED=${FLASH_SESSION_JIT_TAR:-.payload/jit-cache-$REL.tar.gz}
 
 log() { echo "$(date -u +%H:%M:%S) $*" | tee -a "$GS/phases.log"; }
 
@@ -197,7 +199,7 @@ case "${1:-}" in
     collect
     # the newest JIT pack (after e2e, then at the end), once, in parts the device tool returns
     # (files of at most 16 MiB, 8 a call: a 19 MiB pack in one piece was left out, run38);
-    # here: cat jit-cache.tar.gz.* > .payload/jit-cache.tar.gz
+    # here: cat jit-cache.tar.gz.* > .payload/jit-cache-RELEASE.tar.gz
     if [ -f "$GS/jit-cache.tar.gz" ] && [ "$GS/jit-cache.tar.gz" -nt "$GS/jit-returned" ]; then
       split -b 15M -d "$GS/jit-cache.tar.gz" "$OUT/jit-cache.tar.gz." && touch "$GS/jit-returned"
     fi

@@ -13,8 +13,10 @@ additions (printed apart in the dry run): PYTHONPATH (a dist-info that declares 
 `vllm.general_plugins` entry point + src/), a per-server VLLM_CACHE_ROOT (a patch changes the
 traced code, so servers must not share a compile cache; the plugin's compile-cache key,
 flash_vllm/compile_key.py, already separates patch states, so this is belt and braces; only its
-`modelinfos` directory, vLLM's cache of per-class facts, is one for all: share_modelinfos), and for
-the broken-patch boot the breaker's sitecustomize.
+`modelinfos` directory, vLLM's cache of per-class facts, is one for all: share_modelinfos), one Triton
+kernel cache for all (TRITON_CACHE_MANAGER, harness_site/flash_e2e_triton_cache.py: ~/.triton/cache,
+which 0.29 would otherwise move under each server's compile cache), and for the broken-patch boot the
+breaker's sitecustomize.
 
     python tests/gpu_e2e/fleet.py run  [-k EXPR]   # boots, scenarios, results under $FLASH_E2E_OUT
     python tests/gpu_e2e/fleet.py plan [-k EXPR]   # the dry run: every server's argv + env, the scenario plan
@@ -395,9 +397,12 @@ def render(ctx: Context, server: Server, index: int, solo: bool = False) -> dict
     spec_env = {k: _translate(v, binds) for k, v in spec.env.items()}
     harness = {
         "PYTHONPATH": os.pathsep.join([*([str(ROOT / "tests" / "gpu_e2e" / "breaker")] if server.breaks else []),
-                                       str(ctx.work / "plugin-site"), str(ROOT / "src")]
+                                       str(ctx.work / "plugin-site"), str(ROOT / "src"), str(HARNESS_SITE)]
                                       + ([ctx.base_env["PYTHONPATH"]] if ctx.base_env.get("PYTHONPATH") else [])),
         "VLLM_CACHE_ROOT": str(ctx.work / "vllm-cache" / server.name),
+        # one Triton kernel cache for all servers, whatever TRITON_CACHE_DIR vLLM sets (0.29 moves it
+        # under each server's compile cache): harness_site/flash_e2e_triton_cache.py
+        "TRITON_CACHE_MANAGER": TRITON_CACHE_MANAGER,
     }
     if server.breaks:
         brk = breaker(ctx.base)
@@ -411,6 +416,10 @@ def render(ctx: Context, server: Server, index: int, solo: bool = False) -> dict
             "url": f"http://127.0.0.1:{port}", "port": port, "model": r.settings["SERVED_MODEL_NAME"],
             "unmapped_mounts": [f"{m.kind}:{m.target}" for m in unmapped],
             "preflight": [str(p) for p in preflight.recipe(r.settings)], "warnings": list(spec.warnings)}
+
+
+HARNESS_SITE = ROOT / "tests" / "gpu_e2e" / "harness_site"  # modules the servers import (not the fleet)
+TRITON_CACHE_MANAGER = "flash_e2e_triton_cache:SharedFileCacheManager"
 
 
 def plugin_site(ctx: Context) -> Path:

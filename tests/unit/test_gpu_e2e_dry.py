@@ -71,6 +71,10 @@ def test_every_server_is_the_default_profiles_runspec(planned):
         assert not s["preflight"], (name, s["preflight"])
         assert "BASE=v0.33" in s["words"] and ctx.base == "v0.33"
         assert s["harness_env"]["VLLM_CACHE_ROOT"].endswith(f"/vllm-cache/{name}")
+        # one Triton cache for all (tests/vllm/test_gpu_e2e_triton_cache.py proves the manager)
+        assert s["harness_env"]["TRITON_CACHE_MANAGER"] == "flash_e2e_triton_cache:SharedFileCacheManager"
+        assert str(fleet.HARNESS_SITE) in s["harness_env"]["PYTHONPATH"].split(os.pathsep)
+        assert (fleet.HARNESS_SITE / "flash_e2e_triton_cache.py").is_file()
         assert s["spec_env"]["VLLM_MTP_DRAFT_VOCAB"].endswith("draft-vocab.npy")
     modes = {n: specs[n]["argv"][7] for n in ("a-default", "b-default", "c-default")}
     assert modes["b-default"].endswith("-fp8hybrid") and modes["c-default"].endswith("-fp8hybrid-mtpnvfp4")
