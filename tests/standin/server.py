@@ -29,6 +29,11 @@ Not a model: answers are deterministic filler words with a few canned facts. Kno
                                 ~3.5 tokens of a ledger word where Qwen's makes ~1.4): prompts sized by a
                                 words-per-token estimate overshoot; /tokenize, the 400 and usage all agree
   STANDIN_STATS_SEC (10)        period of the engine stats log line (only when not idle)
+  STANDIN_MAMBA_BLOCK_SIZE (0)  >0: a hybrid model's prefix cache, as vLLM 0.29 serves the tiny checkpoint
+                                (run41): Mamba state is kept only every this many tokens (mamba_cache_mode
+                                align), so hits are whole blocks of the larger of it and --block-size;
+                                with --speculative-config the last hit block is recomputed (EAGLE/MTP
+                                needs its hidden states); cache_config_info gains mamba_block_size
   STANDIN_SKIP_MODEL_CHECK=1    do not insist that an absolute MODEL_PATH exists
   STANDIN_FAULTS                comma list of fault switches:
       nondeterministic   greedy requests differ run to run (text and first-token logprobs)
@@ -405,6 +410,7 @@ class Engine:
         self.stopping = False
         self.cache: OrderedDict[bytes, None] = OrderedDict()
         self.block_size = max(1, ns.block_size)
+        self.mamba_block_size = int(env.get("STANDIN_MAMBA_BLOCK_SIZE") or 0)
         self.cache_blocks = max(1, self.kv_tokens // self.block_size)
         self.window = {"prompt": 0, "gen": 0, "q": 0, "h": 0}
         self.reg = Registry()
@@ -449,7 +455,9 @@ class Engine:
             r.family(name, "gauge", doc).child(L)
         r.family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig").child(
             {**L, "block_size": str(self.block_size), "enable_prefix_caching": str(self.ns.prefix_caching),
-             "num_gpu_blocks": str(self.cache_blocks)})["value"] = 1.0
+             "num_gpu_blocks": str(self.cache_blocks),
+             **({"mamba_block_size": str(self.mamba_block_size), "mamba_cache_mode": "align"}
+                if self.mamba_block_size else {})})["value"] = 1.0
         for name, doc in (
             ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
             ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
@@ -532,7 +540,7 @@ class Engine:
         Like vLLM: whole blocks only, never the last prompt token (one must be computed)."""
         hits = 0
         h = b""
-        bs = self.block_size
+        bs = max(self.block_size, self.mamba_block_size)  # a hybrid model hits whole Mamba blocks only
         full = (len(token_ids) - 1) // bs
         with self.cond:
             hitting = self.ns.prefix_caching and "no_prefix_hits" not in self.faults
@@ -545,6 +553,8 @@ class Engine:
                     self.cache[h] = None
             while len(self.cache) > self.cache_blocks:
                 self.cache.popitem(last=False)
+        if self.mamba_block_size and self.ns.speculative_config and hits:
+            hits -= bs  # the drafter needs the last block's hidden states: recomputed (drop_eagle_block)
         if self.ns.prefix_caching:
             self.reg.inc("vllm:prefix_cache_queries", self.labels, len(token_ids))
             self.reg.inc("vllm:prefix_cache_hits", self.labels, hits)

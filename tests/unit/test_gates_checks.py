@@ -375,3 +375,82 @@ def test_sizer_caps_at_the_servers_max_model_len_and_falls_back_visibly():
     est = sizing.ledger(_Tokenizer(2.0, status=404), "m", 1024)
     assert not est.measured and est.tokens == 1024 and "NOT measured: /tokenize HTTP 404" in est.note
     assert est.prompt == prompts.ledger_prompt(1024)
+
+
+# --- the prefix cache's block, as a hybrid model on vLLM 0.29 keeps it (run41) -------------------------
+HYBRID_029 = ("--max-model-len", "2048", "--block-size", "256",
+              "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}')
+
+
+def _hits(url: str) -> float:
+    import requests
+
+    return metrics.parse(requests.get(url + "/metrics", timeout=10).text).total("vllm:prefix_cache_hits")
+
+
+def test_stand_in_hybrid_cache_hits_whole_mamba_blocks_less_the_drafters(capsys):
+    # the stand-in is faithful to run41: a 1,086-token prompt hit 512 tokens, a 1,020-token one none
+    import requests
+
+    with StandIn(*HYBRID_029, env={"STANDIN_MAMBA_BLOCK_SIZE": "512"}) as s:
+        for words, want in ((543, 512), (510, 0)):  # ~1,086 and ~1,020 tokens (two stand-in tokens a word)
+            prompt = " ".join(f"w{i}" for i in range(words))
+            n = requests.post(s.url + "/tokenize", json={"model": "qwen3.8-flash-next", "prompt": prompt}).json()["count"]
+            h0 = _hits(s.url)
+            for _ in range(2):
+                requests.post(s.url + "/v1/completions", json={"model": "qwen3.8-flash-next", "prompt": prompt,
+                                                               "max_tokens": 1}).raise_for_status()
+            assert _hits(s.url) - h0 == checks.reachable_hit(n, 512) == want, (words, n)
+
+
+def test_prefix_cache_sizes_its_prompt_to_a_hybrid_cache_block(capsys):
+    # prefill's 1,024-token goal reaches no 512-token block after the drafter's: the check sends its own
+    with StandIn(*HYBRID_029, env={"STANDIN_MAMBA_BLOCK_SIZE": "512"}) as s:
+        rc, report = flash_test(capsys, s.url, "--only", "prefill", "--only", "prefix_cache", "--only", "determinism")
+    by = {c["name"]: c for c in report["checks"]}
+    pc = by["prefix_cache"]
+    assert rc == 0 and pc["status"] == "pass", pc
+    assert pc["data"]["cache_block"] == 512 and pc["data"]["resized"] is True
+    assert pc["data"]["prompt_tokens"] >= 1537  # three whole blocks past the computed last token
+    assert pc["data"]["hits_after"] - pc["data"]["hits_before"] >= 1024
+    assert "cannot show a hit in 512-token cache blocks" in pc["detail"]
+    assert by["prefill"]["data"]["prompt_tokens"] < 1024
+    assert by["determinism"]["status"] == "pass"  # its cold-vs-hit pair is the resized prompt's
+
+
+def test_prefix_cache_on_a_plain_cache_keeps_prefills_prompt(capsys):
+    with StandIn("--max-model-len", "2048", "--block-size", "256") as s:
+        rc, report = flash_test(capsys, s.url, "--only", "prefill", "--only", "prefix_cache")
+    pc = {c["name"]: c for c in report["checks"]}["prefix_cache"]
+    assert rc == 0 and pc["status"] == "pass" and "resized" not in pc["data"] and pc["data"]["cache_block"] == 256
+
+
+def test_prefix_cache_skips_when_no_prompt_that_fits_can_show_a_hit(capsys):
+    with StandIn("--max-model-len", "1024", "--block-size", "256", env={"STANDIN_MAMBA_BLOCK_SIZE": "512"}) as s:
+        rc, report = flash_test(capsys, s.url, "--only", "prefix_cache")
+    pc = {c["name"]: c for c in report["checks"]}["prefix_cache"]
+    assert pc["status"] == "skip" and "blocks of 512 tokens" in pc["detail"] and "max_model_len is 1,024" in pc["detail"]
+
+
+def test_prefill_is_timed_after_an_untimed_warm_up_sharing_no_block(capsys):
+    with StandIn("--max-model-len", "4096", "--block-size", "16") as s:
+        rc, report = flash_test(capsys, s.url, "--only", "prefill")
+        hits = _hits(s.url)
+    pf = {c["name"]: c for c in report["checks"]}["prefill"]
+    assert rc == 0 and pf["status"] == "pass" and pf["data"]["warm_up_seconds"] > 0
+    assert "untimed warm-up" in pf["detail"]
+    assert hits == 0  # the warm-up's nonce goes first: the timed prompt is still cold
+
+
+def test_cache_block_reads_the_larger_block_and_ignores_an_unused_mamba_one():
+    def snap(**labels):
+        body = "vllm:cache_config_info{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "} 1.0\n"
+        return metrics.parse("# TYPE vllm:cache_config_info gauge\n" + body)
+
+    assert checks.cache_block(snap(block_size="8", mamba_block_size="512", mamba_cache_mode="align")) == 512
+    assert checks.cache_block(snap(block_size="256", mamba_block_size="None")) == 256
+    assert checks.cache_block(snap(block_size="16", mamba_block_size="512", mamba_cache_mode="none")) == 16
+    assert checks.cache_block(snap(enable_prefix_caching="True")) is None and checks.cache_block(None) is None
+    assert checks.reachable_hit(1086, 512) == 512 and checks.reachable_hit(1020, 512) == 0
+    goal = checks.hit_prompt_tokens(512, 0.5)
+    assert goal == 1792 and checks.reachable_hit(int(0.95 * goal), 512) >= 0.5 * goal
