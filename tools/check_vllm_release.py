@@ -278,6 +278,10 @@ PROBES = {
     "ple_fp8_modelopt": lambda read, names: any("ModelOptMixedPrecisionConfig" in (read(f"vllm/models/qwen4_exp/{d}/"
                                                                                           "ngram_embedding.py") or "")
                                                 for d in ("nvidia", "common")),
+    # EngineCore._initialize_kv_caches: min over the groups that take part in prefix caching (0.30+)
+    # or over every group (0.29: the QSA ring's block)
+    "block_size_prefix_groups": lambda read, names: ((read("vllm/v1/engine/core.py") or "").split(
+        "cache_config.block_size = min(", 1) + [""])[1].split()[:1] == ["participating"],
     "overhead_fitted": lambda read, names: False,  # a new release has not been calibrated on hardware
 }
 NOT_FROM_SOURCE = {"overhead_fitted": "not calibrated on this release",

@@ -34,6 +34,11 @@ CAPS: Mapping[str, tuple[tuple[object, ...], str]] = MappingProxyType({
                          "stock vLLM loads a ModelOpt checkpoint's fp8 PLE table (fp8 rows + weight_scale: "
                          "nvidia's and RadixArk's). 0.29 gates its fp8 method on Fp8Config and builds a bf16 "
                          "table with no weight_scale, so there the table loads only through patch 1"),
+    "block_size_prefix_groups": ((True, False),
+                                 "the engine's cache_config.block_size is the smallest block of the prefix-cacheable "
+                                 "KV groups (0.30+). 0.29 takes the smallest of all, the QSA raw-key ring's 8 tokens, "
+                                 "so stock seeds and aligns Mamba state at 8: patch 4 corrects it there and changes "
+                                 "greedy output (run41), so it is no output-neutral patch on that release"),
     "qsa_fp8_kv": (("patch", "native", None),
                    "fp8 KV cache on QSA layers: patch 7 ships it, vLLM has it, or neither"),
     "reasoning_effort_map": ((True, False),
@@ -94,14 +99,14 @@ def _release(version: str, torch: str, **caps: object) -> Release:
 
 _NEWER = dict(dockerfile="Dockerfile", ple_storage="storage", ring_state_bucket=True, overhead_fitted=False,
               spec_tokens_per_batch_size=True, spec_eagle_block_drop_flag=True, ple_hoisted=True,
-              ple_fp8_modelopt=True)
+              ple_fp8_modelopt=True, block_size_prefix_groups=True)
 
 # Oldest first. 0.29.0 is the first release with qwen4_exp.
 RELEASES: tuple[Release, ...] = (
     _release("0.29.0", "2.13.0", dockerfile="Dockerfile.v0.29", ple_storage="splitting-op", qsa_fp8_kv="patch",
              reasoning_effort_map=False, mamba_prefill_checkpoints=False, ring_state_bucket=False,
              overhead_fitted=True, spec_tokens_per_batch_size=True, spec_eagle_block_drop_flag=False,
-             ple_hoisted=False, ple_fp8_modelopt=False),
+             ple_hoisted=False, ple_fp8_modelopt=False, block_size_prefix_groups=False),
     _release("0.30.0", "2.13.0", **_NEWER, qsa_fp8_kv="patch", reasoning_effort_map=False,
              mamba_prefill_checkpoints=False),
     _release("0.31.0", "2.13.0", **_NEWER, qsa_fp8_kv="native", reasoning_effort_map=False,

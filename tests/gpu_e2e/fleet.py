@@ -108,9 +108,11 @@ class Server:
     container_env: tuple[str, ...] = ()
     expect: str = "healthy"           # healthy | refuse
     breaks: bool = False
-    # a neutral-probe server with patch 1 off: where stock vLLM cannot load the fp8 PLE table
-    # (ple_fp8_modelopt, 0.29) patch 1 stays on in it, so the baseline boots and the others still differ in one patch
-    p1_off_if_stock_loads: bool = False
+    # a neutral-probe server: a patch the base needs on (kept_on: patch 1 where stock cannot load the
+    # fp8 PLE table, patch 4 where it corrects stock's Mamba block; both 0.29) stays on in it, so the
+    # baseline boots and is right, and the others still differ from it in one patch
+    baseline: bool = False
+    force_off: tuple[int, ...] = ()   # ...except these, kept off even there (fix_p4's stock side)
 
 
 HX_CHUNK = 512  # --max-num-batched-tokens of the hoisted-mode servers
@@ -130,13 +132,18 @@ def _servers() -> dict[str, Server]:
     # default's: FULL_AND_PIECEWISE with the hoisted gather where the base serves it, else PIECEWISE).
     # The others stay at the recipe's default: with patch 2 (Mamba block size)
     # off the tiny model's state blocks do not fit a small memory share (measured on the H200).
-    out["probe-off"] = Server("probe-off", "a", words=("EXACT_TOPK=0", "DET_TOPK=0"),
-                              container_env=(_disable_all_but(None, NEUTRAL), "VLLM_PLE_MMAP=0"),
-                              p1_off_if_stock_loads=True)
+    off_env = (_disable_all_but(None, NEUTRAL), "VLLM_PLE_MMAP=0")
+    out["probe-off"] = Server("probe-off", "a", words=("EXACT_TOPK=0", "DET_TOPK=0"), container_env=off_env, baseline=True)
     for n in NEUTRAL:
         gate = {5: ("EXACT_TOPK=1", "DET_TOPK=0"), 8: ("EXACT_TOPK=0", "DET_TOPK=1")}.get(n, ("EXACT_TOPK=0", "DET_TOPK=0"))
         env = (_disable_all_but(n, NEUTRAL),) + (() if n == 1 else ("VLLM_PLE_MMAP=0",))
-        out[f"probe-p{n}"] = Server(f"probe-p{n}", "a", words=gate, container_env=env, p1_off_if_stock_loads=n != 1)
+        out[f"probe-p{n}"] = Server(f"probe-p{n}", "a", words=gate, container_env=env, baseline=True)
+    # where patch 4 corrects stock (fix_p4): the baseline without it, and the baseline with prefix
+    # caching off (no Mamba alignment nor seeding: the reference the correction must reproduce)
+    out["fix-no4"] = Server("fix-no4", "a", words=("EXACT_TOPK=0", "DET_TOPK=0"), container_env=off_env,
+                            baseline=True, force_off=(4,))
+    out["fix-nopc"] = Server("fix-nopc", "a", words=("EXACT_TOPK=0", "DET_TOPK=0", "PREFIX_CACHE=0"),
+                             container_env=off_env, baseline=True)
     out["broken-p1"] = Server("broken-p1", "a", expect="refuse", breaks=True)
     # patch 1's hoisted mode (issue 12): greedy token ids against the eager gather in one graph mode
     # (PIECEWISE), and against stock vLLM in FULL_AND_PIECEWISE; with MTP=2 (the recipe's) and
@@ -200,21 +207,39 @@ def _na_stock_ple(base: str) -> str | None:
         "a bf16 table without weight_scale), so there is no patch-1-off server to compare with")
 
 
+def _na_neutral(n: int) -> Callable[[str], str | None]:
+    """N/a where the plugin does not apply patch n, or where the neutral baseline keeps it on."""
+    return lambda base: _na_patch(n)(base) or kept_on(base).get(n)
+
+
 def _na_stock_side(base: str) -> str | None:
     """N/a for a comparison of patch 1 against stock vLLM's own PLE table."""
     return _na_patch(1)(base) or _na_stock_ple(base)
 
 
+def kept_on(base: str) -> dict[int, str]:
+    """Output-neutral patches a neutral baseline keeps on on `base`, and why (see Server.baseline)."""
+    out = {}
+    if _na_stock_ple(base):
+        out[1] = _na_stock_ple(base)
+    if not releases.has(base, "block_size_prefix_groups"):
+        out[4] = (f"patch 4 is not output-neutral on {base}: stock evaluates Mamba state and prefill alignment at "
+                  "the QSA ring's block (cache_config.block_size 8, not the Mamba block 512), patch 4 corrects it "
+                  "(run41), so the neutral baseline keeps it on; fix_p4 shows the correction")
+    return out
+
+
 def container_env(server: Server, base: str) -> tuple[str, ...]:
-    """The server's container env on `base`: patch 1 kept on where a baseline needs it (see Server)."""
-    if not server.p1_off_if_stock_loads or releases.has(base, "ple_fp8_modelopt"):
+    """The server's container env on `base`: kept_on(base) patches on where a baseline needs them (see Server)."""
+    keep = {n for n in kept_on(base) if n not in server.force_off} if server.baseline else set()
+    if not keep:
         return server.container_env
     out = []
     for e in server.container_env:
-        if e == "VLLM_PLE_MMAP=0":
+        if e == "VLLM_PLE_MMAP=0" and 1 in keep:
             continue
         if e.startswith("FLASH_DISABLE_PATCHES="):
-            e = "FLASH_DISABLE_PATCHES=" + ",".join(n for n in e.split("=", 1)[1].split(",") if n != "1")
+            e = "FLASH_DISABLE_PATCHES=" + ",".join(n for n in e.split("=", 1)[1].split(",") if int(n) not in keep)
         out.append(e)
     return tuple(out)
 
@@ -252,14 +277,21 @@ def _scenarios() -> dict[str, Scenario]:
                            solo=True))
     for n in NEUTRAL:
         sc.append(Scenario(f"probe_p{n}", ("probe-off", f"probe-p{n}"), f"greedy probe, patch {n} back on vs the neutral-off baseline "
-                           "(1,3,4,5,8,13 off; 1 stays on where stock cannot load the PLE table): byte-identical",
+                           "(1,3,4,5,8,13 off; kept_on(base) stay on: 1 where stock cannot load the PLE table, 4 where "
+                           "it corrects stock): byte-identical",
                            lambda ctx, n=n: check_probe(ctx, "probe-off", f"probe-p{n}"),
-                           na=_na_stock_side if n == 1 else _na_patch(n)))
+                           na=_na_stock_side if n == 1 else _na_neutral(n)))
+    sc.append(Scenario("fix_p4", ("probe-off", "fix-nopc", "fix-no4"), "where patch 4 corrects stock (0.29): greedy "
+                       "probe with it (the neutral baseline) equals prefix caching off (no Mamba alignment nor seed); "
+                       "stock's (patch 4 off) is recorded against the same reference",
+                       lambda ctx: check_fix(ctx, "probe-off", "fix-nopc", "fix-no4"),
+                       na=lambda base: _na_patch(4)(base) or (None if 4 in kept_on(base) else
+                                                              f"patch 4 is output-neutral on {base}: probe_p4 covers it")))
     sc.append(Scenario("prefix_hit_a", ("a-default",), f"a greedy prompt of {PREFIX_HIT_BLOCKS} KV blocks (sized with the "
                        "server's /tokenize) twice: hits registered, the hit run equals the cold one",
                        lambda ctx: check_prefix_hit(ctx, "a-default")))
-    sc.append(Scenario("prefix_hit_off", ("probe-off",), "the same with the output-neutral patches off (is a difference ours?; patch 1 "
-                       "stays on where stock cannot load the PLE table)",
+    sc.append(Scenario("prefix_hit_off", ("probe-off",), "the same with the output-neutral patches off (is a difference ours?; kept_on(base) "
+                       "stay on)",
                        lambda ctx: check_prefix_hit(ctx, "probe-off")))
     sc.append(Scenario("ple_memory", ("probe-p1", "probe-off"), "GPU memory and pinned bytes with/without patch 1 "
                        "(the two differ in patch 1 only); vllm:ple_mmap_* counters move",
@@ -786,6 +818,24 @@ def check_probe(ctx: Context, off: str, on: str) -> dict:
         a = _PROBES[off]
     b = _probe(ctx, on, on)
     return _diff(ctx, a, b)
+
+
+def check_fix(ctx: Context, fixed: str, reference: str, stock: str) -> dict:
+    """A patch that corrects stock vLLM on this base: with it, greedy output equals a server that avoids
+    the bug another way (`reference`); stock's output against the same reference is recorded, not
+    asserted (these five prompts may or may not meet the bug)."""
+    with _PROBE_LOCK:
+        if fixed not in _PROBES:
+            _PROBES[fixed] = _probe(ctx, fixed, fixed)
+        a = _PROBES[fixed]
+    ref, st = _probe(ctx, reference, reference), _probe(ctx, stock, stock)
+    texts = [[r["text"] for r in json.loads(p.read_text())["results"]] for p in (ref, st)]
+    stock_differs = [i + 1 for i, (x, y) in enumerate(zip(*texts)) if x != y]
+    try:
+        out = _diff(ctx, ref, a)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc} (stock differs from the reference on prompts {stock_differs})") from None
+    return {**out, "stock_differs_on_prompts": stock_differs}
 
 
 def _greedy(ctx: Context, name: str) -> Path:

@@ -34,7 +34,8 @@ def planned(tmp_path_factory):
 
 def test_every_server_is_the_default_profiles_runspec(planned):
     ctx, _, specs = planned
-    assert set(specs) == set(fleet.SERVERS)
+    # all but fix_p4's two (n/a on v0.33: patch 4 is output-neutral there, probe_p4 covers it)
+    assert set(specs) == set(fleet.SERVERS) - {"fix-no4", "fix-nopc"}
     ports = [s["port"] for s in specs.values()]
     assert len(set(ports)) == len(ports)
     for name, s in specs.items():
@@ -181,8 +182,8 @@ def test_selection_is_pytest_like():
     names = lambda e: [s.name for s in fleet.select(e)]  # noqa: E731
     assert names("probe and not p13") == [f"probe_p{n}" for n in fleet.NEUTRAL if n != 13]
     assert names("boot_a or broken") == ["boot_a", "broken_patch_p1"]
-    # + prefix_hit_a/off, ple_memory, diag_ple_ids, broken_patch_p1, 3 hoist_exact
-    assert len(names(None)) == len(fleet.SCENARIOS) == 3 * 3 + len(fleet.NEUTRAL) + 6 + 3
+    # + prefix_hit_a/off, ple_memory, ple_memory_p1, diag_ple_ids, broken_patch_p1, fix_p4, 3 hoist_exact
+    assert len(names(None)) == len(fleet.SCENARIOS) == 3 * 3 + len(fleet.NEUTRAL) + 7 + 3
 
 
 def test_plugin_site_declares_our_entry_point(planned):
@@ -551,20 +552,33 @@ def planned_v029(tmp_path_factory):
 def test_v029_plan_renders_every_server_on_v029(planned_v029):
     ctx, specs = planned_v029
     # no hoisted-mode server (their scenarios are n/a), no diagnosis pair (0.30+'s --engram-config),
-    # no probe-p1 (below)
-    assert set(specs) == set(fleet.SERVERS) - {n for n in fleet.SERVERS if n.startswith(("hx", "diag"))} - {"probe-p1"}
+    # no probe-p1 nor probe-p4 (below)
+    assert set(specs) == set(fleet.SERVERS) - {n for n in fleet.SERVERS if n.startswith(("hx", "diag"))} - {
+        "probe-p1", "probe-p4"}
     # stock 0.29 cannot load the fp8 PLE table (run40: no weight_scale parameter), so the neutral
-    # baseline keeps patch 1 on and nothing compares patch 1 against stock there (probe_p1, ple_memory n/a)
-    assert {n for n in specs if n.startswith(("probe", "broken"))} == {
-        "probe-off", "broken-p1", *(f"probe-p{n}" for n in fleet.NEUTRAL if n != 1)}
+    # baseline keeps patch 1 on and nothing compares patch 1 against stock there (probe_p1, ple_memory n/a);
+    # patch 4 corrects stock 0.29's Mamba block (run41), so the baseline keeps it on too and fix_p4 runs
+    assert fleet.kept_on("v0.29").keys() == {1, 4} and fleet.kept_on("v0.33") == {}
+    assert {n for n in specs if n.startswith(("probe", "broken", "fix"))} == {
+        "probe-off", "broken-p1", "fix-no4", "fix-nopc", *(f"probe-p{n}" for n in fleet.NEUTRAL if n not in (1, 4))}
     na = fleet.not_applicable(fleet.select(None), "v0.29")
     assert {n for n, why in na.items() if "cannot load the checkpoints' fp8 PLE table" in why} == {"probe_p1", "ple_memory"}
-    assert fleet.not_applicable(fleet.select(None), "v0.33") == {"ple_memory_p1": "ple_memory covers it on v0.33, against stock"}
+    assert na["probe_p4"].startswith("patch 4 is not output-neutral on v0.29")
+    assert fleet.not_applicable(fleet.select(None), "v0.33") == {
+        "ple_memory_p1": "ple_memory covers it on v0.33, against stock", "fix_p4": FIX4_NA}
+    # fix_p4: the baseline (patch 4 on) vs prefix caching off vs patch 4 off, nothing else between them
+    off = specs["probe-off"]
+    for name, disabled, caching in (("fix-nopc", "3,5,8,13", "--no-enable-prefix-caching"),
+                                    ("fix-no4", "3,4,5,8,13", "--enable-prefix-caching")):
+        assert specs[name]["spec_env"]["FLASH_DISABLE_PATCHES"] == disabled and caching in specs[name]["argv"]
+        assert {k: v for k, v in specs[name]["spec_env"].items() if k != "FLASH_DISABLE_PATCHES"} == {
+            k: v for k, v in off["spec_env"].items() if k != "FLASH_DISABLE_PATCHES"}
+    assert "--enable-prefix-caching" in off["argv"] and off["spec_env"]["FLASH_DISABLE_PATCHES"] == "3,5,8,13"
     # the patch-1 side of ple_memory still runs there, on the default recipe's server
     assert "ple_memory_p1" in {sc.name for sc in fleet.applicable(fleet.select(None), "v0.29")}
-    for name in ("probe-off", *(f"probe-p{n}" for n in fleet.NEUTRAL if n != 1)):
+    for name in ("probe-off", *(f"probe-p{n}" for n in fleet.NEUTRAL if n not in (1, 4))):
         env = specs[name]["spec_env"]
-        assert env.get("VLLM_PLE_MMAP") != "0" and "1" not in env["FLASH_DISABLE_PATCHES"].split(","), (name, env)
+        assert env.get("VLLM_PLE_MMAP") != "0" and not {"1", "4"} & set(env["FLASH_DISABLE_PATCHES"].split(",")), (name, env)
     for name in ("probe-p3", "probe-p8"):  # each baseline + one patch: they still differ in exactly that patch
         off = set(specs["probe-off"]["spec_env"]["FLASH_DISABLE_PATCHES"].split(","))
         assert off - set(specs[name]["spec_env"]["FLASH_DISABLE_PATCHES"].split(",")) == {name[-1]}
@@ -588,19 +602,23 @@ def test_v029_plan_renders_every_server_on_v029(planned_v029):
     assert fleet.breaker("v0.29")["patch"] == 1 and fleet.breaker("v0.33")["module"].endswith(".ngram_embedding")
 
 
+FIX4_NA = "patch 4 is output-neutral on v0.33: probe_p4 covers it"
 STOCK_PLE_NA = ("stock vLLM on v0.29 cannot load the checkpoints' fp8 PLE table (its fp8 method is gated on "
                 "Fp8Config: a bf16 table without weight_scale), so there is no patch-1-off server to compare with")
 
 
 def test_scenarios_not_applicable_per_base():
     every = fleet.select(None)
-    assert fleet.not_applicable(every, "v0.33") == {"ple_memory_p1": "ple_memory covers it on v0.33, against stock"}
+    assert fleet.not_applicable(every, "v0.33") == {"ple_memory_p1": "ple_memory covers it on v0.33, against stock",
+                                                    "fix_p4": FIX4_NA}
     assert fleet.not_applicable(every, "v0.29") == {
         "hoist_exact_pw": HOIST_NA, "hoist_exact_pw_nomtp": HOIST_NA, "hoist_exact_full": HOIST_NA,
         "diag_ple_ids": "--engram-config (stock PLE storage classes) does not exist on v0.29",
-        "probe_p1": STOCK_PLE_NA, "ple_memory": STOCK_PLE_NA}
-    # the output-neutral patches all apply on v0.29 (the plugin's registry): every probe but patch 1's runs
-    assert {s.name for s in fleet.applicable(every, "v0.29")} >= {f"probe_p{n}" for n in fleet.NEUTRAL if n != 1}
+        "probe_p1": STOCK_PLE_NA, "ple_memory": STOCK_PLE_NA, "probe_p4": fleet.kept_on("v0.29")[4]}
+    # the output-neutral patches all apply on v0.29 (the plugin's registry): every probe but patch 1's
+    # and patch 4's runs (the baseline keeps those on), and fix_p4 shows patch 4's correction
+    assert {s.name for s in fleet.applicable(every, "v0.29")} >= {f"probe_p{n}" for n in fleet.NEUTRAL if n not in (1, 4)} | {
+        "fix_p4"}
     # a patch the registry does not apply on a base: its reason comes from the registry's status
     assert fleet._na_patch(12)("v0.33") == "patch 12 (effort-alias) is upstream on v0.33: the plugin applies no code"
     assert fleet._na_patch(12)("v0.29") is None
@@ -624,9 +642,9 @@ def test_a_probe_is_na_where_the_registry_does_not_apply_its_patch(planned_v029,
     monkeypatch.setattr(registry, "by_number", lambda n: NotPorted if n == 13 else real(n))
     na = fleet.not_applicable(fleet.select("probe"), "v0.29")
     assert na == {"probe_p13": "patch 13 (tool-marker-guard) is not-ported on v0.29: the plugin applies no code",
-                  "probe_p1": STOCK_PLE_NA}
+                  "probe_p1": STOCK_PLE_NA, "probe_p4": fleet.kept_on("v0.29")[4]}
     assert [s["server"] for s in fleet.plan(ctx, fleet.select("probe"))] == [
-        "probe-off", *(f"probe-p{n}" for n in fleet.NEUTRAL if n not in (1, 13))]
+        "probe-off", *(f"probe-p{n}" for n in fleet.NEUTRAL if n not in (1, 4, 13))]
     assert fleet.not_applicable(fleet.select("probe"), "v0.33") == {}
 
 
@@ -668,15 +686,18 @@ def test_v029_dry_run_prints_the_base_and_the_na_scenarios(tmp_path):
 
 def test_rehearsal_on_v029_reports_na_and_boots_only_what_applies(tmp_path):
     """The run path on CPU with a stand-in `vllm` 0.29.0: the base is read from it, hoist_exact_full
-    is N/A (reason in results.json and summary.txt, not a pass), only probe-off boots, PIECEWISE."""
+    is N/A (reason in results.json and summary.txt, not a pass), PIECEWISE; fix_p4 compares the
+    baseline with prefix caching off; the stand-in keeps 0.29's hybrid cache (Mamba blocks of 512 less
+    the drafter's, STANDIN_MAMBA_BLOCK_SIZE), so flash test's prefix_cache must size its own prompt."""
     fake = _standin_vllm(tmp_path, "0.29.0")
     out = tmp_path / "out"
     env = {**os.environ, "FLASH_E2E_CUDA_CHECK": "0", "PYTHONPATH": str(fake), "FLASH_E2E_PYTHON": sys.executable,
            "FLASH_E2E_WORK": str(tmp_path / "work"), "FLASH_E2E_OUT": str(out), "STANDIN_BOOT_SECONDS": "1",
-           "FLASH_E2E_PORT": "18660", "STANDIN_TOKEN_CHARS": "3"}
+           "FLASH_E2E_PORT": "18660", "STANDIN_TOKEN_CHARS": "3", "STANDIN_MAMBA_BLOCK_SIZE": "512"}
     for k in ("FLASH_E2E_DRY", "FLASH_E2E_BASE"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, str(FLEET), "run", "-k", "hoist_exact_full or prefix_hit_off or ple_memory"],
+    proc = subprocess.run([sys.executable, str(FLEET), "run", "-k",
+                           "hoist_exact_full or prefix_hit_off or ple_memory or fix_p4 or flash_test_a"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
@@ -688,10 +709,14 @@ def test_rehearsal_on_v029_reports_na_and_boots_only_what_applies(tmp_path):
     one = res["scenarios"]["ple_memory_p1"]
     assert one["ok"] is True and list(one["result"]["patch1_table"]) == ["a-default"], one
     assert res["not_applicable"] == {"hoist_exact_full": HOIST_NA, "ple_memory": STOCK_PLE_NA}
-    assert sorted(res["servers"]) == ["a-default", "probe-off"]
+    assert sorted(res["servers"]) == ["a-default", "fix-no4", "fix-nopc", "probe-off"]
+    fix = res["scenarios"]["fix_p4"]
+    assert fix["ok"] is True and fix["result"]["identical"] and fix["result"]["stock_differs_on_prompts"] == [], fix
+    checks = {c["name"]: c for c in res["scenarios"]["flash_test_a"]["result"]["checks"]}
+    assert checks["prefix_cache"]["data"]["cache_block"] == 512 and checks["prefix_cache"]["data"]["resized"], checks
     summary = (out / "summary.txt").read_text().splitlines()
     assert summary[0].startswith("gpu-e2e on base v0.29 (vLLM 0.29.0) at commit ")
-    assert summary[0].endswith(": 2/2 scenarios passed, 2 n/a")
+    assert summary[0].endswith(": 4/4 scenarios passed, 2 n/a")
     assert f"N/A hoist_exact_full: {HOIST_NA}" in summary
     log = (tmp_path / "work" / "logs" / "probe-off.log").read_text().splitlines()[0]
     assert """--compilation-config '{"cudagraph_mode":"PIECEWISE"}'""" in log

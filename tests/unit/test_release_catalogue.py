@@ -170,6 +170,8 @@ def test_propose_reads_capabilities_from_source_markers():
         "vllm/models/qwen4_exp/nvidia/model_state.py": "    def prepare_inputs(\n",
         "vllm/config/speculative.py": "    disable_eagle_block_drop: bool = False\n"
                                       "    num_speculative_tokens_per_batch_size: list | None = None\n",
+        "vllm/v1/engine/core.py": "            vllm_config.cache_config.block_size = min(\n"
+                                  "                participating\n                if participating\n",
     }
     caps, entry = _tool().propose_from("0.34.0", "2.15.0", files.get, set(files))
     assert caps == {**releases.get("v0.33").caps, "overhead_fitted": False}
@@ -181,6 +183,10 @@ def test_propose_reads_capabilities_from_source_markers():
     assert caps["spec_tokens_per_batch_size"] and caps["spec_eagle_block_drop_flag"]
     assert not caps["ple_hoisted"]  # no storage flavour, no hoisted mode
     assert not caps["ple_fp8_modelopt"]  # 0.29's gate: the fp8 table only under Fp8Config
+    assert caps["block_size_prefix_groups"]
+    every_group = dict(files, **{"vllm/v1/engine/core.py": "cache_config.block_size = min(\n"
+                                 "    g.kv_cache_spec.block_size for g in kv_cache_groups\n)\n# participating later"})
+    assert not _tool().propose_from("0.34.0", "2.15.0", every_group.get, set(every_group))[0]["block_size_prefix_groups"]
     old_spec = dict(files, **{"vllm/config/speculative.py": "    num_speculative_tokens_per_batch_size: list\n"})
     caps, _ = _tool().propose_from("0.34.0", "2.15.0", old_spec.get, set(old_spec))
     assert caps["spec_tokens_per_batch_size"] and not caps["spec_eagle_block_drop_flag"]

@@ -23,8 +23,9 @@ function of the scores alone: the same set and order on every call, batch and gr
 min(k, visible) distinct columns in ascending order, then -1).
 
 Ties are broken by column and compared by bit pattern (-0.0 ranks below +0.0; the stock kernels
-and torch.topk make no promise on ties). Order differs from `torch.topk(sorted=True)` (score
-order); `expand_qsa_block_indices_cuda` and the sparse attention treat the selection as a set.
+and torch.topk make no promise on ties). The exact path writes the same ascending order: the
+sparse attention's bf16 rounding follows the selection's order (score order changed greedy output
+on 0.29, run41), so only equal sets in equal order give equal bits.
 
 No host sync and fixed launch shapes: capturable in a CUDA graph. Imported only when
 VLLM_QSA_DET_TOPK=radix or =repair (it needs Triton, which the vLLM image has); the unit tier runs

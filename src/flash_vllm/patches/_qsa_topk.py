@@ -69,10 +69,15 @@ def _kernel(hook_mode: str | None):
 
 
 def exact_block_topk(logits, visible_blocks, block_indices, block_topk: int, columns: int) -> None:
-    """`block_indices[r] =` the top `block_topk` columns of `logits[r, :visible_blocks[r]]`.
+    """`block_indices[r] =` the top `block_topk` columns of `logits[r, :visible_blocks[r]]`, in
+    ascending column order.
 
     Slots past `min(block_topk, visible)` get -1. `logits` is the indexer's scratch buffer whose
-    columns >= visible were never written, so it is masked in place.
+    columns >= visible were never written, so it is masked in place. The order is not cosmetic: the
+    sparse attention adds the selected blocks in this order and its bf16 rounding follows it, so a
+    score-ordered selection of the very same set changed greedy output on vLLM 0.29 (run41's
+    probe_p5). Ascending is what the stock kernels write when every visible block is selected (their
+    `visible <= k` shortcut) and what radix/repair write always: equal sets give equal bits.
     """
     import torch
 
@@ -84,8 +89,10 @@ def exact_block_topk(logits, visible_blocks, block_indices, block_topk: int, col
     visible = visible_blocks.view(-1, 1).to(torch.int64)
     cols = torch.arange(columns, device=logits.device).view(1, -1)
     scores.masked_fill_(cols >= visible, float("-inf"))
-    _, idx = torch.topk(scores, k, dim=1, largest=True, sorted=True)
-    idx = torch.where(idx < visible, idx, torch.full_like(idx, -1))
+    _, idx = torch.topk(scores, k, dim=1, largest=True, sorted=False)
+    last = torch.full_like(idx, columns)  # sorts after every real column, then becomes -1
+    idx = torch.sort(torch.where(idx < visible, idx, last), dim=1).values
+    idx = torch.where(idx < columns, idx, torch.full_like(idx, -1))
     block_indices[:, :k].copy_(idx.to(block_indices.dtype))
     if k < block_indices.shape[1]:
         block_indices[:, k:].fill_(-1)

@@ -111,7 +111,8 @@ PATCH = Patch(
     why=("0.29 shrinks cache_config.block_size to the QSA ring's 4/8 tokens; the Mamba state "
          "seed then reads the null block (all-zero state on a prefix hit) and prefill chunks align "
          "to 4/8 tokens. Evaluated at mamba_block_size; a safety on 0.30+ (identity when the sizes "
-         "agree). Logs both sizes at boot."),
+         "agree). Logs both sizes at boot. On 0.29 it changes greedy output: a correction, not a "
+         "neutral patch there (run41; the gpu-e2e tier's fix_p4)."),
     upstream="0.30 core.py (min over prefix-cacheable groups); 0.32 mamba_hybrid.add_request",
     gate=Gate.always("always on (identity when block sizes agree)"),
     targets=tuple(f"{m}:{q}" for m, q in (SCHED, STATE, CORE)),

@@ -13,8 +13,10 @@ PATCH = Patch(
     title="Exact QSA block top-k",
     why=("The stock `persistent_topk` can drop top-k candidates when many scores share a coarse "
          "histogram bin (vllm#51782), so QSA may attend to the wrong blocks. Mode 1 selects the "
-         "blocks with `torch.topk` over the visible columns only; `fill` masks the never-written "
-         "columns and keeps the stock kernel (diagnostic)."),
+         "blocks with `torch.topk` over the visible columns only, written in ascending block order "
+         "(the stock kernels' order when every visible block is chosen: the attention's rounding "
+         "follows the order, run41); `fill` masks the never-written columns and keeps the stock "
+         "kernel (diagnostic)."),
     upstream="vllm#51782 (open); vLLM's `sparse_indexer_topk_backend` reaches only the DSA indexer",
     gate=Gate("VLLM_QSA_EXACT_TOPK", "VLLM_QSA_EXACT_TOPK=1|fill",
               lambda e: e.get("VLLM_QSA_EXACT_TOPK", "").strip().lower() in

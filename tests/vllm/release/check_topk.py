@@ -30,6 +30,11 @@ def _check_rows(blocks: torch.Tensor, logits: torch.Tensor):
         chosen = [c for c in row if c >= 0]
         assert len(chosen) == k and row[k:] == [-1] * (BLOCK_TOPK - k)
         assert all(c < v for c in chosen), "selected an invisible column"
+        # ascending column order, as stock's kernels write it when every visible block is chosen (and
+        # radix always): the attention's rounding follows the order (score order: run41's probe_p5)
+        assert chosen == sorted(chosen), f"row {r}: not in ascending column order: {chosen}"
+        if v <= BLOCK_TOPK:
+            assert chosen == list(range(v))
         if k:
             ref = torch.topk(logits[r, :v], k).indices.tolist()
             assert sorted(chosen) == sorted(ref)
