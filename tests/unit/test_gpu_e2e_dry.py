@@ -481,6 +481,9 @@ def test_boot_waves_start_when_the_previous_wave_is_up_or_dead(monkeypatch, tmp_
         assert min(launched_at[s] for s in later) > max(done_at[s] for s in earlier), order
     assert [p.spec["wave"] for p in procs.values() if "wave" in p.spec] == [0, 0, 0, 1, 1, 1]
     assert fleet.waves(specs, 4) == [specs[:4], specs[4:6]]
+    # a boot expected to refuse goes first: it ends in seconds (run41's broken-p1, launched last, was cut)
+    broken = {"server": "broken", "solo": False, "expect": "refuse"}
+    assert fleet.waves(specs + [broken], 4) == [[broken] + specs[:3], specs[3:6]]
 
 
 def test_boot_wave_setting_is_checked_and_the_plan_shows_the_waves(monkeypatch, tmp_path):
