@@ -96,6 +96,8 @@ PREFIX_LOGPROB_TOL = 1e-4  # as `flash probe --diff`
 PREFIX_HIT_BLOCKS = 4   # the prefix-hit prompt: this many full KV blocks (vLLM caches whole blocks only)
 BOOT_STAGGER_S = 2.0    # between launches inside a boot wave
 POLL_S = 2.0            # health polling period while a wave boots
+HARNESS_SITE = ROOT / "tests" / "gpu_e2e" / "harness_site"  # modules the servers import (not the fleet)
+TRITON_CACHE_MANAGER = "flash_e2e_triton_cache:SharedFileCacheManager"
 
 
 # --- servers -----------------------------------------------------------------------------------
@@ -448,10 +450,6 @@ def render(ctx: Context, server: Server, index: int, solo: bool = False) -> dict
             "url": f"http://127.0.0.1:{port}", "port": port, "model": r.settings["SERVED_MODEL_NAME"],
             "unmapped_mounts": [f"{m.kind}:{m.target}" for m in unmapped],
             "preflight": [str(p) for p in preflight.recipe(r.settings)], "warnings": list(spec.warnings)}
-
-
-HARNESS_SITE = ROOT / "tests" / "gpu_e2e" / "harness_site"  # modules the servers import (not the fleet)
-TRITON_CACHE_MANAGER = "flash_e2e_triton_cache:SharedFileCacheManager"
 
 
 def plugin_site(ctx: Context) -> Path:
@@ -812,23 +810,23 @@ _PROBE_LOCK = threading.Lock()
 _PROBES: dict[str, Path] = {}
 
 
+def _shared_probe(ctx: Context, name: str) -> Path:
+    """The baseline's probe, taken once and shared by every comparison with it."""
+    with _PROBE_LOCK:
+        if name not in _PROBES:
+            _PROBES[name] = _probe(ctx, name, name)
+        return _PROBES[name]
+
+
 def check_probe(ctx: Context, off: str, on: str) -> dict:
-    with _PROBE_LOCK:  # the all-off probe is taken once and shared by every patch's comparison
-        if off not in _PROBES:
-            _PROBES[off] = _probe(ctx, off, off)
-        a = _PROBES[off]
-    b = _probe(ctx, on, on)
-    return _diff(ctx, a, b)
+    return _diff(ctx, _shared_probe(ctx, off), _probe(ctx, on, on))
 
 
 def check_fix(ctx: Context, fixed: str, reference: str, stock: str) -> dict:
     """A patch that corrects stock vLLM on this base: with it, greedy output equals a server that avoids
     the bug another way (`reference`); stock's output against the same reference is recorded, not
     asserted (these five prompts may or may not meet the bug)."""
-    with _PROBE_LOCK:
-        if fixed not in _PROBES:
-            _PROBES[fixed] = _probe(ctx, fixed, fixed)
-        a = _PROBES[fixed]
+    a = _shared_probe(ctx, fixed)
     ref, st = _probe(ctx, reference, reference), _probe(ctx, stock, stock)
     texts = [[r["text"] for r in json.loads(p.read_text())["results"]] for p in (ref, st)]
     stock_differs = [i + 1 for i, (x, y) in enumerate(zip(*texts)) if x != y]
