@@ -414,7 +414,8 @@ def test_prefix_cache_sizes_its_prompt_to_a_hybrid_cache_block(capsys):
     assert pc["data"]["prompt_tokens"] >= 1537  # three whole blocks past the computed last token
     assert pc["data"]["hits_after"] - pc["data"]["hits_before"] >= 1024
     assert "cannot show a hit in 512-token cache blocks" in pc["detail"]
-    assert by["prefill"]["data"]["prompt_tokens"] < 1024
+    assert by["prefill"]["data"]["prompt_tokens"] <= 1024  # at most the goal (the nonce's tokens vary)
+    assert checks.reachable_hit(by["prefill"]["data"]["prompt_tokens"], 512) == 0
     assert by["determinism"]["status"] == "pass"  # its cold-vs-hit pair is the resized prompt's
 
 
