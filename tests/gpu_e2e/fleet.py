@@ -107,7 +107,8 @@ class Server:
     name: str
     fixture: str                      # a | b | c (tests/fakes/tiny_model.py)
     words: tuple[str, ...] = ()       # extra settings K=V
-    container_env: tuple[str, ...] = ()
+    container_env: tuple[str, ...] = ()  # env beyond the patch switches below
+    disable: tuple[int, ...] = ()     # patches off: FLASH_DISABLE_PATCHES (patch 1 also VLLM_PLE_MMAP=0)
     expect: str = "healthy"           # healthy | refuse
     breaks: bool = False
     # a neutral-probe server: a patch the base needs on (kept_on: patch 1 where stock cannot load the
@@ -124,8 +125,8 @@ def _graphs(mode: str) -> str:
     return "COMPILE_FLAGS=--compilation-config " + shlex.quote(json.dumps({"cudagraph_mode": mode}, separators=(",", ":")))
 
 
-def _disable_all_but(keep: int | None, among: tuple[int, ...] = ALL_PATCHES) -> str:
-    return "FLASH_DISABLE_PATCHES=" + ",".join(str(n) for n in among if n != keep)
+def _all_but(keep: int | None, among: tuple[int, ...] = ALL_PATCHES) -> tuple[int, ...]:
+    return tuple(n for n in among if n != keep)
 
 
 def _servers() -> dict[str, Server]:
@@ -134,18 +135,16 @@ def _servers() -> dict[str, Server]:
     # default's: FULL_AND_PIECEWISE with the hoisted gather where the base serves it, else PIECEWISE).
     # The others stay at the recipe's default: with patch 2 (Mamba block size)
     # off the tiny model's state blocks do not fit a small memory share (measured on the H200).
-    off_env = (_disable_all_but(None, NEUTRAL), "VLLM_PLE_MMAP=0")
-    out["probe-off"] = Server("probe-off", "a", words=("EXACT_TOPK=0", "DET_TOPK=0"), container_env=off_env, baseline=True)
+    out["probe-off"] = Server("probe-off", "a", words=("EXACT_TOPK=0", "DET_TOPK=0"), disable=NEUTRAL, baseline=True)
     for n in NEUTRAL:
         gate = {5: ("EXACT_TOPK=1", "DET_TOPK=0"), 8: ("EXACT_TOPK=0", "DET_TOPK=1")}.get(n, ("EXACT_TOPK=0", "DET_TOPK=0"))
-        env = (_disable_all_but(n, NEUTRAL),) + (() if n == 1 else ("VLLM_PLE_MMAP=0",))
-        out[f"probe-p{n}"] = Server(f"probe-p{n}", "a", words=gate, container_env=env, baseline=True)
+        out[f"probe-p{n}"] = Server(f"probe-p{n}", "a", words=gate, disable=_all_but(n, NEUTRAL), baseline=True)
     # where patch 4 corrects stock (fix_p4): the baseline without it, and the baseline with prefix
     # caching off (no Mamba alignment nor seeding: the reference the correction must reproduce)
-    out["fix-no4"] = Server("fix-no4", "a", words=("EXACT_TOPK=0", "DET_TOPK=0"), container_env=off_env,
+    out["fix-no4"] = Server("fix-no4", "a", words=("EXACT_TOPK=0", "DET_TOPK=0"), disable=NEUTRAL,
                             baseline=True, force_off=(4,))
     out["fix-nopc"] = Server("fix-nopc", "a", words=("EXACT_TOPK=0", "DET_TOPK=0", "PREFIX_CACHE=0"),
-                             container_env=off_env, baseline=True)
+                             disable=NEUTRAL, baseline=True)
     out["broken-p1"] = Server("broken-p1", "a", expect="refuse", breaks=True)
     # patch 1's hoisted mode (issue 12): greedy token ids against the eager gather in one graph mode
     # (PIECEWISE), and against stock vLLM in FULL_AND_PIECEWISE; with MTP=2 (the recipe's) and
@@ -163,7 +162,7 @@ def _servers() -> dict[str, Server]:
     out["diag-p1"] = Server("diag-p1", "a", container_env=("VLLM_PLE_MMAP_DEBUG=1",))
     out["diag-stockdev"] = Server("diag-stockdev", "a", words=(
         "EXACT_TOPK=0", "DET_TOPK=0", f"EXTRA={TINY_EXTRA} --engram-config '{{\"cpu_offload\":false}}'"),
-        container_env=(_disable_all_but(None), "VLLM_PLE_MMAP=0"))
+        disable=ALL_PATCHES)
     return out
 
 
@@ -222,8 +221,8 @@ def _na_stock_side(base: str) -> str | None:
 def kept_on(base: str) -> dict[int, str]:
     """Output-neutral patches a neutral baseline keeps on on `base`, and why (see Server.baseline)."""
     out = {}
-    if _na_stock_ple(base):
-        out[1] = _na_stock_ple(base)
+    if why := _na_stock_ple(base):
+        out[1] = why
     if not releases.has(base, "block_size_prefix_groups"):
         out[4] = (f"patch 4 is not output-neutral on {base}: stock evaluates Mamba state and prefill alignment at "
                   "the QSA ring's block (cache_config.block_size 8, not the Mamba block 512), patch 4 corrects it "
@@ -232,18 +231,12 @@ def kept_on(base: str) -> dict[int, str]:
 
 
 def container_env(server: Server, base: str) -> tuple[str, ...]:
-    """The server's container env on `base`: kept_on(base) patches on where a baseline needs them (see Server)."""
+    """The server's container env on `base`: its patch switches, less the kept_on(base) patches where a
+    baseline needs them on (see Server), then its other env."""
     keep = {n for n in kept_on(base) if n not in server.force_off} if server.baseline else set()
-    if not keep:
-        return server.container_env
-    out = []
-    for e in server.container_env:
-        if e == "VLLM_PLE_MMAP=0" and 1 in keep:
-            continue
-        if e.startswith("FLASH_DISABLE_PATCHES="):
-            e = "FLASH_DISABLE_PATCHES=" + ",".join(n for n in e.split("=", 1)[1].split(",") if int(n) not in keep)
-        out.append(e)
-    return tuple(out)
+    off = [n for n in server.disable if n not in keep]
+    switches = (f"FLASH_DISABLE_PATCHES={','.join(map(str, off))}",) if server.disable else ()
+    return switches + (("VLLM_PLE_MMAP=0",) if 1 in off else ()) + server.container_env
 
 
 def _na_broken(base: str) -> str | None:
@@ -282,7 +275,7 @@ def _scenarios() -> dict[str, Scenario]:
                            "(1,3,4,5,8,13 off; kept_on(base) stay on: 1 where stock cannot load the PLE table, 4 where "
                            "it corrects stock): byte-identical",
                            lambda ctx, n=n: check_probe(ctx, "probe-off", f"probe-p{n}"),
-                           na=_na_stock_side if n == 1 else _na_neutral(n)))
+                           na=_na_neutral(n)))
     sc.append(Scenario("fix_p4", ("probe-off", "fix-nopc", "fix-no4"), "where patch 4 corrects stock (0.29): greedy "
                        "probe with it (the neutral baseline) equals prefix caching off (no Mamba alignment nor seed); "
                        "stock's (patch 4 off) is recorded against the same reference",

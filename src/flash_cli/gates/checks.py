@@ -268,6 +268,12 @@ def check_tool_call(ctx: Context) -> Result:
                   data={"arguments": args})
 
 
+def _one_token(ctx: Context, prompt: str) -> dict:
+    """A greedy one-token /v1/completions body with the first token's top logprobs (prefill's and
+    prefix_cache's cold requests; the repeat sends the same body)."""
+    return {"model": ctx.model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 3}
+
+
 def _warm_up(ctx: Context, sized: sizing.Sized, nonce: str) -> Reply:
     """One untimed request of the same size that shares no prefix block (a new nonce goes first): the
     first prompt of a shape after a boot compiles kernels (vLLM 0.29, tiny model: 5.2 s for 1,020 tokens
@@ -281,7 +287,7 @@ def check_prefill(ctx: Context) -> Result:
     tokens, scaled = fit_tokens(ctx, th.prefill_tokens, completion=1)
     nonce = uuid.uuid4().hex[:12]
     sized = sizing.ledger(ctx.client, ctx.model, tokens, nonce=nonce, completion=1)
-    body = {"model": ctx.model, "prompt": sized.prompt, "max_tokens": 1, "temperature": 0, "logprobs": 3}
+    body = _one_token(ctx, sized.prompt)
     warm = _warm_up(ctx, sized, nonce)
     if not warm.ok:
         return Result("prefill", FAIL, f"/v1/completions warm-up ({sized.note}{'; ' + scaled if scaled else ''}): "
@@ -340,7 +346,7 @@ def hit_prompt_tokens(block: int, share: float) -> int:
 
 def _cold_request(ctx: Context, tokens: int) -> tuple[dict, Reply, sizing.Sized]:
     sized = sizing.ledger(ctx.client, ctx.model, tokens, nonce=uuid.uuid4().hex[:12], completion=1)
-    body = {"model": ctx.model, "prompt": sized.prompt, "max_tokens": 1, "temperature": 0, "logprobs": 3}
+    body = _one_token(ctx, sized.prompt)
     return body, ctx.client.post("/v1/completions", body), sized
 
 
