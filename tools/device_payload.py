@@ -143,8 +143,12 @@ def default_freeze() -> Path | None:
 
 
 def default_list(release: str) -> Path | None:
-    """The list file for a release, in shared/gpu-e2e/."""
-    return shared_gpu_e2e(f"vllm-{release}-wheels.txt")
+    """The list file for a release: shared/gpu-e2e/ first, then the one kept here
+    (tools/payload/vllm-RELEASE-wheels.txt: the exact set a passing device run installed, so a
+    re-pack on a fresh checkout carries the same wheels instead of whatever PyPI resolves today)."""
+    name = f"vllm-{release}-wheels.txt"
+    kept = PAYLOAD_DIR / name
+    return shared_gpu_e2e(name) or (kept if kept.is_file() else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -903,8 +907,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pack", help="download, tar and split a release's wheels (here)")
     p.add_argument("--release", required=True, help="vLLM release, e.g. 0.33.0")
-    p.add_argument("--list", help="file of exact wheel filenames (default: shared/gpu-e2e/vllm-RELEASE-wheels.txt; "
-                                  "without one, pip resolves vllm==RELEASE)")
+    p.add_argument("--list", help="file of exact wheel filenames (default: shared/gpu-e2e/vllm-RELEASE-wheels.txt, "
+                                  "else tools/payload/vllm-RELEASE-wheels.txt; without one, pip resolves vllm==RELEASE)")
     p.add_argument("--image-freeze", help="without a list: the device's `pip list --format=freeze`, whose "
                                           "exact name==version pairs are left out (default: shared/gpu-e2e/"
                                           f"{REAL_FREEZE}, else tools/payload/{REAL_FREEZE} (measured), else "

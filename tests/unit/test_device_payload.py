@@ -479,3 +479,17 @@ def test_the_measured_device_freeze_is_the_default_and_agrees_with_what_booted(d
     pairs = dp.read_freeze(dp.PAYLOAD_DIR / dp.REAL_FREEZE)
     assert pairs["torch"] == "2.11.0" and pairs["transformers"] == "5.17.0"
     assert "vllm" not in pairs and "pycountry" not in pairs and len(pairs) > 150
+
+
+def test_kept_lists_are_the_default_where_shared_has_none(dp, monkeypatch):
+    """A fresh checkout re-packs the exact wheel set a passing device run installed (run42 for
+    0.29.0), not today's resolution; shared/gpu-e2e's list still wins where it has one."""
+    monkeypatch.setattr(dp, "shared_gpu_e2e", lambda name: None)
+    kept = dp.default_list("0.29.0")
+    assert kept == ROOT / "tools" / "payload" / "vllm-0.29.0-wheels.txt"
+    names = dp.read_list(kept)
+    assert len(names) == 159 and any(n.startswith("vllm-0.29.0-") for n in names)
+    assert any(n.startswith("torch-2.13.0") for n in names) and any(n.startswith("pycountry-") for n in names)
+    assert dp.default_list("0.31.0") is None  # none kept: pack resolves
+    monkeypatch.setattr(dp, "shared_gpu_e2e", lambda name: Path("/shared/gpu-e2e") / name)
+    assert dp.default_list("0.29.0") == Path("/shared/gpu-e2e/vllm-0.29.0-wheels.txt")
