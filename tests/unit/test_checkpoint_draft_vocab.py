@@ -161,3 +161,21 @@ def test_greedy_acceptance_bound_holds_in_a_simulated_drafter(tool):
     r = max(outside) / steps  # the bound takes one share for every position: the largest
     assert accepted[True] < accepted[False]  # the toy does lose acceptance: the check can fail
     assert accepted[False] - accepted[True] <= steps * tool.tokens_per_step_bound(r, k) + 1e-9
+
+
+def test_coverage_cli_writes_json_and_names_bad_input(tmp_path):
+    (tmp_path / "held.txt").write_text("def main():\n    print('held-out text, long enough')\n" * 10)
+    tool = [sys.executable, str(ROOT / "tools" / "build_draft_vocab.py")]
+    r = subprocess.run(tool + ["--coverage", str(SHIPPED), "--corpus", str(tmp_path / "held.txt"),
+                               "--json", str(tmp_path / "c.json")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    out = json.loads((tmp_path / "c.json").read_text())
+    assert [row["corpus"] for row in out["rows"]] == ["held.txt", "all"] and out["set_size"] == 65536
+    assert "r·k(k+1)/2" in r.stdout
+    r = subprocess.run(tool + ["--coverage", str(SHIPPED), "--corpus", str(tmp_path / "held.txt"), "--ext", "po"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "--ext 'po'" in r.stderr
+    (tmp_path / "bad.npy").write_text("not numpy")
+    r = subprocess.run(tool + ["--coverage", str(tmp_path / "bad.npy"), "--corpus", str(tmp_path / "held.txt")],
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "bad.npy: not a readable .npy" in r.stderr
