@@ -413,6 +413,8 @@ class Engine:
         self.mamba_block_size = int(env.get("STANDIN_MAMBA_BLOCK_SIZE") or 0)
         self.cache_blocks = max(1, self.kv_tokens // self.block_size)
         self.window = {"prompt": 0, "gen": 0, "q": 0, "h": 0}
+        spec = json.loads(ns.speculative_config) if ns.speculative_config else {}
+        self.spec_k = int(spec.get("num_speculative_tokens") or 1)
         self.reg = Registry()
         self._declare_metrics()
         kv_cfg = json.loads(ns.kv_transfer_config) if ns.kv_transfer_config else {}
@@ -487,6 +489,10 @@ class Engine:
                 ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
             ):
                 r.family(name, "counter", doc).child(L)
+            per_pos = r.family("vllm:spec_decode_num_accepted_tokens_per_pos",
+                               "counter", "Accepted tokens per draft position.")
+            for pos in range(self.spec_k):
+                per_pos.child({**L, "position": str(pos)})
         if self.ple:
             for name, doc in PLE_COUNTERS:
                 r.family(name, "counter", doc).child({})
@@ -617,10 +623,15 @@ class Engine:
         self.reg.observe("vllm:request_prefill_time_seconds", L, t["first"] - t["scheduled"])
         self.reg.observe("vllm:request_decode_time_seconds", L, t["end"] - t["first"])
         if self.ns.speculative_config and n_gen:
+            # A drafter whose acceptance decays with the position (0.9, 0.7, 0.5, …): MTP=2 accepts 1.6
+            # tokens per draft, an acceptance length of 2.6; per position as vLLM's V1 counters split it.
             drafts = max(1, n_gen // 3)
+            per_pos = [int(drafts * max(0.1, 0.9 - 0.2 * pos)) for pos in range(self.spec_k)]
             self.reg.inc("vllm:spec_decode_num_drafts", L, drafts)
-            self.reg.inc("vllm:spec_decode_num_draft_tokens", L, drafts * 2)
-            self.reg.inc("vllm:spec_decode_num_accepted_tokens", L, int(drafts * 1.6))
+            self.reg.inc("vllm:spec_decode_num_draft_tokens", L, drafts * self.spec_k)
+            self.reg.inc("vllm:spec_decode_num_accepted_tokens", L, sum(per_pos))
+            for pos, n in enumerate(per_pos):
+                self.reg.inc("vllm:spec_decode_num_accepted_tokens_per_pos", {**L, "position": str(pos)}, n)
         self.window["prompt"] += n_prompt
         self.window["gen"] += n_gen
 

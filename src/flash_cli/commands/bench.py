@@ -24,6 +24,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--url", action="append", default=[], help="server URL; give twice to compare two servers")
     p.add_argument("--label", action="append", default=[], help="name per --url (default A, B)")
     p.add_argument("--api-key-file", type=Path, help="API key file (default: $VLLM_API_KEY)")
+    p.add_argument("--prompts", type=Path, metavar="FILE",
+                   help="decode prompts, one per line (UTF-8; blank lines and lines starting with # skipped), "
+                        "instead of the built-in English ones: measure on your own traffic's language and "
+                        "kind, e.g. MTP acceptance with DRAFT_VOCAB=0 vs 1")
     p.add_argument("--out", type=Path, help="results folder (created; must be empty if it exists)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     p.add_argument("--dry-run", action="store_true", help="print the measurement plan, send nothing")
@@ -54,11 +58,12 @@ def run(args: argparse.Namespace) -> int:
         targets.append(bench.Target(args.label[0] if args.label else s["NAME"], t.url, t.key, t.model))
     if len({t.label for t in targets}) != len(targets):
         raise UsageError("the two --label values must differ")
+    prompts = bench.read_prompts(args.prompts) if args.prompts else bench.DECODE_PROMPTS
     points = bench.plan([t.label for t in targets], conc, sizes, s["BENCH_REPEATS"])
     if args.dry_run:
         doc = {"targets": [{"label": t.label, "url": t.url} for t in targets], "points": len(points),
                "order": [f"{p.target}:{p.kind}:{p.param}#{p.repeat}" for p in points],
-               "decode_max_tokens": s["BENCH_DECODE_TOKENS"]}
+               "decode_max_tokens": s["BENCH_DECODE_TOKENS"], "decode_prompts": len(prompts)}
         if args.json:
             print_json(doc)
         else:
@@ -81,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     meta = {"command": shlex.join(["flash", *sys.argv[1:]]) if sys.argv[0].endswith(("flash", "__main__.py")) else None,
             "argv": sys.argv[1:], "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": bench.machine(),
             "targets": [{"label": t.label, "url": t.url, "model": t.model} for t in targets],
-            "settings": {k: s.as_env()[k] for k in ("BENCH_CONCURRENCY", "BENCH_PREFILL", "BENCH_REPEATS", "BENCH_DECODE_TOKENS")}}
+            "settings": {k: s.as_env()[k] for k in ("BENCH_CONCURRENCY", "BENCH_PREFILL", "BENCH_REPEATS", "BENCH_DECODE_TOKENS")},
+            "decode_prompts": bench.prompts_source(args.prompts, prompts)}
     bench.write_json(out / "meta.json", meta)
     raw = (out / "raw.jsonl").open("a", encoding="utf-8")
 
@@ -92,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     say(f"flash bench: {len(points)} measurements -> {out}")
     try:
         records = bench.run(targets, points, s["BENCH_DECODE_TOKENS"], s["TEST_TIMEOUT"], sink,
-                            progress=sys.stderr.isatty())
+                            progress=sys.stderr.isatty(), prompts=prompts)
     finally:
         raw.close()
     summary = bench.summarize(records)

@@ -2,6 +2,12 @@
 prefix hit; every point repeated, reported as median and spread; two servers are measured in
 ABBA order so drift (thermals, page cache) falls on both alike. Raw JSONL + summary + PNGs.
 
+With MTP on, each decode point also records the acceptance length (1 + accepted / drafts) and the
+per-position acceptance rates from the server's own counters (`vllm:spec_decode_*` on /metrics,
+read before and after the point): the tokens per step that decode tok/s depends on, so two
+servers (e.g. DRAFT_VOCAB=0 vs 1) are compared on both. The deltas are the server's whole traffic
+during the point: they are exact only while the bench is its only client.
+
 The plan is plain data (`plan()`), the runner executes it point by point, and `summarize()`
 and `plot()` read only the raw records, so a results folder can be re-plotted later.
 """
@@ -77,14 +83,38 @@ def plan(labels: list[str], concurrency: list[int], prefill: list[int], repeats:
     return points
 
 
-def _decode(client: Client, model: str, conc: int, max_tokens: int, salt: str) -> dict:
+def read_prompts(path: Path) -> tuple[str, ...]:
+    """`--prompts FILE`: one prompt per line; blank lines and `#` lines skipped."""
+    from ..errors import UsageError
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--prompts {path}: cannot read it as UTF-8 text ({exc})",
+                         hint="a text file with one prompt per line") from None
+    prompts = tuple(line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#"))
+    if not prompts:
+        raise UsageError(f"--prompts {path}: no prompts in it", hint="one prompt per line; # starts a comment")
+    return prompts
+
+
+def prompts_source(path: Path | None, prompts: tuple[str, ...]) -> dict:
+    """What meta.json records about the decode prompts: enough to tell two runs' apart."""
+    import hashlib
+
+    digest = hashlib.sha256("\n".join(prompts).encode()).hexdigest()
+    return {"file": str(path) if path else None, "count": len(prompts), "sha256": digest}
+
+
+def _decode(client: Client, model: str, conc: int, max_tokens: int, salt: str,
+            prompts: tuple[str, ...] = DECODE_PROMPTS) -> dict:
     """`conc` streams at once, each a real answer to a distinct prompt (no shared prefix beyond
     the chat template, so no prefix-cache help). Aggregate = all tokens / wall time."""
     out: list = [None] * conc
     barrier = threading.Barrier(conc)
 
     def one(i: int) -> None:
-        prompt = f"[{salt}-{i}] " + DECODE_PROMPTS[i % len(DECODE_PROMPTS)]
+        prompt = f"[{salt}-{i}] " + prompts[i % len(prompts)]
         barrier.wait()
         out[i] = client.stream("/v1/chat/completions", {"model": model, "max_tokens": max_tokens, "temperature": 0,
                                                         "messages": [{"role": "user", "content": prompt}]})
@@ -104,6 +134,62 @@ def _decode(client: Client, model: str, conc: int, max_tokens: int, salt: str) -
             "tokens": tokens, "wall_s": end - start, "ttft_s": statistics.median([s.ttft for s in out if s.ttft is not None])}
 
 
+SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
+SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def spec_counters(client: Client) -> dict | None:
+    """The spec-decode counters now: {drafts, accepted, per_pos: {position: accepted}}; None when
+    the server has none (MTP off) or /metrics does not answer (the point is measured without)."""
+    from .metrics import MetricsError, parse
+
+    reply = client.get("/metrics", timeout=10)
+    if reply.status != 200 or not reply.text:
+        return None
+    try:
+        snap = parse(reply.text)
+    except MetricsError:
+        return None
+    drafts, accepted = snap.total(SPEC_DRAFTS), snap.total(SPEC_ACCEPTED)
+    if drafts is None or accepted is None:
+        return None
+    per_pos: dict[int, float] = {}
+    for labels in snap.labels_of(SPEC_PER_POS):
+        pos = labels.get("position")
+        if pos is not None and pos.isdigit() and int(pos) not in per_pos:
+            per_pos[int(pos)] = snap.total(SPEC_PER_POS, position=pos) or 0.0
+    return {"drafts": drafts, "accepted": accepted, "per_pos": per_pos}
+
+
+def settled_spec_counters(client: Client, before: dict, settle_s: float = 0.25, limit_s: float = 3.0) -> dict | None:
+    """The counters once they stop moving: a server may record a step's counts just after the
+    stream that step ended has been answered."""
+    deadline = time.monotonic() + limit_s
+    last = spec_counters(client)
+    while last is not None and time.monotonic() < deadline:
+        time.sleep(settle_s)
+        now = spec_counters(client)
+        if now == last and now["drafts"] > before["drafts"]:
+            break
+        last = now
+    return last
+
+
+def acceptance(before: dict | None, after: dict | None) -> dict:
+    """Acceptance length and per-position rates over one point's drafts ({} without MTP)."""
+    if before is None or after is None:
+        return {}
+    drafts = after["drafts"] - before["drafts"]
+    if drafts <= 0:
+        return {}
+    accepted = after["accepted"] - before["accepted"]
+    per_pos = [(after["per_pos"].get(p, 0.0) - before["per_pos"].get(p, 0.0)) / drafts
+               for p in sorted(after["per_pos"])]
+    return {"mtp_drafts": drafts, "mtp_accepted": accepted, "mtp_acceptance_length": 1 + accepted / drafts,
+            **({"mtp_acceptance_per_position": per_pos} if per_pos else {})}
+
+
 def _prefill(client: Client, model: str, size: int) -> dict:
     """A cold prompt (fresh nonce first), then the same prompt again: TTFT cold and on a hit."""
     prompt = P.ledger_prompt(size, nonce=uuid.uuid4().hex[:12])
@@ -120,7 +206,7 @@ def _prefill(client: Client, model: str, size: int) -> dict:
 
 
 def run(targets: list[Target], points: list[Point], max_tokens: int, timeout: float, sink: Callable[[dict], None],
-        progress: bool = False) -> list[dict]:
+        progress: bool = False, prompts: tuple[str, ...] = DECODE_PROMPTS) -> list[dict]:
     clients = {t.label: (Client(t.url, t.key, timeout), t.model) for t in targets}
     bar = None
     if progress:
@@ -135,7 +221,10 @@ def run(targets: list[Target], points: list[Point], max_tokens: int, timeout: fl
                 bar.set_description(f"{p.target} {p.kind} {p.param}")
             started = time.time()
             if p.kind == "decode":
-                values = _decode(client, model, p.param, max_tokens, uuid.uuid4().hex[:8])
+                before = spec_counters(client)
+                values = _decode(client, model, p.param, max_tokens, uuid.uuid4().hex[:8], prompts)
+                if before is not None and "error" not in values:
+                    values.update(acceptance(before, settled_spec_counters(client, before)))
             else:
                 values = _prefill(client, model, p.param)
             rec = {**asdict(p), "started": round(started, 3), **values}
@@ -150,7 +239,7 @@ def run(targets: list[Target], points: list[Point], max_tokens: int, timeout: fl
 
 
 # --- summary ------------------------------------------------------------------------------------
-METRICS = {"decode": ("aggregate_tok_s", "per_stream_tok_s", "ttft_s"),
+METRICS = {"decode": ("aggregate_tok_s", "per_stream_tok_s", "ttft_s", "mtp_acceptance_length"),
            "prefill": ("prefill_tok_s", "ttft_cold_s", "ttft_hit_s")}
 
 
@@ -200,8 +289,12 @@ def table(summary: dict) -> list[str]:
         res = summary["results"].get(lab, {})
         for param, st in res.get("decode", {}).items():
             agg, per = st["aggregate_tok_s"], st["per_stream_tok_s"]
+            acc = st.get("mtp_acceptance_length", {})
+            mtp = (f", MTP acceptance length {acc['median']:.2f} [{acc['min']:.2f}–{acc['max']:.2f}]"
+                   if acc.get("n") else "")
             lines.append(f"{lab:<10} decode  c={param:<4} {agg.get('median', 0):8.1f} tok/s aggregate "
-                         f"[{agg.get('min', 0):.1f}–{agg.get('max', 0):.1f}], per stream {per.get('median') or 0:.1f}  (n={agg['n']})")
+                         f"[{agg.get('min', 0):.1f}–{agg.get('max', 0):.1f}], per stream {per.get('median') or 0:.1f}"
+                         f"{mtp}  (n={agg['n']})")
         for param, st in res.get("prefill", {}).items():
             pf, tc, th = st["prefill_tok_s"], st["ttft_cold_s"], st["ttft_hit_s"]
             lines.append(f"{lab:<10} prefill {int(param):>6} tok {pf.get('median', 0):8.0f} tok/s "
@@ -209,7 +302,8 @@ def table(summary: dict) -> list[str]:
                          f"on prefix hit {th.get('median', 0):.3f} s  (n={pf['n']})")
     ratios = summary.get("ratio_b_over_a")
     if ratios:
-        for kind, metric in (("decode", "aggregate_tok_s"), ("prefill", "prefill_tok_s")):
+        for kind, metric in (("decode", "aggregate_tok_s"), ("decode", "mtp_acceptance_length"),
+                             ("prefill", "prefill_tok_s")):
             for param, rs in ratios.get(kind, {}).items():
                 if metric in rs:
                     lines.append(f"{ratios['b']}/{ratios['a']} {kind} {param}: {rs[metric]:.3f}x {metric}")
@@ -246,6 +340,7 @@ def plot(records: list[dict], outdir: Path) -> list[Path]:
     specs = (
         ("decode", "aggregate_tok_s", "concurrency", "decode tok/s (all streams)", "decode_aggregate.png"),
         ("decode", "per_stream_tok_s", "concurrency", "decode tok/s per stream", "decode_per_stream.png"),
+        ("decode", "mtp_acceptance_length", "concurrency", "MTP acceptance length", "decode_acceptance.png"),
         ("prefill", "prefill_tok_s", "prompt tokens", "prefill tok/s (cold)", "prefill.png"),
     )
     for kind, metric, xlabel, ylabel, name in specs:
