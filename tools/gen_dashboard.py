@@ -52,6 +52,18 @@ PANELS = [
             ("sum by (model_name) (rate(vllm:spec_decode_num_accepted_tokens_total[5m])) / "
              "sum by (model_name) (rate(vllm:spec_decode_num_draft_tokens_total[5m]))", "{{model_name}}")],
          "Accepted draft tokens / proposed draft tokens (only with MTP > 0)."),
+        ("MTP tokens per step", "short", "timeseries", [
+            ("1 + sum by (model_name) (rate(vllm:spec_decode_num_accepted_tokens_total[5m])) / "
+             "sum by (model_name) (rate(vllm:spec_decode_num_drafts_total[5m]))", "{{model_name}}")],
+         "Acceptance length: tokens a sequence gains per verification step (1 = no draft accepted). "
+         "Decode tok/s is step rate times this; `flash bench` records it per point."),
+        ("MTP acceptance by draft position", "percentunit", "timeseries", [
+            ("sum by (model_name, position) (rate(vllm:spec_decode_num_accepted_tokens_per_pos_total[5m])) "
+             "/ on (model_name) group_left sum by (model_name) (rate(vllm:spec_decode_num_drafts_total[5m]))",
+             "position {{position}}")],
+         "Share of drafts whose draft at this position was accepted: falls with the position; a drop "
+         "at every position at once points at the drafter (e.g. a reduced draft vocabulary on "
+         "text it does not cover), a drop only at later positions at longer drafts than pay."),
     ]),
     ("PLE table (mmap)", [
         ("Host seconds per lookup", "s", "timeseries", [
