@@ -53,8 +53,7 @@ PANELS = [
              "sum by (model_name) (rate(vllm:spec_decode_num_draft_tokens_total[5m]))", "{{model_name}}")],
          "Accepted draft tokens / proposed draft tokens (only with MTP > 0)."),
         ("MTP tokens per step", "short", "timeseries", [
-            ("1 + sum by (model_name) (rate(vllm:spec_decode_num_accepted_tokens_total[5m])) / "
-             "sum by (model_name) (rate(vllm:spec_decode_num_drafts_total[5m]))", "{{model_name}}")],
+            ("flash:mtp_acceptance_length:rate5m", "{{model_name}}")],
          "Acceptance length: tokens a sequence gains per verification step (1 = no draft accepted). "
          "Decode tok/s is step rate times this; `flash bench` records it per point."),
         ("MTP acceptance by draft position", "percentunit", "timeseries", [

@@ -54,7 +54,7 @@ def test_promtool_check_config_and_rules():
     rules = sorted(str(p.relative_to(OBS)) for p in (OBS / "rules").glob("*.yml"))
     res = run(promtool, "check", "rules", *rules)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "SUCCESS: 13 rules found" in res.stdout and "SUCCESS: 5 rules found" in res.stdout
+    assert "SUCCESS: 14 rules found" in res.stdout and "SUCCESS: 6 rules found" in res.stdout
 
 
 def test_promtool_rule_unit_tests_with_series_fixtures():
@@ -154,4 +154,4 @@ def test_real_prometheus_scrapes_the_standin_and_every_query_returns_data(tmp_pa
     assert not empty, f"queries without data: {empty}"
     assert {t["labels"]["job"]: t["health"] for t in targets} == {"vllm": "up", "node": "up", "prometheus": "up"}
     health = {r["name"]: r["health"] for g in rules for r in g["rules"]}
-    assert len(health) == 18 and set(health.values()) == {"ok"}, health
+    assert len(health) == 20 and set(health.values()) == {"ok"}, health
