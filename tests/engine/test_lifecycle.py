@@ -57,6 +57,7 @@ def test_serve_wait_test_status_logs_stop_start_rm(flash, docker_client):
     st = json.loads(res.stdout)
     assert st["state"] == "running" and st["api"] == "up" and st["profile"] == "published"
     assert st["requests_running"] == 0 and "GPU KV cache size" in st["kv_cache_line"]
+    assert 2.0 < st["mtp_acceptance_length"] <= 2.6  # MTP=2: the stand-in's drafter, read from /metrics
     assert st["api_key"] is None and not st["exposed_without_key"]
     assert st["context"]["level"] == "ok" and st["memory"]["meminfo"]["MemAvailable"] > 0
     assert any("MemAvailable" in f["text"] for f in st["memory_findings"])

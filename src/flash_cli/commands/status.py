@@ -1,4 +1,5 @@
-"""`flash status [--json]`: container, API, KV pool, patches, requests, prefix-cache hit rate."""
+"""`flash status [--json]`: container, API, KV pool, patches, requests, prefix-cache hit rate, MTP
+acceptance length."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from ..spec import LABEL
 KV_LINE = re.compile(r"GPU KV cache size")
 PATCH_LINE = re.compile(r"flash_vllm|PLE mmap|mamba_block_size|draft vocabulary|fp8 hybrid|deterministic top-k")
 METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting",
-           "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+           "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+           "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -105,6 +107,10 @@ def collect(name: str, mem_warn_pct: float = 10.0) -> dict:
                 out["requests_waiting"] = sums.get("vllm:num_requests_waiting")
                 q = sums.get("vllm:prefix_cache_queries_total")
                 out["prefix_cache_hit_rate"] = (sums.get("vllm:prefix_cache_hits_total", 0.0) / q) if q else None
+                # since boot: tokens a sequence gains per verification step (None: no MTP, or no draft yet)
+                drafts = sums.get("vllm:spec_decode_num_drafts_total")
+                out["mtp_acceptance_length"] = (
+                    1 + sums.get("vllm:spec_decode_num_accepted_tokens_total", 0.0) / drafts if drafts else None)
     else:
         out["last_lines"] = logs[-5:]
     return out
@@ -193,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
         rep.info(ln[-140:])
     if "requests_running" in info:
         rate = info.get("prefix_cache_hit_rate")
+        mtp = info.get("mtp_acceptance_length")
         rep.info(f"requests running {info['requests_running']:.0f}, waiting {info['requests_waiting'] or 0:.0f}, "
-                 f"prefix-cache hit rate {'n/a' if rate is None else f'{rate:.1%}'}")
+                 f"prefix-cache hit rate {'n/a' if rate is None else f'{rate:.1%}'}"
+                 + ("" if mtp is None else f", MTP acceptance length {mtp:.2f} since boot"))
     return 0
