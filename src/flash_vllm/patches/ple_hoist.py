@@ -16,7 +16,8 @@ the persistent per-layer buffers and uniform decode batches may be captured FULL
 3. One device-to-host copy of all layers' ids. On 0.33 the decode tokens exist only on the device
    when the step is prepared (async scheduling: the sampler and the drafter wrote them), so this
    copy waits for the previous step's GPU work: one wait per step, before the forward, instead of
-   one per PLE layer in the middle of it. The host gather then fills the layer's buffer through
+   one per PLE layer in the middle of it (counted as the step's `gpu-wait` in patch 1's stats
+   line and counters; the fills themselves get host ids and wait for nothing). The host gather then fills the layer's buffer through
    the layer's own guarded gather (`_gather_into`, the engine's Stager: pinned slot + H2D on the
    current stream, ordered before the graph replay).
 4. The storage's forward returns `buffer[:n]`: a view, capturable in any graph mode.
@@ -41,6 +42,7 @@ plugin (with a warning).
 from __future__ import annotations
 
 import logging
+import time
 
 from flash_common import releases
 
@@ -219,9 +221,17 @@ class Hoister:
         qsl, ctx = inputs["query_start_loc"], inputs["ngram_context"]
         dev = [m.compute_ngram_ids(input_ids, qsl, ctx) for m in self.layers]
         # One copy, one wait for all layers (the ids depend on the previous step's sampled tokens).
+        t0 = time.perf_counter()
         host = (dev[0].unsqueeze(0) if len(dev) == 1 else torch.stack(dev)).to("cpu").numpy()
+        wait_s = time.perf_counter() - t0
         for i, m in enumerate(self.layers):
             m.ngram_embedding._flash_hoist.fill(m.ngram_embedding, host[i], dev[i])
+        # The fills got host ids (no wait of their own): the step's one wait goes into the same
+        # counters as the eager mode's per-lookup waits (`gpu-wait` in the stats line, and
+        # vllm:ple_mmap_gpu_wait_seconds / _op_seconds), once per step.
+        stats = getattr(getattr(self.layers[0].ngram_embedding, "_flash_stager", None), "stats", None)
+        if stats is not None:
+            stats.record(op_s=wait_s, gpu_wait_s=wait_s)
         self.step += 1
 
 

@@ -332,3 +332,28 @@ def test_capture_warmup_after_a_staged_step_is_a_dummy(rig, served):
     ids = torch.zeros(num_tokens, dtype=torch.int32)
     out = _forward(rig.hoisted, SimpleNamespace(input_ids=ids), inputs)  # was: RuntimeError "staged 1"
     assert out.shape[0] == num_tokens
+
+
+def test_the_steps_wait_for_the_ids_is_counted(rig, served):
+    """The hoisted step copies all layers' ids to the host once (the one wait for the previous
+    step's GPU work); its fills get host ids and wait for nothing, so the step's wait is recorded
+    by the hook, into the same gpu-wait / op counters as the eager mode's per-lookup waits. A dummy
+    step copies nothing and records nothing."""
+    if rig is None:
+        assert not served
+        return
+    stats = rig.hoisted.ngram_embedding._flash_stager.stats
+    assert stats is not None
+    rng = np.random.default_rng(13)
+    stream = Stream(rng, n_reqs=2)
+    q = {r: stream.tokens(2, 0.0) for r in stream.ids}
+    before = stats.snapshot()["total"]
+    batch, rs = stream.step(q)
+    rig.state.prepare_inputs(batch, rs)
+    after = stats.snapshot()["total"]
+    assert after["ops"] == before["ops"] + 1  # one PLE layer, one lookup
+    assert after["gpu_wait_s"] > before["gpu_wait_s"]  # was: unchanged (the fills' own wait is 0)
+    assert after["op_s"] - before["op_s"] >= after["gpu_wait_s"] - before["gpu_wait_s"]
+    batch, rs = stream.step(q, dummy=True)
+    rig.state.prepare_inputs(batch, rs)
+    assert stats.snapshot()["total"] == after
