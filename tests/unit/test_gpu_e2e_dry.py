@@ -385,29 +385,56 @@ def test_a_group_waits_for_its_servers_boot(tmp_path):
     assert started["early"] < 0.3 and started["late"] >= 0.5
 
 
-def test_discrete_overhead_is_solved_on_run37s_boots_and_replays_their_kv_plan(planned):
-    """The H200 constant of the planner (calibration.RUNTIME_OVERHEAD_DISCRETE) is the mean of what
-    each of run37's three solo boots needs; with it, kv_plan_a/b/c's comparison (the same settings,
-    the same fixtures, `flash plan --hardware h200`'s build) is within the tier's 2% of the tokens
-    vLLM logged. In-sample: these are the boots it was fitted on."""
+# (the run, its boots, the words that render its graph regime, the constant and band fitted on it)
+DISCRETE_FITS = {
+    # run37 booted the eager gather with PIECEWISE graphs (the default then): today's default on
+    # v0.33 renders the hoisted gather, so its replay asks for the eager one
+    "eager": ("H200_RUN", "H200_BOOTS", ["PLE_MODE=eager"], "RUNTIME_OVERHEAD_DISCRETE", "DISCRETE_OVERHEAD_BAND"),
+    "full": ("H200_RUN_FULL", "H200_BOOTS_FULL", [], "RUNTIME_OVERHEAD_DISCRETE_FULL", "DISCRETE_OVERHEAD_BAND_FULL"),
+}
+
+
+@pytest.mark.parametrize("regime", sorted(DISCRETE_FITS))
+def test_discrete_overhead_is_solved_on_its_runs_boots_and_replays_their_kv_plan(planned, regime):
+    """Each H200 constant of the planner is the mean of what each of its run's three solo boots
+    needs (run37: eager gather, PIECEWISE; run43: hoisted gather, FULL_AND_PIECEWISE); with it,
+    kv_plan_a/b/c's comparison (the same settings, the same fixtures, `flash plan --hardware h200`'s
+    build) is within the tier's 2% of the tokens vLLM logged, and the planner picks it for the
+    regime the settings render. In-sample: these are the boots it was fitted on."""
+    from flash_cli import spec as spec_mod
     from flash_cli.plan import build, calibration as cal, fitting
     from flash_cli.plan.hardware import PRESETS
 
+    run_name, boots_name, words, constant_name, band_name = DISCRETE_FITS[regime]
+    run, boots, constant, band = (getattr(cal, n) for n in (run_name, boots_name, constant_name, band_name))
     _, _, specs = planned
-    raw = json.loads((ROOT / cal.H200_RUN / "results.json").read_text())
+    raw = json.loads((ROOT / run / "results.json").read_text())
     h200 = PRESETS["h200"]
     sols = []
-    for server, fixture, tokens in cal.H200_BOOTS:
+    for server, fixture, tokens in boots:
         spec = specs[server]
         assert spec["fixture"] == fixture and spec["solo"], server
         assert f"GPU KV cache size: {tokens:,} tokens" in raw["servers"][server]["kv_line"]  # the raw record
-        settings = recipe.load(["default", *spec["words"]], env={}).settings
+        settings = recipe.load(["default", *spec["words"], *words], env={}).settings
+        assert spec_mod.ple_hoisted(settings) == (regime == "full")
+        plan = build(settings, h200, snapshot=True, live_checks=False)
+        assert plan["budget"]["runtime_overhead_gib"] == round(constant / 1024**3, 3)  # the regime's constant
         sols.append(fitting.solve_discrete(settings, h200, tokens))
-        predicted = build(settings, h200, snapshot=True, live_checks=False)["kv_cache_tokens"]
-        assert abs(predicted - tokens) / tokens <= 0.02, (server, predicted, tokens)
+        assert abs(plan["kv_cache_tokens"] - tokens) / tokens <= 0.02, (server, plan["kv_cache_tokens"], tokens)
     mean = sum(sols) / len(sols)
-    assert abs(mean - cal.RUNTIME_OVERHEAD_DISCRETE) <= 16 * 1024**2
-    assert max(abs(x - mean) for x in sols) <= cal.DISCRETE_OVERHEAD_BAND
+    assert abs(mean - constant) <= 16 * 1024**2
+    assert max(abs(x - mean) for x in sols) <= band
+
+
+def test_the_full_graph_boots_fail_the_eager_constant():
+    """Why two constants: run43's boots (hoisted, FULL_AND_PIECEWISE) planned with run37's constant
+    miss by more than the tier's 2% (what kv_plan_a/b/c reported: -2.04%, -3.23%, -3.21%)."""
+    from flash_cli.plan import calibration as cal
+
+    raw = json.loads((ROOT / cal.H200_RUN_FULL / "results.json").read_text())["scenarios"]
+    errors = [raw[f"kv_plan_{f}"] for f in "abc"]
+    assert all(not e["ok"] and "limit 2%" in e["error"] for e in errors), errors
+    assert cal.RUNTIME_OVERHEAD_DISCRETE - cal.RUNTIME_OVERHEAD_DISCRETE_FULL > 0.4 * 1024**3
 
 
 def test_a_scenario_waits_for_its_own_servers_not_its_groups(tmp_path):

@@ -251,6 +251,12 @@ def test_plan_refuses_a_block_the_qsa_ring_does_not_divide(tmp_path, capsys):
 @pytest.mark.parametrize("over, full", [({}, True), ({"BASE": "v0.30"}, True), ({"BASE": "v0.29"}, False),
                                         ({"PLE_MODE": "eager"}, False)])
 def test_full_graph_regime_is_a_named_assumption(over, full):
-    # the overhead fits were measured under PIECEWISE; the hoisted default's FULL graphs are said to be outside them
+    # the unified-memory fit was measured under PIECEWISE; the hoisted default's FULL graphs are said to be outside it
     text = " | ".join(build(resolve(None, None, over), H.PRESETS["gb10"], snapshot=None)["assumptions"])
     assert ("graphs FULL_AND_PIECEWISE" in text) is full and ("PIECEWISE graphs" in text) is full
+    # on a discrete card each regime has its own fit (run37: eager, PIECEWISE; run43: hoisted, FULL) and says which
+    plan = build(resolve(None, None, over), H.PRESETS["h200"], snapshot=None)
+    text = " | ".join(plan["assumptions"])
+    assert ("gpu-e2e-h200/run43" in text and "hoisted gather, FULL_AND_PIECEWISE" in text) is full
+    assert ("gpu-e2e-h200/run37" in text and "eager gather, PIECEWISE" in text) is not full
+    assert (plan["budget"]["runtime_overhead_gib"] < 0.3) is full

@@ -28,7 +28,8 @@ from ..spec import ple_hoisted
 from . import geometry as geometry_mod
 from . import hardware as hardware_mod
 from . import kvcache, weights as weights_mod
-from .calibration import DISCRETE_OVERHEAD_BAND, H200_RUN, OVERHEAD_BAND, RUNTIME_OVERHEAD, RUNTIME_OVERHEAD_DISCRETE
+from .calibration import (DISCRETE_OVERHEAD_BAND, DISCRETE_OVERHEAD_BAND_FULL, H200_RUN, H200_RUN_FULL, OVERHEAD_BAND,
+                          RUNTIME_OVERHEAD, RUNTIME_OVERHEAD_DISCRETE, RUNTIME_OVERHEAD_DISCRETE_FULL)
 from .hardware import GIB, Hardware
 
 PLE_TABLE_NOTE = "PLE table: mmapped from the checkpoint by the plugin (patch 1), 0 bytes on the GPU; it lives in the page cache"
@@ -188,9 +189,14 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
     act = activation_bytes(geom, batched)
     topk = topk_buffer_bytes(geom, batched, qsa_layers)
     # what vLLM's profiler counts beyond weights, activations and top-k buffers: fitted on the GB10
-    # (unified memory) and, apart, on a discrete card (the H200)
-    overhead, overhead_band = (RUNTIME_OVERHEAD, OVERHEAD_BAND) if hw.unified else \
-        (RUNTIME_OVERHEAD_DISCRETE, DISCRETE_OVERHEAD_BAND)
+    # (unified memory) and, apart, on a discrete card (the H200), there per graph regime
+    full_graphs = ple_hoisted(s)  # the run spec renders FULL_AND_PIECEWISE for it, PIECEWISE otherwise
+    if hw.unified:
+        overhead, overhead_band, fit_run = RUNTIME_OVERHEAD, OVERHEAD_BAND, None
+    elif full_graphs:
+        overhead, overhead_band, fit_run = RUNTIME_OVERHEAD_DISCRETE_FULL, DISCRETE_OVERHEAD_BAND_FULL, H200_RUN_FULL
+    else:
+        overhead, overhead_band, fit_run = RUNTIME_OVERHEAD_DISCRETE, DISCRETE_OVERHEAD_BAND, H200_RUN
     requested = -(-int(hw.device_total * s["GPU_MEM"] * 1000) // 1000)  # math.ceil(total × util)
     non_kv = w.total + act + topk + overhead
     if s["KV_CACHE_MEM"]:
@@ -231,13 +237,15 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
         assumptions.append(f"runtime overhead {_gib(overhead)} GiB (CUDA context, graphs, non-torch buffers): fitted on "
                            f"the published default-recipe pool; boot-to-boot spread ±{_gib(overhead_band)} GiB")
     else:
-        assumptions.append(f"runtime overhead {_gib(overhead)} GiB (graphs, non-torch buffers; the discrete-GPU fit): "
-                           f"fitted on three boots of the tiny fixtures alone on an H200 ({H200_RUN}), each within "
-                           f"±{_gib(overhead_band)} GiB of it; not yet checked on the real model")
-    if ple_hoisted(s):  # the graph regime the run spec will pass
-        assumptions.append("graphs FULL_AND_PIECEWISE (PLE_MODE resolves to the hoisted gather): both overhead fits "
-                           "were measured with PIECEWISE graphs; the FULL decode graphs' capture pool is not in them "
-                           "(unmeasured: the pool may come out smaller by it)")
+        regime = "hoisted gather, FULL_AND_PIECEWISE graphs" if full_graphs else "eager gather, PIECEWISE graphs"
+        assumptions.append(f"runtime overhead {_gib(overhead)} GiB (graphs, non-torch buffers; the discrete-GPU fit "
+                           f"for the {regime}): fitted on three boots of the tiny fixtures alone on an H200 "
+                           f"({fit_run}), each within ±{_gib(overhead_band)} GiB of it; not yet checked on the real "
+                           "model")
+    if hw.unified and full_graphs:  # the graph regime the run spec will pass
+        assumptions.append("graphs FULL_AND_PIECEWISE (PLE_MODE resolves to the hoisted gather): the unified-memory "
+                           "fit was measured with PIECEWISE graphs; on the H200 this regime's non-KV memory came out "
+                           "0.46 GiB smaller (run43 vs run37), so the pool may come out larger than planned")
     if not releases.has(base, "overhead_fitted"):
         assumptions.append(f"accounting of {base}: same allocator path as 0.29 except where noted; the overhead "
                            "was fitted on pools measured with the 0.29-era image")

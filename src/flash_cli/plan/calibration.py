@@ -7,7 +7,10 @@ figure (FIT_FIGURE); a unit test re-solves it and fails if this constant drifts 
 Every other figure in FIGURES is a prediction, with the tolerance we achieve written next to it.
 
 RUNTIME_OVERHEAD_DISCRETE is the same quantity on a discrete GPU, where vLLM's budget is device
-memory only: solved on the H200 boots in H200_BOOTS (the mean of each boot's solution). Data only:
+memory only: solved on the H200 boots in H200_BOOTS (the mean of each boot's solution), with patch
+1's eager gather and PIECEWISE graphs; RUNTIME_OVERHEAD_DISCRETE_FULL likewise on H200_BOOTS_FULL,
+with the hoisted gather and FULL_AND_PIECEWISE graphs (the planner picks by the regime the run spec
+renders). Data only:
 the planner imports it; `fitting.py` plans the figures (predict, fit) on top of both.
 """
 
@@ -38,6 +41,22 @@ H200_RUN = "docs/benchmarks/gpu-e2e-h200/run37"
 RUNTIME_OVERHEAD_DISCRETE = 728_651_093
 # covers each boot's own solution (a's is 0.132 GiB above the mean: its larger activation peak)
 DISCRETE_OVERHEAD_BAND = int(0.14 * GIB)
+
+# The same quantity under the hoisted PLE gather and FULL_AND_PIECEWISE graphs (PLE_MODE=auto on
+# v0.30+, the default since run4): the three solo boots of gpu-e2e run43 (vLLM 0.33.0, commit
+# 8ca7f41). vLLM's profiler counted 0.33 / 0.13 / 0.13 GiB of peak activation (run37: 0.79 / 0.59 /
+# 0.59) and 0.1 GiB of graph pool: the constant above under-planned them by 2.0-3.2% (kv_plan_a/b/c
+# failed). `a` booted first on a fresh machine (cold Triton cache: its larger peak).
+H200_BOOTS_FULL: tuple[tuple[str, str, int], ...] = (
+    ("a-default", "a", 1_880_907),
+    ("b-default", "b", 1_904_278),
+    ("c-default", "c", 1_904_037),
+)
+H200_RUN_FULL = "docs/benchmarks/gpu-e2e-h200/run43"
+# 0.216 GiB: the mean of the three boots' own solutions (0.348, 0.149, 0.152 GiB)
+RUNTIME_OVERHEAD_DISCRETE_FULL = 232_325_120
+# covers each boot's own solution (a's is 0.132 GiB above the mean)
+DISCRETE_OVERHEAD_BAND_FULL = int(0.14 * GIB)
 
 SEED = "seeds/003_b0eb247f2d119cfb.txt"  # blazux/qwen3.8-Flash-DGX README (the anchor recipe)
 DEFAULT = {"MODE": "hybrid", "YARN": "1", "CTX": "500000", "MTP": "2", "GPU_MEM": "0.80", "BASE": "v0.29"}
