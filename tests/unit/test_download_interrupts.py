@@ -40,9 +40,11 @@ def test_sigint_stops_queued_and_running_fetches_within_a_second(hub, tmp_path):
                              f"HF_CACHE={cache}", "MAX_WORKERS=2"], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (part.is_file() and part.stat().st_size > 300_000):
+    while time.monotonic() < deadline and proc.poll() is None and not (part.is_file() and part.stat().st_size > 300_000):
         time.sleep(0.02)
-    assert part.is_file(), "the download never reached the first big shard"
+    if not part.is_file() or proc.poll() is not None:
+        proc.kill()
+        pytest.fail(f"the download never reached the first big shard (exit {proc.wait()}): {proc.stderr.read()[-2000:]}")
     proc.send_signal(signal.SIGINT)
     sent = time.monotonic()
     try:
@@ -50,7 +52,7 @@ def test_sigint_stops_queued_and_running_fetches_within_a_second(hub, tmp_path):
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        pytest.fail("SIGINT did not stop flash download within 15 s")
+        pytest.fail(f"SIGINT did not stop flash download within 15 s: {proc.stderr.read()[-3000:]}")
     elapsed = time.monotonic() - sent
     err = proc.stderr.read()
     assert rc == 130 and "interrupted" in err, (rc, err[-2000:])
