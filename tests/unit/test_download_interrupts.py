@@ -36,9 +36,18 @@ def test_sigint_stops_queued_and_running_fetches_within_a_second(hub, tmp_path):
     blobs = hfcache.repo_dir(cache, ckpt.RADIXARK) / "blobs"
     part = blobs / (files[FIRST].sha256 + ".incomplete")
     env = dict(os.environ, HF_ENDPOINT=h.endpoint, HF_HUB_OFFLINE="0", PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.Popen([sys.executable, "-m", "flash_cli", "download", "--no-profile", f"MODEL={ckpt.RADIXARK}",
-                             f"HF_CACHE={cache}", "MAX_WORKERS=2"], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    # A shell without job control starts background commands with SIGINT ignored, and an ignored
+    # signal stays ignored across exec: Python would then never raise KeyboardInterrupt in the child
+    # (pytest launched as `... &` failed here every time). A handled signal resets to the default
+    # at exec, so give the child a SIGINT as a terminal's Ctrl-C would deliver it.
+    inherited = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "flash_cli", "download", "--no-profile",
+                                 f"MODEL={ckpt.RADIXARK}", f"HF_CACHE={cache}", "MAX_WORKERS=2"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None and not (part.is_file() and part.stat().st_size > 300_000):
         time.sleep(0.02)
