@@ -32,6 +32,25 @@ from .calibration import (DISCRETE_OVERHEAD_BAND, DISCRETE_OVERHEAD_BAND_FULL, H
                           RUNTIME_OVERHEAD, RUNTIME_OVERHEAD_DISCRETE, RUNTIME_OVERHEAD_DISCRETE_FULL)
 from .hardware import GIB, Hardware
 
+# What vLLM's profiler counts beyond weights, activations and top-k buffers, fitted on the GB10
+# (unified memory) and, apart, on a discrete card (the H200) per graph regime: each constant's name
+# (fitting.py re-solves them by setting this module's attribute), its boot-to-boot band and the run
+# it was fitted on (None: the published GB10 figures).
+OVERHEAD_FITS = {
+    "RUNTIME_OVERHEAD": (OVERHEAD_BAND, None),
+    "RUNTIME_OVERHEAD_DISCRETE": (DISCRETE_OVERHEAD_BAND, H200_RUN),
+    "RUNTIME_OVERHEAD_DISCRETE_FULL": (DISCRETE_OVERHEAD_BAND_FULL, H200_RUN_FULL),
+}
+
+
+def overhead_constant(s, hw: Hardware) -> str:
+    """The fitted overhead that applies: the GB10's on unified memory; on a discrete card, the one of
+    the graph regime the run spec renders (FULL_AND_PIECEWISE where the PLE gather is hoisted)."""
+    if hw.unified:
+        return "RUNTIME_OVERHEAD"
+    return "RUNTIME_OVERHEAD_DISCRETE_FULL" if ple_hoisted(s) else "RUNTIME_OVERHEAD_DISCRETE"
+
+
 PLE_TABLE_NOTE = "PLE table: mmapped from the checkpoint by the plugin (patch 1), 0 bytes on the GPU; it lives in the page cache"
 
 
@@ -188,15 +207,10 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
     batched = s["BATCHED_TOKENS"]
     act = activation_bytes(geom, batched)
     topk = topk_buffer_bytes(geom, batched, qsa_layers)
-    # what vLLM's profiler counts beyond weights, activations and top-k buffers: fitted on the GB10
-    # (unified memory) and, apart, on a discrete card (the H200), there per graph regime
     full_graphs = ple_hoisted(s)  # the run spec renders FULL_AND_PIECEWISE for it, PIECEWISE otherwise
-    if hw.unified:
-        overhead, overhead_band, fit_run = RUNTIME_OVERHEAD, OVERHEAD_BAND, None
-    elif full_graphs:
-        overhead, overhead_band, fit_run = RUNTIME_OVERHEAD_DISCRETE_FULL, DISCRETE_OVERHEAD_BAND_FULL, H200_RUN_FULL
-    else:
-        overhead, overhead_band, fit_run = RUNTIME_OVERHEAD_DISCRETE, DISCRETE_OVERHEAD_BAND, H200_RUN
+    constant = overhead_constant(s, hw)
+    overhead = globals()[constant]  # read at call time: fitting.py re-solves it by name
+    overhead_band, fit_run = OVERHEAD_FITS[constant]
     requested = -(-int(hw.device_total * s["GPU_MEM"] * 1000) // 1000)  # math.ceil(total × util)
     non_kv = w.total + act + topk + overhead
     if s["KV_CACHE_MEM"]:

@@ -64,9 +64,7 @@ def fit(hw=None) -> int:
 def solve_discrete(settings, hw, measured_tokens: int) -> int:
     """The discrete-GPU overhead that makes the plan's pool for `settings` (its checkpoint found in
     HF_CACHE) equal vLLM's measured tokens: the constant of the graph regime `settings` render."""
-    from ..spec import ple_hoisted
-    from . import build
+    from . import build, overhead_constant
 
-    constant = "RUNTIME_OVERHEAD_DISCRETE_FULL" if ple_hoisted(settings) else "RUNTIME_OVERHEAD_DISCRETE"
-    return _solve(constant,
+    return _solve(overhead_constant(settings, hw),
                   lambda: build(settings, hw, snapshot=True, live_checks=False)["kv_cache_tokens"], measured_tokens)
