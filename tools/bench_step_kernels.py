@@ -25,7 +25,9 @@ What runs (the real model's shapes, bf16 head, fp32 indexer scores):
   with VLLM_QSA_DET_TOPK=repair (`make_hook(stock, "repair", ...)`: the `stock` above, then
   `_qsa_radix.repair_block_topk` rewriting its output deterministically; on --cpu-smoke the CPU
   stand-in, then the kernel through the interpreter), `repair_persistent` = the same repair after
-  `persistent_topk` (GB10's stock op; read its ratio against `persistent`).
+  `persistent_topk` (GB10's stock op; read its ratio against `persistent`), `repair_serial` (CUDA
+  only) = `stock`, then the repair as run43 timed it, one program per row (`slice_columns=None`):
+  the sliced repair's before, side by side.
 - copy bandwidth: a device-to-device copy of 4 GiB (1 GiB with --quick).
 
 Each timing is measured eager (CUDA events around every call) and, where capture works, inside a
@@ -62,7 +64,7 @@ DECODE_QUERY_LEN = 3                          # 1 verified + 2 draft positions p
 TOPK_WORKSPACE_BYTES = 1024 * 1024            # qsa_indexer._TOPK_WORKSPACE_BYTES in 0.30+
 # flash's implementations, each timed against the references; repair_persistent = the repair after
 # persistent_topk, what a GB10 (sm_121, whose stock dispatch is persistent_topk) runs: read it vs "persistent"
-CANDIDATES = ("patched", "radix", "repair", "repair_persistent")
+CANDIDATES = ("patched", "radix", "repair", "repair_persistent", "repair_serial")
 TRITON_MODES = ("radix", "repair")            # the candidates that run a Triton kernel
 
 
@@ -422,6 +424,7 @@ def bench_qsa_topk(torch, sink: Sink, plan: Plan) -> None:
             impls[mode] = _qsa_topk.make_hook(impls["stock"], mode, "v0.30")
     if not why_not and "persistent" in impls:
         impls["repair_persistent"] = _qsa_topk.make_hook(impls["persistent"], "repair", "v0.30")
+        impls["repair_serial"] = serial_repair(impls["stock"])
     k = plan.block_topk
     gen = torch.Generator().manual_seed(8)  # the scores are made on the CPU, then moved
     ws = torch.empty(TOPK_WORKSPACE_BYTES, dtype=torch.uint8, device=plan.device)
@@ -468,6 +471,18 @@ def bench_qsa_topk(torch, sink: Sink, plan: Plan) -> None:
                     n: (lambda fn=fn, b=bufs[n], v=visible: fn(b[0], v, plan.token_topk, COMPRESS_RATIO, b[1], ws))
                     for n, fn in impls.items()}))
     measure(torch, sink, plan, jobs)
+
+
+def serial_repair(stock: Callable) -> Callable:
+    """`stock`, then the repair as run43 timed it (one program per row): the before of the sliced one."""
+    from flash_vllm.patches import _qsa_radix
+
+    def fn(logits, visible_blocks, token_topk, compress_ratio, block_indices, topk_workspace):
+        stock(logits, visible_blocks, token_topk, compress_ratio, block_indices, topk_workspace)
+        _qsa_radix.repair_block_topk(logits, visible_blocks, block_indices, token_topk // compress_ratio,
+                                     logits.shape[1], slice_columns=None)
+
+    return fn
 
 
 def triton_unavailable(device: str) -> str | None:
@@ -551,7 +566,7 @@ def summarize(records: list[dict]) -> dict:
     for kind in GOALS:
         rs = [r["ratio"] for r in ratios if r["bench"] == kind and r["vs"] == "stock" and r["impl"] == "patched"]
         out[f"{kind}_ratio_vs_stock_max"] = max(rs) if rs else None
-    for impl in TRITON_MODES:
+    for impl in TRITON_MODES + ("repair_serial",):
         rs = [r["ratio"] for r in ratios if r["bench"] == "qsa_topk" and r["vs"] == "stock" and r["impl"] == impl]
         out[f"qsa_topk_{impl}_ratio_vs_stock_max"] = max(rs) if rs else None
     rs = [r["ratio"] for r in ratios if r["bench"] == "qsa_topk" and r["vs"] == "persistent"

@@ -109,3 +109,27 @@ def test_same_answer_on_every_call_and_in_a_graph_replay(which):
         torch.cuda.synchronize()
         assert torch.equal(out, _radix(scores, vis)), f"replay {step}"
         assert torch.equal(out.cpu(), reference(scores.cpu(), vis.cpu(), K)), f"replay {step}"
+
+
+@pytest.mark.parametrize("slice_columns", [None, 512, 2048, 4096])
+@pytest.mark.parametrize("scores_kind", ["ties", "continuous"])
+def test_every_slicing_writes_what_the_serial_pass_writes(slice_columns, scores_kind):
+    """The sliced repair (two launches over rows x slices, the default) against run43's one program
+    per row, compiled: the same output element for element after the real stock op, at flash's row
+    width with visible counts from 0 to the whole row, tie-heavy and continuous scores."""
+    from flash_vllm.patches import _qsa_radix
+
+    stock = _stock_op("dispatch")
+    rows, columns = 24, 125_056
+    g = torch.Generator().manual_seed(17)
+    scores = (_ties(rows, columns, 17) if scores_kind == "ties" else torch.randn(rows, columns, generator=g)).cuda()
+    vis = torch.tensor([0, 1, 511, 512, 513, 2047, 2048, 2049, 4096, 8191, 32_768, columns]
+                       + torch.randint(1, columns, (rows - 12,), generator=g).tolist(), dtype=torch.int32).cuda()
+    base = torch.zeros(rows, K, dtype=torch.int32, device="cuda")
+    stock(scores, vis, TOKEN_TOPK, RATIO, base, None)
+    serial, sliced = base.clone(), base.clone()
+    _qsa_radix.repair_block_topk(scores, vis, serial, K, columns, slice_columns=None)
+    _qsa_radix.repair_block_topk(scores, vis, sliced, K, columns, slice_columns=slice_columns)
+    torch.cuda.synchronize()
+    assert torch.equal(sliced, serial)
+    assert torch.equal(sliced.cpu(), reference(scores.cpu(), vis.cpu(), K))

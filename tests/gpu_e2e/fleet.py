@@ -139,6 +139,9 @@ def _servers() -> dict[str, Server]:
     for n in NEUTRAL:
         gate = {5: ("EXACT_TOPK=1", "DET_TOPK=0"), 8: ("EXACT_TOPK=0", "DET_TOPK=1")}.get(n, ("EXACT_TOPK=0", "DET_TOPK=0"))
         out[f"probe-p{n}"] = Server(f"probe-p{n}", "a", words=gate, disable=_all_but(n, NEUTRAL), baseline=True)
+    # patch 8's repair mode (the stock kernel, then the deterministic rewrite): a candidate default
+    out["probe-p8r"] = Server("probe-p8r", "a", words=("EXACT_TOPK=0", "DET_TOPK=repair"), disable=_all_but(8, NEUTRAL),
+                              baseline=True)
     # where patch 4 corrects stock (fix_p4): the baseline without it, and the baseline with prefix
     # caching off (no Mamba alignment nor seeding: the reference the correction must reproduce)
     out["fix-no4"] = Server("fix-no4", "a", words=("EXACT_TOPK=0", "DET_TOPK=0"), disable=NEUTRAL,
@@ -276,6 +279,10 @@ def _scenarios() -> dict[str, Scenario]:
                            "it corrects stock): byte-identical",
                            lambda ctx, n=n: check_probe(ctx, "probe-off", f"probe-p{n}"),
                            na=_na_neutral(n)))
+    sc.append(Scenario("probe_p8_repair", ("probe-off", "probe-p8r"), "greedy probe, patch 8 back on in its "
+                       "repair mode (DET_TOPK=repair: the stock kernel, then the sliced Triton rewrite) vs the "
+                       "neutral-off baseline: byte-identical", lambda ctx: check_probe(ctx, "probe-off", "probe-p8r"),
+                       na=_na_neutral(8)))
     sc.append(Scenario("fix_p4", ("probe-off", "fix-nopc", "fix-no4"), "where patch 4 corrects stock (0.29): greedy "
                        "probe with it (the neutral baseline) equals prefix caching off (no Mamba alignment nor seed); "
                        "stock's (patch 4 off) is recorded against the same reference",

@@ -196,3 +196,26 @@ def test_a_candidate_that_cannot_run_is_reported_and_the_rest_are_timed(bk, monk
     assert summary["qsa_topk_repair_ratio_vs_stock_max"] is None
     assert all(any(f"qsa_topk/{m}" in e for e in summary["errors"]) for m in ("radix", "repair"))
     assert {r["impl"] for r in lines if r["kind"] == "qsa_topk"} == {"stock", "patched"}  # the rest are timed
+
+
+def test_the_serial_repair_is_judged_beside_the_sliced_one(bk):
+    """On CUDA the bench also times run43's one-program-per-row repair (`repair_serial`) after the same
+    stock op: its ratio against stock in the same run is the sliced repair's before."""
+    shape = {"batch": 1, "context": 131072, "max_model_len": 500000}
+    records = [dict(shape, kind="qsa_topk", mode="graph", impl=impl, median_us=us)
+               for impl, us in (("stock", 9.0), ("repair", 18.0), ("repair_serial", 55.3))]
+    s = bk.summarize(records)
+    assert s["qsa_topk_repair_ratio_vs_stock_max"] == 2.0
+    assert s["qsa_topk_repair_serial_ratio_vs_stock_max"] == round(55.3 / 9.0, 3)
+    assert {r["impl"] for r in s["ratios"]} == {"repair", "repair_serial"}
+
+
+def test_the_serial_repair_runs_the_stock_op_then_the_one_program_per_row_pass(bk, monkeypatch):
+    from flash_vllm.patches import _qsa_radix
+
+    calls = []
+    monkeypatch.setattr(_qsa_radix, "repair_block_topk",
+                        lambda *a, **kw: calls.append(("repair", a[3], a[4], kw)))
+    fn = bk.serial_repair(lambda *a: calls.append(("stock", a[2], a[3])))
+    fn(torch.zeros(2, 700), torch.tensor([700, 9]), 2048, 4, torch.zeros(2, 512, dtype=torch.int32), None)
+    assert calls == [("stock", 2048, 4), ("repair", 512, 700, {"slice_columns": None})]

@@ -180,10 +180,12 @@ def test_only_kv_plan_servers_boot_alone(planned):
 
 def test_selection_is_pytest_like():
     names = lambda e: [s.name for s in fleet.select(e)]  # noqa: E731
-    assert names("probe and not p13") == [f"probe_p{n}" for n in fleet.NEUTRAL if n != 13]
+    assert names("probe and not p13") == [f"probe_p{n}" for n in fleet.NEUTRAL if n != 13] + ["probe_p8_repair"]
+    assert names("probe and not repair") == [f"probe_p{n}" for n in fleet.NEUTRAL]
     assert names("boot_a or broken") == ["boot_a", "broken_patch_p1"]
-    # + prefix_hit_a/off, ple_memory, ple_memory_p1, diag_ple_ids, broken_patch_p1, fix_p4, 3 hoist_exact
-    assert len(names(None)) == len(fleet.SCENARIOS) == 3 * 3 + len(fleet.NEUTRAL) + 7 + 3
+    # + probe_p8_repair, prefix_hit_a/off, ple_memory, ple_memory_p1, diag_ple_ids, broken_patch_p1, fix_p4,
+    # 3 hoist_exact
+    assert len(names(None)) == len(fleet.SCENARIOS) == 3 * 3 + len(fleet.NEUTRAL) + 1 + 7 + 3
 
 
 def test_plugin_site_declares_our_entry_point(planned):
@@ -527,7 +529,7 @@ def test_boot_wave_setting_is_checked_and_the_plan_shows_the_waves(monkeypatch, 
     waves = [line for line in proc.stdout.splitlines() if line.strip().startswith("boot wave")]
     assert waves == ["  boot wave 1 (at most 3 at once, FLASH_E2E_BOOT_WAVE): probe-off, probe-p1, probe-p3",
                      "  boot wave 2 (at most 3 at once, FLASH_E2E_BOOT_WAVE): probe-p4, probe-p5, probe-p8",
-                     "  boot wave 3 (at most 3 at once, FLASH_E2E_BOOT_WAVE): probe-p13"]
+                     "  boot wave 3 (at most 3 at once, FLASH_E2E_BOOT_WAVE): probe-p13, probe-p8r"]
     assert "group 1 (one scenario at a time; groups side by side): probe_p1, probe_p3, probe_p4" in proc.stdout
 
 
@@ -590,7 +592,8 @@ def test_v029_plan_renders_every_server_on_v029(planned_v029):
     # patch 4 corrects stock 0.29's Mamba block (run41), so the baseline keeps it on too and fix_p4 runs
     assert fleet.kept_on("v0.29").keys() == {1, 4} and fleet.kept_on("v0.33") == {}
     assert {n for n in specs if n.startswith(("probe", "broken", "fix"))} == {
-        "probe-off", "broken-p1", "fix-no4", "fix-nopc", *(f"probe-p{n}" for n in fleet.NEUTRAL if n not in (1, 4))}
+        "probe-off", "broken-p1", "fix-no4", "fix-nopc", "probe-p8r",
+        *(f"probe-p{n}" for n in fleet.NEUTRAL if n not in (1, 4))}
     na = fleet.not_applicable(fleet.select(None), "v0.29")
     assert {n for n, why in na.items() if "cannot load the checkpoints' fp8 PLE table" in why} == {"probe_p1", "ple_memory"}
     assert na["probe_p4"].startswith("patch 4 is not output-neutral on v0.29")
@@ -674,7 +677,7 @@ def test_a_probe_is_na_where_the_registry_does_not_apply_its_patch(planned_v029,
     assert na == {"probe_p13": "patch 13 (tool-marker-guard) is not-ported on v0.29: the plugin applies no code",
                   "probe_p1": STOCK_PLE_NA, "probe_p4": fleet.kept_on("v0.29")[4]}
     assert [s["server"] for s in fleet.plan(ctx, fleet.select("probe"))] == [
-        "probe-off", *(f"probe-p{n}" for n in fleet.NEUTRAL if n not in (1, 4, 13))]
+        "probe-off", *(f"probe-p{n}" for n in fleet.NEUTRAL if n not in (1, 4, 13)), "probe-p8r"]
     assert fleet.not_applicable(fleet.select("probe"), "v0.33") == {}
 
 

@@ -26,6 +26,9 @@ from test_qsa_radix import CASES, _bits, case_inputs, reference, run_interpreted
 ROOT = Path(__file__).resolve().parents[2]
 DRAWS = 3  # scrambled stock outputs per case
 UNSET = 12345  # slots the stock kernel never writes (past k) keep whatever was there
+# the repair's variants: one program per row (run43's), and two launches over column slices of a
+# width that splits every case's rows into several (and one not a power of two, shorter than a loop step)
+VARIANTS = {"serial": None, "slices_256": 256, "slices_96": 96}
 NO_TIES = ("random", "negative_scores", "visible_zero_and_past_row", "longer_than_a_loop_step",
            "k_wider_than_row", "every_exponent", "wider_output", "hook")  # continuous random scores
 
@@ -80,8 +83,9 @@ def kernel_results() -> dict:
     import flash_vllm.patches._qsa_radix as q
     from flash_vllm.patches import _qsa_topk, qsa_det_topk
 
-    assert type(q._repair_block_topk).__name__ == "InterpretedFunction", type(q._repair_block_topk)
-    res: dict = {"scrambled": {}, "broken": {}}
+    for kernel in (q._repair_serial, q._repair_count, q._repair_write):
+        assert type(kernel).__name__ == "InterpretedFunction", type(kernel)
+    res: dict = {"scrambled": {}, "broken": {}, "variants": {}}
     for case in CASES:
         logits, vis, k, width = case_inputs(case)
         runs = []
@@ -91,10 +95,21 @@ def kernel_results() -> dict:
             runs.append(out.tolist())
         res["scrambled"][case] = runs
         res["broken"][case] = {}
+        stocks = {f"scrambled{seed}": scrambled_stock(logits, vis, k, width, seed) for seed in range(DRAWS)}
         for name, stock in broken_stock(logits, vis, k, width).items():
             out = torch.tensor(stock, dtype=torch.int32)
             q.repair_block_topk(logits, vis, out, k, logits.shape[1])
             res["broken"][case][name] = out.tolist()
+            stocks[name] = stock
+        # every stock output (exact or broken) through each variant of the kernel
+        res["variants"][case] = {}
+        for variant, slice_columns in VARIANTS.items():
+            outs = {}
+            for name, stock in stocks.items():
+                out = torch.tensor(stock, dtype=torch.int32)
+                q.repair_block_topk(logits, vis, out, k, logits.shape[1], slice_columns=slice_columns)
+                outs[name] = out.tolist()
+            res["variants"][case][variant] = outs
     out = torch.tensor([[3, 1, UNSET, UNSET]], dtype=torch.int32)
     q.repair_block_topk(torch.randn(1, 10), torch.tensor([10]), out, 0, 10)
     res["k_zero"] = out.tolist()
@@ -117,6 +132,12 @@ def kernel_results() -> dict:
         res["refusal"] = None
     except ValueError as exc:
         res["refusal"] = str(exc)
+    try:
+        q.repair_block_topk(torch.randn(1, 20), torch.tensor([10]), torch.zeros(1, 4, dtype=torch.int32), 4, 20,
+                            slice_columns=0)
+        res["bad_slice"] = None
+    except ValueError as exc:
+        res["bad_slice"] = str(exc)
     return res
 
 
@@ -171,6 +192,25 @@ def test_a_stock_output_that_is_not_a_top_k_still_gives_a_well_formed_row(child,
         assert missing <= top and len(missing) >= len(top) - 1, (case, r)
         assert len(swapped) == len(top) and len(swapped & top) >= len(top) - 1, (case, r)
 
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_sliced_passes_write_what_the_serial_pass_writes(child, case):
+    """Cut into slices (two launches over rows x slices), the repair writes element for element what
+    the one-program-per-row pass writes, for exact and broken stock outputs alike; the default
+    slicing (the first results above) too."""
+    got = child["variants"][case]
+    serial = got["serial"]
+    assert set(serial) == {"scrambled0", "scrambled1", "scrambled2", "missing", "best_swapped", "garbage"}
+    for variant in VARIANTS:
+        assert got[variant] == serial, (case, variant)
+    assert [serial[f"scrambled{s}"] for s in range(DRAWS)] == child["scrambled"][case]
+    assert {n: serial[n] for n in child["broken"][case]} == child["broken"][case]
+
+
+def test_a_slice_width_that_is_not_a_column_count_is_refused(child):
+    assert "slice_columns must be a positive column count or None, got 0" in child["bad_slice"]
+
+
 def test_k_zero_gives_an_empty_row(child):
     assert child["k_zero"] == [[-1, -1, -1, -1]]
 
@@ -199,20 +239,33 @@ from flash_vllm.patches import _qsa_radix as q
 target = GPUTarget("cuda", 90, 32)  # the H200; the front end needs no GPU
 backend = make_backend(target)
 options = backend.parse_options({{}})
-sig = {{"logits_ptr": "*fp32", "stride_row": "i64", "visible_ptr": "*i32", "out_ptr": "*i32", "stride_out": "i64",
-        "columns": "i32", "k": "i32", "width": "i32", "SLOTS": "constexpr", "BLOCK": "constexpr"}}
-ctx = ir.context(); ir.load_dialects(ctx); backend.load_dialects(ctx)
-mod = ASTSource(q._repair_block_topk, sig, constexprs={{"SLOTS": 512, "BLOCK": q.BLOCK}}).make_ir(
-    target, options, backend.get_codegen_implementation(options), backend.get_module_map(), ctx)
-print("ttir", "tt.reduce" in str(mod) and "tt.scan" in str(mod))
+row = {{"logits_ptr": "*fp32", "stride_row": "i64", "visible_ptr": "*i32", "out_ptr": "*i32", "stride_out": "i64"}}
+tail = {{"columns": "i32", "k": "i32", "width": "i32"}}
+scratch = {{"scratch_ptr": "*i64", "stride_scratch": "i64"}}
+kernels = {{
+    "serial": (q._repair_serial, {{**row, **tail, "SLOTS": "constexpr", "BLOCK": "constexpr"}},
+               {{"SLOTS": 512, "BLOCK": q.BLOCK}}),
+    "count": (q._repair_count, {{**row, **scratch, **tail, "SLOTS": "constexpr", "SLICE": "constexpr",
+                                "BLOCK": "constexpr"}}, {{"SLOTS": 512, "SLICE": q.SLICE, "BLOCK": q.BLOCK}}),
+    "write": (q._repair_write, {{**row, **scratch, **tail, "MAX_S": "constexpr", "SLICE": "constexpr",
+                                "BLOCK": "constexpr"}}, {{"MAX_S": 64, "SLICE": q.SLICE, "BLOCK": q.BLOCK}}),
+}}
+for name, (fn, sig, consts) in kernels.items():
+    ctx = ir.context(); ir.load_dialects(ctx); backend.load_dialects(ctx)
+    mod = str(ASTSource(fn, sig, constexprs=consts).make_ir(
+        target, options, backend.get_codegen_implementation(options), backend.get_module_map(), ctx))
+    print("ttir", name, "tt.reduce" in mod, "tt.scan" in mod, "scf.if" in mod)
 """
 
 
-def test_the_kernel_passes_the_real_compilers_front_end():
+def test_the_kernels_pass_the_real_compilers_front_end():
     """The interpreter accepts what the compiler refuses (run38); Triton's own front end lowers the
-    repair kernel (its min reduction and the shared write pass's scans) to TTIR without a GPU."""
+    repair's kernels to TTIR without a GPU: the serial pass (its min reduction and the write pass's
+    scans), the sliced count (reductions, under the branch that skips slices past the visible part)
+    and the sliced write (the scans of the counts and of the slice)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", TTIR.format(src=str(ROOT / "src"))], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "ttir True", proc.stdout
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("ttir ")]
+    assert lines == ["ttir serial True True False", "ttir count True False True", "ttir write True True True"], proc.stdout

@@ -31,6 +31,7 @@ def test_unknown_key_names_closest():
     ("YARN", "maybe", "0 or 1"),
     ("BIND", "localhost:80", "IP address"),
     ("KV_CACHE_MEM", "lots", "16G"),
+    ("DET_TOPK", "yes", "0 | 1 | radix | repair"),  # a mode now, no longer a bool
 ])
 def test_bad_values_name_key_and_accepted(key, raw, needle):
     with pytest.raises(ConfigError) as err:
@@ -43,6 +44,13 @@ def test_sizes_and_bools():
     s = resolve(overrides={"KV_CACHE_MEM": "16G", "YARN": "yes", "SHM_SIZE": "512m"})
     assert s["KV_CACHE_MEM"] == 16 * 1024**3 and s["YARN"] is True and s["SHM_SIZE"] == 512 * 1024**2
     assert resolve(overrides={"KV_CACHE_MEM": ""})["KV_CACHE_MEM"] is None
+
+
+def test_det_topk_modes_reach_patch_8_verbatim():
+    assert resolve()["DET_TOPK"] == "1" and resolve().as_env()["DET_TOPK"] == "1"  # the default as before
+    for mode in ("0", "1", "radix", "repair"):
+        s = resolve(overrides={"DET_TOPK": mode})
+        assert s["DET_TOPK"] == mode and BY_NAME["DET_TOPK"].env == "VLLM_QSA_DET_TOPK"
 
 
 def test_extra_split_once_with_quotes():

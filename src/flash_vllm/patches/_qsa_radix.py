@@ -4,18 +4,23 @@
 Patch 8's default path (`_qsa_topk.exact_block_topk`) masks the whole scores row and runs
 `torch.topk` over it: its cost follows the row width, which is max_model_len / compress_ratio
 (125,056 columns at flash's CTX=500000), not the context. On the H200 that is 5.5-34.6x the stock
-kernels (docs/benchmarks/decode-h200/KERNELS.md). Two kernels here, one program per row, each
-looping over `min(visible, columns)` columns only:
+kernels (docs/benchmarks/decode-h200/KERNELS.md). Two kernels here, each looping over
+`min(visible, columns)` columns only:
 
-- `radix_block_topk` (`radix`): a 4-pass radix select (8-bit digits of an order-preserving integer
-  key of the fp32 score) finds the k-th largest key exactly; histograms count, they never race
-  (`tl.histogram`). Run4: 7.9 us at 8k context, 100 us at 128k (five reads of the row).
+- `radix_block_topk` (`radix`, one program per row): a 4-pass radix select (8-bit digits of an
+  order-preserving integer key of the fp32 score) finds the k-th largest key exactly; histograms
+  count, they never race (`tl.histogram`). Run4: 7.9 us at 8k context, 100 us at 128k (five reads
+  of the row).
 - `repair_block_topk` (`repair`): runs after the stock kernel, in place on its output. An exact
   top-k differs between runs only among the scores equal to the k-th one, so the smallest selected
-  key is that k-th key and the count above it is fixed; one pass then rewrites the selection
-  deterministically (one read of the row instead of radix's five).
+  key is that k-th key and the count above it is fixed; a write pass then rewrites the selection
+  deterministically. Run43 timed it as one program per row (`slice_columns=None`, kept): 4.5 us
+  over stock at 8k, 46 us at 128k, the serial scan of 32,768 columns while 3-24 programs held the
+  H200's 132 SMs. Now two launches over rows x slices of SLICE columns: every program counts the
+  keys above and equal to t in its slice, then every program writes its slice's share, starting
+  where the counts say the slices before it end. The same output, element for element.
 
-Both end in the same write pass (`_write_selection`): the selected columns in ascending column
+Both write what `_write_selection` writes (`_repair_write` is its pass cut into slices): the selected columns in ascending column
 order, every key above the k-th one, then as many keys equal to it as needed, lowest columns first;
 -1 past min(k, visible), as the stock kernels and the exact path leave them. The result is a
 function of the scores alone: the same set and order on every call, batch and graph replay (for
@@ -38,6 +43,7 @@ import triton
 import triton.language as tl
 
 BLOCK = 1024  # columns per loop step
+SLICE = 2048  # columns per program in the repair's two launches (rows x slices programs)
 
 
 @triton.jit
@@ -105,22 +111,105 @@ def _radix_block_topk(logits_ptr, stride_row, visible_ptr, out_ptr, stride_out, 
 
 
 @triton.jit
-def _repair_block_topk(logits_ptr, stride_row, visible_ptr, out_ptr, stride_out, columns, k, width,
-                       SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+def _threshold(row, orow, v, k, width, SLOTS: tl.constexpr):
+    # (t, above): t = the smallest key among the stock selection's visible slots (the k-th largest
+    # key if the selection is an exact top-k; 2**32, above every key, if none is visible) and how
+    # many selected keys are above it. Every key above t is in any exact top-k; only which keys
+    # equal to t made it can vary between runs.
+    slots = tl.arange(0, SLOTS)
+    idx = tl.load(orow + slots, mask=slots < tl.minimum(k, width), other=-1)
+    valid = (idx >= 0) & (idx < v)
+    key = tl.where(valid, _key(tl.load(row + idx, mask=valid, other=0.0)), 4294967296)
+    t = tl.min(key, axis=0)
+    return t, tl.sum((valid & (key > t)).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _repair_serial(logits_ptr, stride_row, visible_ptr, out_ptr, stride_out, columns, k, width,
+                   SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+    # one program per row: the threshold, then the write pass over every visible column
     r = tl.program_id(0)
     row = logits_ptr + r.to(tl.int64) * stride_row
     orow = out_ptr + r.to(tl.int64) * stride_out
     v = tl.maximum(tl.minimum(tl.load(visible_ptr + r).to(tl.int32), columns), 0)
     kk = tl.minimum(v, k)
-    # the stock selection, read whole into registers before the write pass overwrites it in place
-    slots = tl.arange(0, SLOTS)
-    idx = tl.load(orow + slots, mask=slots < tl.minimum(k, width), other=-1)
-    valid = (idx >= 0) & (idx < v)
-    key = tl.where(valid, _key(tl.load(row + idx, mask=valid, other=0.0)), 4294967296)  # 2**32: above every key
-    t = tl.min(key, axis=0)  # the k-th largest key if the selection is an exact top-k
-    above = tl.sum((valid & (key > t)).to(tl.int32), axis=0)
-    # every key above t is in any exact top-k; only which keys equal to t made it can vary
+    t, above = _threshold(row, orow, v, k, width, SLOTS)  # read whole before the write overwrites it
     _write_selection(row, orow, v, kk, t, kk - above, width, BLOCK)
+
+
+@triton.jit
+def _repair_count(logits_ptr, stride_row, visible_ptr, out_ptr, stride_out, scratch_ptr, stride_scratch,
+                  columns, k, width, SLOTS: tl.constexpr, SLICE: tl.constexpr, BLOCK: tl.constexpr):
+    # program (r, s): the keys above t and equal to t in columns [s*SLICE, (s+1)*SLICE) of row r's
+    # visible part -> scratch[r, 2 + 2s], scratch[r, 3 + 2s]; program (r, 0) also stores t and the
+    # number of t-keys to take (kk - above) in scratch[r, 0:2]. Slices past the visible part are
+    # never read by _repair_write, so their programs do nothing.
+    r = tl.program_id(0)
+    s = tl.program_id(1)
+    row = logits_ptr + r.to(tl.int64) * stride_row
+    orow = out_ptr + r.to(tl.int64) * stride_out
+    srow = scratch_ptr + r.to(tl.int64) * stride_scratch
+    v = tl.maximum(tl.minimum(tl.load(visible_ptr + r).to(tl.int32), columns), 0)
+    lo = s * SLICE
+    if (lo < v) | (s == 0):
+        t, above = _threshold(row, orow, v, k, width, SLOTS)
+        gt = tl.full([], 0, tl.int32)
+        eq = tl.full([], 0, tl.int32)
+        for start in range(lo, tl.minimum(lo + SLICE, v), BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            m = offs < tl.minimum(lo + SLICE, v)
+            key = _key(tl.load(row + offs, mask=m, other=0.0))
+            gt += tl.sum((m & (key > t)).to(tl.int32), axis=0)
+            eq += tl.sum((m & (key == t)).to(tl.int32), axis=0)
+        tl.store(srow + 2 + 2 * s, gt.to(tl.int64))
+        tl.store(srow + 3 + 2 * s, eq.to(tl.int64))
+        if s == 0:
+            tl.store(srow, t)
+            tl.store(srow + 1, (tl.minimum(v, k) - above).to(tl.int64))
+
+
+@triton.jit
+def _repair_write(logits_ptr, stride_row, visible_ptr, out_ptr, stride_out, scratch_ptr, stride_scratch,
+                  columns, k, width, MAX_S: tl.constexpr, SLICE: tl.constexpr, BLOCK: tl.constexpr):
+    # program (r, s): _write_selection's pass over slice s alone, started where the slices before it
+    # left off (their takes and their t-keys, from _repair_count's counts); program (r, 0) also
+    # writes the -1 tail. The same output as _repair_serial, element for element.
+    r = tl.program_id(0)
+    s = tl.program_id(1)
+    row = logits_ptr + r.to(tl.int64) * stride_row
+    orow = out_ptr + r.to(tl.int64) * stride_out
+    srow = scratch_ptr + r.to(tl.int64) * stride_scratch
+    v = tl.maximum(tl.minimum(tl.load(visible_ptr + r).to(tl.int32), columns), 0)
+    lo = s * SLICE
+    if (lo < v) | (s == 0):
+        cap = tl.minimum(tl.minimum(v, k), width)
+        t = tl.load(srow)
+        remaining = tl.load(srow + 1).to(tl.int32)
+        js = tl.arange(0, MAX_S)
+        used = js < (v + SLICE - 1) // SLICE
+        gt = tl.load(srow + 2 + 2 * js, mask=used, other=0).to(tl.int32)
+        eq = tl.load(srow + 3 + 2 * js, mask=used, other=0).to(tl.int32)
+        eq_before = tl.cumsum(eq, axis=0) - eq  # the t-keys in the slices before each slice
+        takes = gt + tl.minimum(tl.maximum(remaining - eq_before, 0), eq)
+        written = tl.sum(tl.where(js < s, takes, 0), axis=0)
+        ties = tl.sum(tl.where(js < s, eq, 0), axis=0)
+        hi = tl.minimum(lo + SLICE, v)
+        for start in range(lo, hi, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            m = offs < hi
+            key = _key(tl.load(row + offs, mask=m, other=0.0))
+            e = (m & (key == t)).to(tl.int32)
+            take = (m & (key > t)) | ((e == 1) & (tl.cumsum(e, axis=0) + ties <= remaining))
+            take32 = take.to(tl.int32)
+            pos = tl.cumsum(take32, axis=0) - 1 + written
+            tl.store(orow + pos, offs.to(tl.int32), mask=take & (pos < cap))
+            written += tl.sum(take32, axis=0)
+            ties += tl.sum(e, axis=0)
+        if s == 0:
+            total = tl.minimum(tl.sum(takes, axis=0), cap)
+            for start in range(0, width, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                tl.store(orow + offs, tl.full([BLOCK], -1, tl.int32), mask=(offs >= total) & (offs < width))
 
 
 def _refuse(what: str, logits, block_indices) -> None:
@@ -143,15 +232,38 @@ def radix_block_topk(logits, visible_blocks, block_indices, block_topk: int, col
                                int(columns), max(int(block_topk), 0), block_indices.shape[1], BLOCK=BLOCK)
 
 
-def repair_block_topk(logits, visible_blocks, block_indices, block_topk: int, columns: int) -> None:
+def repair_block_topk(logits, visible_blocks, block_indices, block_topk: int, columns: int, *,
+                      slice_columns: int | None = SLICE) -> None:
     """Rewrites, in place, the stock kernel's `block_indices` (the top `block_topk` columns of
     `logits[r, :visible_blocks[r]]` in any order, ties broken anyhow, -1 padded) into what
-    `radix_block_topk` returns: column order, ties to the lowest column. Same argument contract."""
+    `radix_block_topk` returns: column order, ties to the lowest column. Same argument contract.
+
+    `slice_columns`: the columns one program scans (two launches over rows x slices, the default);
+    None runs the one-program-per-row pass (run43's kernel, kept as the reference and the bench's
+    `repair_serial`). Both write the same output for any input."""
     rows = logits.shape[0]
     if rows == 0:
         return
     _refuse("repair", logits, block_indices)
     k = max(int(block_topk), 0)
-    slots = triton.next_power_of_2(max(min(k, block_indices.shape[1]), 1))  # the slots read, one block
-    _repair_block_topk[(rows,)](logits, logits.stride(0), visible_blocks, block_indices, block_indices.stride(0),
-                                int(columns), k, block_indices.shape[1], SLOTS=slots, BLOCK=BLOCK)
+    columns = int(columns)
+    width = block_indices.shape[1]
+    slots = triton.next_power_of_2(max(min(k, width), 1))  # the slots read, one block
+    if slice_columns is None:
+        _repair_serial[(rows,)](logits, logits.stride(0), visible_blocks, block_indices, block_indices.stride(0),
+                                columns, k, width, SLOTS=slots, BLOCK=BLOCK)
+        return
+    if int(slice_columns) < 1:
+        raise ValueError(f"repair top-k: slice_columns must be a positive column count or None, got {slice_columns!r}")
+    import torch
+
+    slice_columns = int(slice_columns)
+    n_slices = max(triton.cdiv(columns, slice_columns), 1)  # v <= columns: every visible slice
+    block = min(BLOCK, triton.next_power_of_2(slice_columns))
+    # per row: t, the t-keys to take, then (above t, equal to t) per slice; a graph capture takes it
+    # from its private pool, so replays need no allocation
+    scratch = torch.empty((rows, 2 + 2 * n_slices), dtype=torch.int64, device=logits.device)
+    args = (logits, logits.stride(0), visible_blocks, block_indices, block_indices.stride(0), scratch,
+            scratch.stride(0), columns, k, width)
+    _repair_count[(rows, n_slices)](*args, SLOTS=slots, SLICE=slice_columns, BLOCK=block)
+    _repair_write[(rows, n_slices)](*args, MAX_S=triton.next_power_of_2(n_slices), SLICE=slice_columns, BLOCK=block)
