@@ -20,7 +20,7 @@ LABEL org.flash.selfcheck=skipped
 FROM selfcheck-${SELFCHECK}
 ARG FLASH_VLLM_BASE=v0.33
 ARG SELFCHECK=1
-ARG PATCHSET=ea82dacb607ece0f
+ARG PATCHSET=14c33cdb1d6e947b
 ENV FLASH_VLLM_BASE=${FLASH_VLLM_BASE}
 LABEL qwen38.base=${FLASH_VLLM_BASE} \
       org.flash.base=${FLASH_VLLM_BASE} \

@@ -272,21 +272,17 @@ def plan_cmd(args) -> int:
 
 
 def _metric(url: str, names: tuple[str, ...]) -> dict:
+    """The named series' sums (exact sample names; flash_cli.api.metric_sums, checked against
+    prometheus_client in the unit tier), zeros when the server cannot be read."""
     import requests
 
-    out = {n: 0.0 for n in names}
+    from flash_cli.api import metric_sums
+
     try:
         text = requests.get(url + "/metrics", timeout=10).text
     except requests.RequestException:
-        return out
-    for line in text.splitlines():
-        for n in names:
-            if line.startswith(n) and not line.startswith("#"):
-                try:
-                    out[n] += float(line.rsplit(" ", 1)[1])
-                except ValueError:
-                    pass
-    return out
+        return {n: 0.0 for n in names}
+    return {n: 0.0 for n in names} | metric_sums(text, names)
 
 
 SPEC = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total")

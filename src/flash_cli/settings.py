@@ -177,10 +177,11 @@ SETTINGS: tuple[Setting, ...] = (
       "host env HF_HUB_DISABLE_XET, HF_XET_HIGH_PERFORMANCE"),
     # --- patches and kernels ---------------------------------------------------------------
     S("PREFIX_CACHE", "bool", True, "Prefix caching.", "vllm --enable-prefix-caching / --no-enable-prefix-caching"),
-    S("DET_TOPK", "choice", "1", "Deterministic QSA block top-k (patch 8): 0 off (the stock kernel), 1 exact "
-      "torch.topk in column order, radix = a Triton radix select over the visible columns, repair = the stock "
-      "kernel, then a Triton pass that makes its selection deterministic (the same answer as radix; see "
-      "docs/benchmarks/decode-h200/KERNELS.md for their measured cost).", "env VLLM_QSA_DET_TOPK",
+    S("DET_TOPK", "choice", "repair", "Deterministic QSA block top-k (patch 8): 0 off (the stock kernel), "
+      "repair = the stock kernel, then a Triton pass that makes its selection exact and deterministic (ties to "
+      "the lowest column; 1.9-3.4x the stock kernel alone on the H200, run44), 1 = exact torch.topk over the "
+      "whole row (10-40x), radix = a Triton radix select over the visible columns (2.4-11x); see "
+      "docs/benchmarks/decode-h200/KERNELS.md.", "env VLLM_QSA_DET_TOPK",
       choices=("0", "1", "radix", "repair"), env="VLLM_QSA_DET_TOPK"),
     S("EXACT_TOPK", "choice", "0", "Exact torch.topk QSA path (patch 5): 0 off, 1 exact, fill = exact "
       "with masked fill. Wins over DET_TOPK.", "env VLLM_QSA_EXACT_TOPK", choices=("0", "1", "fill"),

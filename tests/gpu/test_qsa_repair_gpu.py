@@ -133,3 +133,48 @@ def test_every_slicing_writes_what_the_serial_pass_writes(slice_columns, scores_
     torch.cuda.synchronize()
     assert torch.equal(sliced, serial)
     assert torch.equal(sliced.cpu(), reference(scores.cpu(), vis.cpu(), K))
+
+
+@pytest.mark.parametrize("slice_columns", [None, 2048])
+def test_a_stock_selection_that_dropped_candidates_is_repaired_exactly(slice_columns):
+    """vllm#51782: the stock kernel can drop top-k candidates. Damaged stock outputs (a dropped slot,
+    the best column swapped for the (k+1)-th, a row of -1) fail the certificate and the kernel finds
+    the k-th key itself, compiled, in a graph replay too: the reference, not merely a well-formed row."""
+    from flash_vllm.patches import _qsa_radix
+
+    stock = _stock_op("dispatch")
+    rows, columns = 12, 125_056
+    g = torch.Generator().manual_seed(23)
+    scores = torch.randn(rows, columns, generator=g).cuda()
+    vis = torch.tensor([600, 4096, 8192, 32_768, 90_000, columns] * 2, dtype=torch.int32).cuda()
+    base = torch.zeros(rows, K, dtype=torch.int32, device="cuda")
+    stock(scores, vis, TOKEN_TOPK, RATIO, base, None)
+    torch.cuda.synchronize()
+    ranked = torch.argsort(scores.masked_fill(torch.arange(columns, device="cuda")[None] >= vis[:, None].long(),
+                                              float("-inf")), dim=1, descending=True)
+    damaged = base.clone()
+    for r in range(rows):
+        kind = r % 3
+        if kind == 0:
+            damaged[r, K // 2] = -1
+        elif kind == 1:
+            best = int(ranked[r, 0])
+            damaged[r] = torch.where(damaged[r] == best, ranked[r, K].to(torch.int32), damaged[r])
+        else:
+            damaged[r] = -1
+    want = reference(scores.cpu(), vis.cpu(), K)
+    out = damaged.clone()
+    _qsa_radix.repair_block_topk(scores, vis, out, K, columns, slice_columns=slice_columns)
+    torch.cuda.synchronize()
+    assert not torch.equal(damaged.cpu().sort(dim=1).values, want.sort(dim=1).values)
+    assert torch.equal(out.cpu(), want)
+    graph = torch.cuda.CUDAGraph()
+    out.copy_(damaged)
+    _qsa_radix.repair_block_topk(scores, vis, out, K, columns, slice_columns=slice_columns)  # warm-up
+    out.copy_(damaged)
+    with torch.cuda.graph(graph):
+        _qsa_radix.repair_block_topk(scores, vis, out, K, columns, slice_columns=slice_columns)
+    out.copy_(damaged)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), want)

@@ -139,7 +139,7 @@ def _servers() -> dict[str, Server]:
     for n in NEUTRAL:
         gate = {5: ("EXACT_TOPK=1", "DET_TOPK=0"), 8: ("EXACT_TOPK=0", "DET_TOPK=1")}.get(n, ("EXACT_TOPK=0", "DET_TOPK=0"))
         out[f"probe-p{n}"] = Server(f"probe-p{n}", "a", words=gate, disable=_all_but(n, NEUTRAL), baseline=True)
-    # patch 8's repair mode (the stock kernel, then the deterministic rewrite): a candidate default
+    # patch 8's repair mode (the stock kernel, then the certified rewrite): the default since run44
     out["probe-p8r"] = Server("probe-p8r", "a", words=("EXACT_TOPK=0", "DET_TOPK=repair"), disable=_all_but(8, NEUTRAL),
                               baseline=True)
     # where patch 4 corrects stock (fix_p4): the baseline without it, and the baseline with prefix
@@ -682,18 +682,30 @@ def need_up(ctx: Context, name: str) -> Proc:
 
 
 def metrics(url: str) -> dict[str, float]:
+    """The server's /metrics, summed per sample name (labels folded).
+
+    Read with prometheus_client's parser (in the device image: 0.26.0), not split by hand. A counter's
+    `_created` sample is a Unix time, not a count, so it is left out: run44 summed
+    `vllm:prefix_cache_hits_created` into the hit count (1.8e9 "hits"), which made the greedy pairs'
+    hit assertion impossible to fail.
+    """
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
+        return metric_samples(r.read().decode())
+
+
+def metric_samples(text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        name, _, value = line.rpartition(" ")
-        try:
-            out[name] = out.get(name, 0.0) + float(value)
-        except ValueError:
-            continue
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
     return out
+
+
+PREFIX_HITS = "vllm:prefix_cache_hits_total"  # tokens served from the prefix cache (a counter)
 
 
 def _chat(url: str, model: str, text: str, max_tokens: int = 16) -> dict:
@@ -856,6 +868,7 @@ def _greedy(ctx: Context, name: str) -> Path:
 def check_greedy_pair(ctx: Context, a: str, b: str) -> dict:
     """Both servers get the same requests in the same order (prefix hits alike), so any token that
     differs comes from what differs between them."""
+    before = {n: metrics(ctx.procs[n].spec["url"]).get(PREFIX_HITS, 0.0) for n in (a, b)}
     with ThreadPoolExecutor(2) as pool:
         fa, fb = pool.map(lambda n: _greedy(ctx, n), (a, b))
     ca, cb = (json.loads(f.read_text())["cases"] for f in (fa, fb))
@@ -867,8 +880,7 @@ def check_greedy_pair(ctx: Context, a: str, b: str) -> dict:
         if n is not None:
             first = {"case": x["name"], "token": n, a: x["token_ids"][n:n + 4], b: y["token_ids"][n:n + 4]}
             break
-    hits = {n: sum(v for k, v in metrics(ctx.procs[n].spec["url"]).items() if k.startswith("vllm:prefix_cache_hits"))
-            for n in (a, b)}
+    hits = {n: metrics(ctx.procs[n].spec["url"]).get(PREFIX_HITS, 0.0) - before[n] for n in (a, b)}
     res = {"cases": [c["name"] for c in ca], "tokens": sum(len(c["token_ids"]) for c in ca),
            "prefix_cache_hit_tokens": hits, "first_difference": first,
            "graph_modes": {n: ctx.procs[n].spec["argv"][ctx.procs[n].spec["argv"].index("--compilation-config") + 1]
@@ -914,8 +926,7 @@ def check_prefix_hit(ctx: Context, name: str) -> dict:
                      "first_logprobs": (lp.get("top_logprobs") or [None])[0], "tokens": lp.get("tokens") or [],
                      "top_logprobs": lp.get("top_logprobs") or [], "seconds": round(reply.seconds, 3)})
     after = metrics(url)
-    hits = sum(v for k, v in after.items() if k.startswith("vllm:prefix_cache_hits")) - sum(
-        v for k, v in before.items() if k.startswith("vllm:prefix_cache_hits"))
+    hits = after.get(PREFIX_HITS, 0.0) - before.get(PREFIX_HITS, 0.0)
     divergence = first_divergence(runs[0], runs[1])
     keep(ctx, f"prefix-hit-{name}.json", json.dumps({"sizing": sized.as_data(), "note": sized.note, "block_size": block,
                                                      "prefix_cache_hit_tokens": hits, "divergence": divergence,

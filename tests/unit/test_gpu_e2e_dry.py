@@ -148,14 +148,39 @@ def test_greedy_pair_names_the_first_difference(tmp_path, monkeypatch):
 
     ctx.procs = {"x": P(1), "y": P(2)}
     monkeypatch.setattr(fleet, "_greedy", fake_greedy)
-    monkeypatch.setattr(fleet, "metrics", lambda url: {"vllm:prefix_cache_hits_total": 512.0})
+    scrapes = {"n": 0}
+
+    def growing(url):  # each server's counter grows by 512 between its scrapes
+        scrapes["n"] += 1
+        return {fleet.PREFIX_HITS: 512.0 * scrapes["n"]}
+
+    monkeypatch.setattr(fleet, "metrics", growing)
     with pytest.raises(AssertionError, match=r"'case': 'long', 'token': 2, 'x': \[6, 7\], 'y': \[9, 7\]"):
         fleet.check_greedy_pair(ctx, "x", "y")
     runs["y"][1]["token_ids"][2] = 6
-    assert fleet.check_greedy_pair(ctx, "x", "y")["first_difference"] is None
-    monkeypatch.setattr(fleet, "metrics", lambda url: {})
+    res = fleet.check_greedy_pair(ctx, "x", "y")
+    assert res["first_difference"] is None and res["prefix_cache_hit_tokens"] == {"x": 1024.0, "y": 1024.0}
+    # hits the servers had before the pair ran are not this pair's: a counter that stands still fails
+    monkeypatch.setattr(fleet, "metrics", lambda url: {fleet.PREFIX_HITS: 4096.0})
     with pytest.raises(AssertionError, match="no prefix-cache hits"):
         fleet.check_greedy_pair(ctx, "x", "y")
+
+
+def test_metric_samples_reads_counts_not_creation_times():
+    """vLLM's counters carry a `_created` sample (a Unix time); run44 summed it into the prefix-hit
+    count. The exposition here is prometheus_client's own, as vLLM serves it."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+    reg = CollectorRegistry()
+    hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", ["engine", "model_name"], registry=reg)
+    hits.labels("0", "tiny").inc(1024)
+    hits.labels("1", "tiny").inc(256)
+    Gauge("vllm:num_requests_running", "Running.", registry=reg).set(3)
+    text = generate_latest(reg).decode()
+    assert "vllm:prefix_cache_hits_created" in text  # the sample that broke run44's sum
+    got = fleet.metric_samples(text)
+    assert got[fleet.PREFIX_HITS] == 1280.0 and got["vllm:num_requests_running"] == 3.0
+    assert not [k for k in got if k.endswith("_created")]
 
 
 def test_bad_shares_are_named(monkeypatch):

@@ -47,7 +47,7 @@ def test_sizes_and_bools():
 
 
 def test_det_topk_modes_reach_patch_8_verbatim():
-    assert resolve()["DET_TOPK"] == "1" and resolve().as_env()["DET_TOPK"] == "1"  # the default as before
+    assert resolve()["DET_TOPK"] == "repair" and resolve().as_env()["DET_TOPK"] == "repair"  # the default since run44
     for mode in ("0", "1", "radix", "repair"):
         s = resolve(overrides={"DET_TOPK": mode})
         assert s["DET_TOPK"] == mode and BY_NAME["DET_TOPK"].env == "VLLM_QSA_DET_TOPK"
