@@ -51,6 +51,9 @@ sys.path.insert(0, str(ROOT / "src"))
 
 P = "model.language_model."
 LAYERS, EXPERTS, HIDDEN, MOE_INTER, VOCAB = 48, 512, 2560, 640, 248_320
+TOPK, MTP = 10, 2  # experts per token (num_experts_per_tok); draft tokens the servers run with
+SIDE_PARAMS = 60e6  # attention or GDN + shared expert + router per layer (memory_estimate's figure)
+EXPERT_BYTES = {"nvfp4": 0.5 + 1 / 16, "fp8": 1.0 + 4 / (128 * 128)}  # per parameter, block scales included
 FULL_NGRAM_BASE = 20_000_000
 CONFIGS = ("stock", "eager", "hoisted")
 GPU_GIB = 139  # the H200's memory as the device machine reports it
@@ -122,7 +125,7 @@ def quant_config(quant: str, layers: int = LAYERS) -> tuple[dict, dict]:
 def memory_estimate(quant: str, layers: int = LAYERS) -> dict:
     """Weight bytes in GiB (experts dominate), to check a config fits before a boot."""
     expert_params = layers * EXPERTS * 3 * HIDDEN * MOE_INTER
-    bytes_per = {"nvfp4": 0.5 + 1 / 16, "fp8": 1.0 + 4 / (128 * 128)}[quant]  # + block scales
+    bytes_per = EXPERT_BYTES[quant]
     gib = 1 << 30
     experts = expert_params * bytes_per / gib
     mtp_experts = EXPERTS * 3 * HIDDEN * MOE_INTER * (1 + 4 / 128 ** 2) / gib
@@ -602,12 +605,42 @@ def ratios(summ: dict) -> dict:
     return out
 
 
-def extrapolate(summ: dict, layers: int = LAYERS, bw_h200_gbs: float | None = None, bw_gb10_gbs: float = 273.0) -> dict:
+def step_bytes(expert_bytes: float, side_bytes: float, tokens: int = 1 + MTP) -> dict:
+    """Weight bytes one decode step reads at concurrency 1 (an estimate for the GB10 line).
+
+    Per layer: the side weights (`side_bytes` per parameter) and the routed experts of the step's
+    `tokens` positions, TOPK each, counted as distinct (an upper bound; random weights route
+    anywhere). Fixed: the lm_head once per forward (the verify pass and each draft pass: 1 + MTP
+    reads, bf16) and the MTP layer for each draft (its experts fp8, one position each). KV cache,
+    PLE rows and activations are left out: at 4k context they are megabytes against gigabytes."""
+    expert = 3 * HIDDEN * MOE_INTER
+    per_layer = SIDE_PARAMS * side_bytes + min(EXPERTS, TOPK * tokens) * expert * expert_bytes
+    mtp_layer = SIDE_PARAMS * 2 + TOPK * expert * EXPERT_BYTES["fp8"]
+    fixed = (1 + MTP) * VOCAB * HIDDEN * 2 + MTP * mtp_layer
+    return {"per_layer": per_layer, "fixed": fixed}
+
+
+# What the bench's checkpoint holds (--quant fp8: FP8_PB_WO experts, bf16 side layers) and what the
+# recipe serves on a Spark (MODE=hybrid: NVFP4 experts, fp8 side layers)
+BENCH_BYTES = step_bytes(EXPERT_BYTES["fp8"], 2.0)
+RECIPE_BYTES = step_bytes(EXPERT_BYTES["nvfp4"], 1.0)
+
+
+def extrapolate(summ: dict, layers: int = LAYERS, bw_h200_gbs: float | None = None, bw_gb10_gbs: float = 273.0,
+                measured_bytes: dict = BENCH_BYTES, recipe_bytes: dict = RECIPE_BYTES) -> dict:
     """Per config, at concurrency 1: ms per decoded token against the layer count, a least-squares
     line through the measured counts, read at `layers` (an estimate: it assumes the per-layer cost
-    is the same in every repeat of the pattern). With the H200's measured copy bandwidth, the GB10
-    figure scales that time by the bandwidth ratio (an estimate that assumes decode is
-    bandwidth-bound, which small batches on an H200 are not: it is a floor on the GB10's time)."""
+    is the same in every repeat of the pattern).
+
+    With the H200's measured copy bandwidth, three GB10 figures, all estimates, per decode step
+    (= per token at random weights' acceptance length 1; trained weights multiply them by theirs):
+    - `gb10_tok_s_all_scaled`: the whole step time stretched by the bandwidth ratio: a floor, since
+      most of an H200 step at batch 1 is not spent moving bytes;
+    - `gb10_tok_s_estimate`: the step split into the weight bytes it reads (`measured_bytes`, at the
+      H200's bandwidth) and the rest (launches, host work, latency), which is kept as measured;
+      the bytes are then read at the GB10's bandwidth;
+    - `gb10_tok_s_estimate_recipe_bytes`: the same with the recipe's own bytes (NVFP4 experts, fp8
+      side layers) instead of the bench checkpoint's (fp8 experts, bf16 side layers)."""
     pts: dict = {}
     for series, by in summ.items():
         if "/L" not in series or not (by.get(1) or {}).get("per_stream_tok_s"):
@@ -628,7 +661,15 @@ def extrapolate(summ: dict, layers: int = LAYERS, bw_h200_gbs: float | None = No
         row = {"points": xy, "ms_fixed": round(a, 3), "ms_per_layer": round(b, 4), f"ms_per_token_L{layers}": round(ms, 3),
                f"tok_s_L{layers}_h200_estimate": round(1000.0 / ms, 1)}
         if bw_h200_gbs:
-            row["gb10_tok_s_estimate"] = round(1000.0 / (ms * bw_h200_gbs / bw_gb10_gbs), 1)
+            def read_ms(by: dict, gbs: float) -> float:
+                return (by["fixed"] + layers * by["per_layer"]) / (gbs * 1e9) * 1000.0
+
+            other = max(ms - read_ms(measured_bytes, bw_h200_gbs), 0.0)
+            row |= {"gb10_tok_s_all_scaled": round(1000.0 / (ms * bw_h200_gbs / bw_gb10_gbs), 1),
+                    "h200_ms_reading_weights": round(read_ms(measured_bytes, bw_h200_gbs), 3),
+                    "ms_other": round(other, 3),
+                    "gb10_tok_s_estimate": round(1000.0 / (other + read_ms(measured_bytes, bw_gb10_gbs)), 1),
+                    "gb10_tok_s_estimate_recipe_bytes": round(1000.0 / (other + read_ms(recipe_bytes, bw_gb10_gbs)), 1)}
         out[cfg] = row
     return out
 
@@ -665,9 +706,11 @@ def plot_cmd(args) -> int:
         ax.set_xticks([j + width * (len(labels) - 1) / 2 for j in range(len(levels))])
         ax.set_xticklabels([f"c={c}" for c in levels])
         ax.set_title(title)
-        ax.legend()
     fig.suptitle("decode, MTP=2, --load-format dummy (ratios vs stock)")
-    fig.tight_layout()
+    # one legend under both panels: inside them it covered the tallest bars
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=len(names), fontsize=8)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(args.out, dpi=120)
     print(f"wrote {args.out}")
     return 0

@@ -210,6 +210,24 @@ def test_extrapolation_reads_the_line_at_48_layers(bd):
     est = bd.extrapolate(summ, bw_h200_gbs=4000.0)["hoisted"]
     assert est["ms_fixed"] == pytest.approx(2.0) and est["ms_per_layer"] == pytest.approx(0.5)
     assert est["ms_per_token_L48"] == pytest.approx(26.0) and est["tok_s_L48_h200_estimate"] == pytest.approx(38.5, abs=0.1)
-    assert est["gb10_tok_s_estimate"] == pytest.approx(1000 / (26 * 4000 / 273), abs=0.1)
+    assert est["gb10_tok_s_all_scaled"] == pytest.approx(1000 / (26 * 4000 / 273), abs=0.1)
+    # the split: bytes read at each device's bandwidth, the rest of the step kept as measured
+    step = {"fixed": 2e9, "per_layer": 0.1e9}  # 6.8 GB a step at 48 layers: 1.7 ms at 4,000 GB/s
+    est = bd.extrapolate(summ, bw_h200_gbs=4000.0, measured_bytes=step,
+                         recipe_bytes={"fixed": 2e9, "per_layer": 0.05e9})["hoisted"]
+    assert est["h200_ms_reading_weights"] == pytest.approx(1.7) and est["ms_other"] == pytest.approx(24.3)
+    assert est["gb10_tok_s_estimate"] == pytest.approx(1000 / (24.3 + 6.8e9 / 273e9 * 1000), abs=0.1)
+    assert est["gb10_tok_s_estimate_recipe_bytes"] == pytest.approx(1000 / (24.3 + 4.4e9 / 273e9 * 1000), abs=0.1)
+    assert est["gb10_tok_s_all_scaled"] < est["gb10_tok_s_estimate"] < est["gb10_tok_s_estimate_recipe_bytes"]
+
+
+def test_step_bytes_follow_the_config(bd):
+    """The recipe's step reads fewer bytes than the bench checkpoint's (NVFP4 experts, fp8 side
+    layers), and with MTP=2 a layer's routed experts are read for three positions."""
+    one, three = bd.step_bytes(1.0, 2.0, tokens=1), bd.step_bytes(1.0, 2.0, tokens=3)
+    expert = 3 * 2560 * 640
+    assert three["per_layer"] - one["per_layer"] == pytest.approx(20 * expert)
+    assert bd.RECIPE_BYTES["per_layer"] < 0.6 * bd.BENCH_BYTES["per_layer"]
+    assert bd.BENCH_BYTES["fixed"] == bd.RECIPE_BYTES["fixed"] > 3 * 248_320 * 2560 * 2
     one = bd.extrapolate({"eager/L8": {1: {"per_stream_tok_s": 50.0}}})["eager"]
     assert "one layer count" in one["note"]
