@@ -18,7 +18,8 @@ Steps (docs/benchmarks/decode-h200/README.md has the exact sequence for the H200
       start `vllm serve` for CONFIG (stock | eager | hoisted), wait for /health, measure, stop it;
       one JSON line per measurement appended to FILE (raw; nothing averaged away).
   run URL --label L --out FILE.jsonl   measure a server someone else started
-  plot FILE.jsonl... --out PNG          medians per config and concurrency, ratios vs stock
+  plot FILE.jsonl... --out PNG          medians per config and concurrency, ratios vs stock, and
+                                       the paired ratios pooled with a 95% interval (`paired`)
   greedy URL --out FILE.json / greedy-diff A.json B.json
       exactness: fixed token-id prompts (EOS inside, a long one for chunked prefill, a repeat and a
       shared prefix for prefix-cache hits), greedy token ids; the diff exits 1 at the first change
@@ -435,9 +436,10 @@ def _configs(text: str) -> list[str]:
 
 
 def matrix(args) -> int:
-    """All configurations booted side by side (fixed KV pools), then measured one server at a time,
-    the order rotated every repeat, so the three are compared inside one window of this machine's
-    noise; idle servers do not touch the GPU. Raw rows carry the model's layer count (meta.json)."""
+    """All configurations booted side by side (fixed KV pools), then measured one server at a time:
+    at each concurrency the configs back to back, the order rotated every repeat and level, so a
+    pair compared by `paired` shares one window of this machine's noise; idle servers do not touch
+    the GPU. Raw rows carry the model's layer count (meta.json)."""
     import random
 
     d = Path(args.dir).resolve()
@@ -489,9 +491,11 @@ def matrix(args) -> int:
                 sink({"label": c, "event": "boot_timeout", **extra})
         rngs = {c: random.Random(12) for c in live}  # each config sees the same prompts in the same order
         for rep in range(args.repeats):
-            order = live[rep % len(live):] + live[:rep % len(live)] if live else []
-            for c in order:
-                for conc in levels:
+            # concurrency-major: the configs at one level run back to back, so each pair paired()
+            # compares shares a window of the machine's noise; the order rotates every repeat
+            for j, conc in enumerate(levels):
+                turn = (rep + j) % len(live) if live else 0
+                for c in live[turn:] + live[:turn]:
                     if time.monotonic() > deadline:
                         sink({"event": "deadline", "repeat": rep, "at_s": round(time.monotonic() - t0, 1), **extra})
                         return 0 if live else 1
@@ -605,6 +609,53 @@ def ratios(summ: dict) -> dict:
     return out
 
 
+GOAL_VS_STOCK = 0.90  # issue 12: FULL + hoisted within 10% of the stock ceiling
+
+
+def paired(rows: list[dict], goal: float = GOAL_VS_STOCK, resamples: int = 20_000, seed: int = 0) -> dict:
+    """Each config against stock, pair by pair: the same layer count, concurrency and repeat (the
+    matrix measures the servers back to back, so a pair shares one window of the machine's noise).
+    Pooled over the pairs: the geometric mean of the per-stream ratios with a 95% bootstrap interval
+    (numpy, fixed seed: the same rows give the same interval), median and range, and a verdict
+    against `goal`: met when the interval lies above it, missed when below, else open, with the
+    pairs an interval that narrow would need at this spread (normal approximation)."""
+    import math
+
+    import numpy as np
+
+    tok: dict = {}
+    for r in rows:
+        if r.get("per_stream_tok_s"):
+            tok[(r["label"], r.get("layers"), r["concurrency"], r.get("repeat"))] = r["per_stream_tok_s"]
+    out: dict = {}
+    for label in sorted({k[0] for k in tok} - {"stock"}):
+        keys = sorted((k for k in tok if k[0] == label and ("stock", *k[1:]) in tok), key=lambda k: tuple(map(str, k)))
+        logs = np.log([tok[k] / tok[("stock", *k[1:])] for k in keys])
+        if not len(logs):
+            continue
+        g = math.exp(logs.mean())
+        row = {"pairs": len(logs), "geomean": round(g, 3), "median": round(math.exp(float(np.median(logs))), 3),
+               "min": round(math.exp(logs.min()), 3), "max": round(math.exp(logs.max()), 3), "goal": goal,
+               "by_concurrency": {c: round(math.exp(float(np.mean([lg for k, lg in zip(keys, logs) if k[2] == c]))), 3)
+                                  for c in sorted({k[2] for k in keys})}}
+        if len(logs) < 2:
+            out[label] = row | {"verdict": "open", "why": "one pair: no interval"}
+            continue
+        means = logs[np.random.default_rng(seed).integers(0, len(logs), (resamples, len(logs)))].mean(axis=1)
+        lo, hi = (math.exp(q) for q in np.quantile(means, [0.025, 0.975]))
+        row |= {"ci95": [round(lo, 3), round(hi, 3)]}
+        if lo >= goal:
+            row["verdict"] = "met"
+        elif hi < goal:
+            row["verdict"] = "missed"
+        else:
+            row["verdict"] = "open"
+            if g > goal:  # pairs for the interval's lower end to clear the goal if the mean stayed
+                row["pairs_needed"] = math.ceil((1.96 * float(logs.std(ddof=1)) / math.log(g / goal)) ** 2)
+        out[label] = row
+    return out
+
+
 def step_bytes(expert_bytes: float, side_bytes: float, tokens: int = 1 + MTP) -> dict:
     """Weight bytes one decode step reads at concurrency 1 (an estimate for the GB10 line).
 
@@ -677,7 +728,7 @@ def extrapolate(summ: dict, layers: int = LAYERS, bw_h200_gbs: float | None = No
 def plot_cmd(args) -> int:
     rows = [json.loads(line) for f in args.files for line in open(f) if line.strip()]
     summ = summarize(rows)
-    report = {"summary": summ, "ratios_vs_stock": ratios(summ),
+    report = {"summary": summ, "ratios_vs_stock": ratios(summ), "paired_vs_stock": paired(rows),
               "extrapolated": extrapolate(summ, bw_h200_gbs=args.bandwidth_gbs)}
     print(json.dumps(report, indent=1))
     if args.json:

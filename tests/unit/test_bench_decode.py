@@ -81,6 +81,43 @@ def test_summary_and_plot(bd, tmp_path):
     assert bd.main(["plot", str(f), "--out", str(png)]) == 0 and png.stat().st_size > 1000
 
 
+def _pairs(ratio_of, n=9):
+    """Stock and hoisted rows at 2 layer counts × 3 concurrencies × `n` // 6 + 1 repeats; stock's
+    own speed swings ±30% between repeats (shared by its pair), hoisted = stock × ratio_of(i)."""
+    rows, i = [], 0
+    for L in (4, 8):
+        for c in (1, 4, 8):
+            for rep in range(n // 6 + 1):
+                base = 100.0 * (1 + 0.3 * ((rep % 3) - 1))
+                rows += [{"label": "stock", "layers": L, "concurrency": c, "repeat": rep, "per_stream_tok_s": base},
+                         {"label": "hoisted", "layers": L, "concurrency": c, "repeat": rep,
+                          "per_stream_tok_s": base * ratio_of(i)}]
+                i += 1
+    return rows
+
+
+def test_paired_ratios_judge_the_goal_by_their_interval(bd):
+    # the pair shares the window's swing, so a steady 0.95x is met however much stock itself moves
+    met = bd.paired(_pairs(lambda i: 0.95 + 0.01 * (i % 3 - 1)))["hoisted"]
+    assert met["verdict"] == "met" and met["geomean"] == pytest.approx(0.95, abs=0.005)
+    assert 0.90 < met["ci95"][0] < 0.95 < met["ci95"][1] < 0.96 and set(met["by_concurrency"]) == {1, 4, 8}
+    assert bd.paired(_pairs(lambda i: 0.6 + 0.02 * (i % 3)))["hoisted"]["verdict"] == "missed"
+    # 0.92 on average, ±25% pair to pair: the interval straddles 0.90 and says how many pairs it would take
+    noisy = bd.paired(_pairs(lambda i: 0.92 * (1.25, 0.8, 1.0)[i % 3], n=18))["hoisted"]
+    assert noisy["verdict"] == "open" and noisy["ci95"][0] < 0.90 < noisy["ci95"][1]
+    assert noisy["pairs_needed"] > noisy["pairs"] == 24
+    assert bd.paired(_pairs(lambda i: 0.92 * (1.25, 0.8, 1.0)[i % 3], n=18))["hoisted"] == noisy  # fixed seed
+
+
+def test_paired_needs_both_sides_of_a_pair(bd):
+    rows = _pairs(lambda i: 0.9)
+    rows = [r for r in rows if not (r["label"] == "stock" and r["layers"] == 8)]  # stock/L8 never booted
+    assert bd.paired(rows)["hoisted"]["pairs"] == 6
+    one = bd.paired(rows[:2])["hoisted"]
+    assert one["verdict"] == "open" and "one pair" in one["why"] and "ci95" not in one
+    assert bd.paired([r for r in rows if r["label"] == "stock"]) == {}
+
+
 @pytest.mark.parametrize("argv, msg", [
     (["prepare", "x", "--ple-rows", "lots"], "--ple-rows 'lots'"),
     (["run", "http://h:1", "--label", "a", "--out", "o", "--levels", "1,x"], "--levels '1,x'"),
@@ -184,6 +221,10 @@ def test_matrix_boots_side_by_side_and_measures_in_turn(bd, prepared, tmp_path, 
     assert len(meas) == 3 * 2 * 2 and all(r["layers"] == 48 and r["tokens"] == 40 * r["concurrency"] for r in meas)
     # the order rotates every repeat; the same prompts go to every config
     assert [r["label"] for r in meas if r["concurrency"] == 1] == ["stock", "eager", "hoisted", "eager", "hoisted", "stock"]
+    # concurrency-major: the three configs at one level run back to back (the pairs paired() compares)
+    assert [r["concurrency"] for r in meas] == [1, 1, 1, 2, 2, 2] * 2
+    assert [r["label"] for r in meas][3:6] == ["eager", "hoisted", "stock"]
+    assert bd.paired(rows)["hoisted"]["pairs"] == 4
     assert all(0 < r["mtp_drafts"] < 1e6 for r in meas)  # counts, never a `_created` time
     summ = bd.summarize(rows)
     ratio = bd.ratios(summ)
