@@ -18,6 +18,8 @@
 #   decode8  tools/bench_decode.py matrix, 8 of the 48 layers (real per-layer shapes, dummy weights)
 #   kernels  tools/bench_step_kernels.py (draft head, QSA top-k, copy bandwidth) + tests/gpu
 #   decode4  the same matrix at 4 layers (two layer counts: the line read at 48 layers)
+#            (both: DECODE_REPEATS, default 3; DECODE_TOKENS per request, 256; DECODE_SECONDS of
+#            measuring each, 420)
 # Results: /var/tmp/gs (phases.log, e2e/, decode/, kernels/). PHASES: a comma list, default
 # e2e,decode8,kernels,decode4.
 #
@@ -35,6 +37,8 @@ REPO=${FLASH_SESSION_REPO:-/var/tmp/flash-repo}
 ENV_SH=${FLASH_E2E_VLLM_ENV:-/var/tmp/flash-vllm-0.33.0/env.sh}
 BENCH=${FLASH_SESSION_BENCH:-/var/tmp/bench-decode}
 ROWS=${FLASH_SESSION_PLE_ROWS:-32000000}  # the reduced PLE table (4.8 GiB; real width and heads)
+# the decode matrices: repeats, tokens per request, and the seconds each may measure for
+DECODE_REPEATS=${DECODE_REPEATS:-3} DECODE_TOKENS=${DECODE_TOKENS:-256} DECODE_SECONDS=${DECODE_SECONDS:-420}
 
 JIT_DIRS=${FLASH_SESSION_JIT_DIRS:-.triton/cache .cache/flashinfer .cache/vllm}  # relative to $HOME
 JIT_MAX_MIB=${FLASH_SESSION_JIT_MAX_MIB:-45}  # 3 returned parts of 15 MiB beside gs.tar.gz
@@ -92,7 +96,8 @@ phase() {
 # layers, seconds it needs, first port: tools/bench_decode.py's matrix on that layer count
 decode_phase() {
   phase "decode$1" "$2" python3 tools/bench_decode.py matrix "$BENCH/L$1" --port "$3" \
-    --out "$GS/decode/raw.jsonl" --logs "$GS/decode" --deadline $(( $(left) - 20 < 420 ? $(left) - 20 : 420 ))
+    --out "$GS/decode/raw.jsonl" --logs "$GS/decode" --repeats "$DECODE_REPEATS" --tokens "$DECODE_TOKENS" \
+    --deadline $(( $(left) - 20 < DECODE_SECONDS ? $(left) - 20 : DECODE_SECONDS ))
 }
 
 run_phases() {
@@ -172,6 +177,9 @@ case "${1:-}" in
       case "$p" in e2e|decode8|kernels|decode4|none) ;;
         *) echo "gpu_session: unknown phase '$p' (e2e, decode8, kernels, decode4, or none)" >&2; exit 2 ;; esac
     done
+    for v in DECODE_REPEATS DECODE_TOKENS DECODE_SECONDS; do
+      case "${!v}" in ''|*[!0-9]*|0) echo "gpu_session: $v='${!v}': give a positive whole number" >&2; exit 2 ;; esac
+    done
     [ -f "$ENV_SH" ] || { echo "gpu_session: $ENV_SH missing: install the payload first (docs/GPU-E2E.md)" >&2; exit 3; }
     rm -rf "$GS" "$REPO"; mkdir -p "$GS" "$REPO"
     if [ -f "$JIT_CARRIED" ]; then  # a previous session's JIT caches (see the top)
@@ -181,7 +189,7 @@ case "${1:-}" in
     tar --exclude=./.payload --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C "$REPO"
     echo $(( $(date +%s) + BUDGET )) >"$GS/end"
     export COMMIT PHASES
-    setsid bash -c "$(declare -f log left need e2e_deadline jit_pack phase decode_phase run_phases); GS=$GS REPO=$REPO ENV_SH=$ENV_SH BENCH=$BENCH ROWS=$ROWS JIT_DIRS='$JIT_DIRS' JIT_MAX_MIB=$JIT_MAX_MIB JIT_CARRIED=$JIT_CARRIED run_phases" \
+    setsid bash -c "$(declare -f log left need e2e_deadline jit_pack phase decode_phase run_phases); GS=$GS REPO=$REPO ENV_SH=$ENV_SH BENCH=$BENCH ROWS=$ROWS JIT_DIRS='$JIT_DIRS' JIT_MAX_MIB=$JIT_MAX_MIB JIT_CARRIED=$JIT_CARRIED DECODE_REPEATS=$DECODE_REPEATS DECODE_TOKENS=$DECODE_TOKENS DECODE_SECONDS=$DECODE_SECONDS run_phases" \
       </dev/null >"$GS/driver.log" 2>&1 &
     log "launched (pid $!, budget ${BUDGET}s, phases $PHASES, commit $COMMIT)"
     ;;
