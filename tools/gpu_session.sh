@@ -178,7 +178,7 @@ case "${1:-}" in
         *) echo "gpu_session: unknown phase '$p' (e2e, decode8, kernels, decode4, or none)" >&2; exit 2 ;; esac
     done
     for v in DECODE_REPEATS DECODE_TOKENS DECODE_SECONDS; do
-      case "${!v}" in ''|*[!0-9]*|0) echo "gpu_session: $v='${!v}': give a positive whole number" >&2; exit 2 ;; esac
+      case "${!v}" in ''|*[!0-9]*|0*) echo "gpu_session: $v='${!v}': give a positive whole number" >&2; exit 2 ;; esac
     done
     [ -f "$ENV_SH" ] || { echo "gpu_session: $ENV_SH missing: install the payload first (docs/GPU-E2E.md)" >&2; exit 3; }
     rm -rf "$GS" "$REPO"; mkdir -p "$GS" "$REPO"
