@@ -358,6 +358,28 @@ def measure_one(url: str, label: str, conc: int, tokens: int, rep: int, rng, sin
     return row
 
 
+def warm(url: str, label: str, conc: int, tokens: int, sink, extra: dict | None = None) -> None:
+    """`conc` streams of `tokens` tokens, untimed for the results: one `warmup` event row (its wall
+    time kept raw, so a slow first round shows), never summarized or paired."""
+    import random
+
+    rng = random.Random(7)  # its own prompts: the timed ones stay the same with or without it
+    recs = [{} for _ in range(conc)]
+    threads = [threading.Thread(target=_one, args=(url, [rng.randrange(1000, 240000) for _ in range(64)], tokens, recs[i]))
+               for i in range(conc)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    row = {"label": label, "event": "warmup", "concurrency": conc, "max_tokens": tokens, **(extra or {}),
+           "wall_s": round(max(r["end"] for r in recs) - min(r["sent"] for r in recs), 3)}
+    errors = [r["error"] for r in recs if "error" in r]
+    if errors:
+        row["error"] = errors[0]
+    sink(row)
+    print(json.dumps(row), flush=True)
+
+
 def _sink(path: str):
     def write(row: dict) -> None:
         with open(path, "a") as f:
@@ -489,6 +511,13 @@ def matrix(args) -> int:
         for c in configs:
             if c not in booted:
                 sink({"label": c, "event": "boot_timeout", **extra})
+        if args.warmup_tokens:
+            # one untimed round per config and level first: run5's first repeat was the slowest for
+            # every config (the first batch of each size pays one-time costs), hoisted's most
+            for c in live:
+                for conc in levels:
+                    if time.monotonic() < deadline:
+                        warm(urls[c], c, conc, args.warmup_tokens, sink, extra)
         rngs = {c: random.Random(12) for c in live}  # each config sees the same prompts in the same order
         for rep in range(args.repeats):
             # concurrency-major: the configs at one level run back to back, so each pair paired()
@@ -807,6 +836,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--boot-timeout", type=float, default=600)
+    p.add_argument("--warmup-tokens", type=int, default=64, help="an untimed round per config and level first (0: none)")
     p.add_argument("--deadline", type=float, default=3600, help="s from start: stop measuring (rows so far are kept)")
     p.set_defaults(func=matrix)
     p = sub.add_parser("greedy", help="fixed token-id prompts, greedy, token ids to a JSON file")
@@ -827,6 +857,8 @@ def main(argv=None) -> int:
     p.add_argument("--bandwidth-gbs", type=float, help="the H200's measured copy bandwidth (GB10 estimate)")
     p.set_defaults(func=plot_cmd)
     args = ap.parse_args(argv)
+    if getattr(args, "warmup_tokens", 0) < 0:
+        raise SystemExit(f"--warmup-tokens {args.warmup_tokens}: give 0 (no warm-up) or a token count such as 64")
     if getattr(args, "ple_rows", "full") != "full" and not str(args.ple_rows).isdigit():
         raise SystemExit(f"--ple-rows {args.ple_rows!r}: give 'full' or a row count such as 32000000")
     return args.func(args)

@@ -120,6 +120,7 @@ def test_paired_needs_both_sides_of_a_pair(bd):
 
 @pytest.mark.parametrize("argv, msg", [
     (["prepare", "x", "--ple-rows", "lots"], "--ple-rows 'lots'"),
+    (["matrix", "d", "--out", "o", "--warmup-tokens", "-1"], "--warmup-tokens -1"),
     (["run", "http://h:1", "--label", "a", "--out", "o", "--levels", "1,x"], "--levels '1,x'"),
 ])
 def test_bad_arguments_name_the_value(bd, argv, msg):
@@ -218,6 +219,9 @@ def test_matrix_boots_side_by_side_and_measures_in_turn(bd, prepared, tmp_path, 
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["label"] for r in rows if r.get("event") == "booted") == ["eager", "hoisted", "stock"]
     meas = [r for r in rows if "aggregate_tok_s" in r]
+    # an untimed round per config and level first, kept raw as events, never summarized
+    warm = [i for i, r in enumerate(rows) if r.get("event") == "warmup"]
+    assert len(warm) == 3 * 2 and max(warm) < rows.index(meas[0]) and all(rows[i]["max_tokens"] == 64 for i in warm)
     assert len(meas) == 3 * 2 * 2 and all(r["layers"] == 48 and r["tokens"] == 40 * r["concurrency"] for r in meas)
     # the order rotates every repeat; the same prompts go to every config
     assert [r["label"] for r in meas if r["concurrency"] == 1] == ["stock", "eager", "hoisted", "eager", "hoisted", "stock"]
@@ -237,12 +241,13 @@ def test_matrix_records_a_config_that_cannot_boot(bd, prepared, tmp_path, monkey
     monkeypatch.setenv("FAKE_FAIL", "hoisted")
     out = tmp_path / "raw.jsonl"
     rc = bd.main(["matrix", str(prepared), "--port", "18780", "--out", str(out), "--levels", "1", "--tokens", "8",
-                  "--repeats", "1", "--boot-timeout", "60"])
+                  "--repeats", "1", "--boot-timeout", "60", "--warmup-tokens", "0"])
     assert rc == 1
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     (failed,) = [r for r in rows if r.get("event") == "boot_failed"]
     assert failed["label"] == "hoisted" and failed["exit"] == 7 and "cannot boot" in failed["tail"]
     assert sorted(r["label"] for r in rows if "aggregate_tok_s" in r) == ["eager", "stock"]
+    assert not [r for r in rows if r.get("event") == "warmup"]  # --warmup-tokens 0: none
 
 
 def test_extrapolation_reads_the_line_at_48_layers(bd):
