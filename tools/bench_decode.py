@@ -328,9 +328,9 @@ def measure(url: str, label: str, levels: list[int], tokens: int, repeats: int, 
             measure_one(url, label, conc, tokens, rep, rng, sink)
 
 
-def measure_one(url: str, label: str, conc: int, tokens: int, rep: int, rng, sink, extra: dict | None = None) -> dict:
-    """`conc` streams at once, each a distinct random 64-id prompt and `tokens` greedy tokens: one raw row."""
-    before = _metric(url, SPEC)
+def _streams(url: str, conc: int, tokens: int, rng) -> list[dict]:
+    """`conc` requests at once, each a distinct random 64-id prompt drawn from `rng` and `tokens`
+    greedy tokens; one timing record per stream (_one's)."""
     recs = [{} for _ in range(conc)]
     threads = [threading.Thread(target=_one, args=(url, [rng.randrange(1000, 240000) for _ in range(64)], tokens, recs[i]))
                for i in range(conc)]
@@ -338,6 +338,13 @@ def measure_one(url: str, label: str, conc: int, tokens: int, rep: int, rng, sin
         t.start()
     for t in threads:
         t.join()
+    return recs
+
+
+def measure_one(url: str, label: str, conc: int, tokens: int, rep: int, rng, sink, extra: dict | None = None) -> dict:
+    """One measurement (`_streams`, the spec-decode counters read around it): one raw row."""
+    before = _metric(url, SPEC)
+    recs = _streams(url, conc, tokens, rng)
     after = _metric(url, SPEC)
     errors = [r["error"] for r in recs if "error" in r]
     row = {"label": label, "concurrency": conc, "repeat": rep, "max_tokens": tokens, "time": time.time(), **(extra or {})}
@@ -364,13 +371,7 @@ def warm(url: str, label: str, conc: int, tokens: int, sink, extra: dict | None 
     import random
 
     rng = random.Random(7)  # its own prompts: the timed ones stay the same with or without it
-    recs = [{} for _ in range(conc)]
-    threads = [threading.Thread(target=_one, args=(url, [rng.randrange(1000, 240000) for _ in range(64)], tokens, recs[i]))
-               for i in range(conc)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    recs = _streams(url, conc, tokens, rng)
     row = {"label": label, "event": "warmup", "concurrency": conc, "max_tokens": tokens, **(extra or {}),
            "wall_s": round(max(r["end"] for r in recs) - min(r["sent"] for r in recs), 3)}
     errors = [r["error"] for r in recs if "error" in r]
