@@ -18,8 +18,9 @@
 #   decode8  tools/bench_decode.py matrix, 8 of the 48 layers (real per-layer shapes, dummy weights)
 #   kernels  tools/bench_step_kernels.py (draft head, QSA top-k, copy bandwidth) + tests/gpu
 #   decode4  the same matrix at 4 layers (two layer counts: the line read at 48 layers)
-#            (both: DECODE_REPEATS, default 3; DECODE_TOKENS per request, 256; DECODE_SECONDS of
-#            measuring each, 420)
+#            (both: DECODE_REPEATS, default 3; DECODE_TOKENS per request, 256; DECODE_SECONDS each
+#            may take, its boot included, 420; DECODE_CONFIGS, default stock,eager,hoisted: fewer
+#            servers give the rest more pairs in the same seconds)
 # Results: /var/tmp/gs (phases.log, e2e/, decode/, kernels/). PHASES: a comma list, default
 # e2e,decode8,kernels,decode4.
 #
@@ -39,6 +40,7 @@ BENCH=${FLASH_SESSION_BENCH:-/var/tmp/bench-decode}
 ROWS=${FLASH_SESSION_PLE_ROWS:-32000000}  # the reduced PLE table (4.8 GiB; real width and heads)
 # the decode matrices: repeats, tokens per request, and the seconds each may measure for
 DECODE_REPEATS=${DECODE_REPEATS:-3} DECODE_TOKENS=${DECODE_TOKENS:-256} DECODE_SECONDS=${DECODE_SECONDS:-420}
+DECODE_CONFIGS=${DECODE_CONFIGS:-stock,eager,hoisted}
 
 JIT_DIRS=${FLASH_SESSION_JIT_DIRS:-.triton/cache .cache/flashinfer .cache/vllm}  # relative to $HOME
 JIT_MAX_MIB=${FLASH_SESSION_JIT_MAX_MIB:-45}  # 3 returned parts of 15 MiB beside gs.tar.gz
@@ -96,7 +98,7 @@ phase() {
 # layers, seconds it needs, first port: tools/bench_decode.py's matrix on that layer count
 decode_phase() {
   phase "decode$1" "$2" python3 tools/bench_decode.py matrix "$BENCH/L$1" --port "$3" \
-    --out "$GS/decode/raw.jsonl" --logs "$GS/decode" --repeats "$DECODE_REPEATS" --tokens "$DECODE_TOKENS" \
+    --out "$GS/decode/raw.jsonl" --logs "$GS/decode" --repeats "$DECODE_REPEATS" --tokens "$DECODE_TOKENS" --configs "$DECODE_CONFIGS" \
     --deadline $(( $(left) - 20 < DECODE_SECONDS ? $(left) - 20 : DECODE_SECONDS ))
 }
 
@@ -180,6 +182,15 @@ case "${1:-}" in
     for v in DECODE_REPEATS DECODE_TOKENS DECODE_SECONDS; do
       case "${!v}" in ''|*[!0-9]*|0*) echo "gpu_session: $v='${!v}': give a positive whole number" >&2; exit 2 ;; esac
     done
+    seen=,
+    for c in ${DECODE_CONFIGS//,/ } ''; do  # the trailing '' catches an empty list
+      case "$c,$seen" in
+        stock,*,stock,*|eager,*,eager,*|hoisted,*,hoisted,*) echo "gpu_session: DECODE_CONFIGS='$DECODE_CONFIGS': $c twice" >&2; exit 2 ;;
+        stock,*|eager,*|hoisted,*) seen="$seen$c," ;;
+        ,*) [ "$seen" != , ] || { echo "gpu_session: DECODE_CONFIGS is empty: give a comma list of stock, eager, hoisted" >&2; exit 2; } ;;
+        *) echo "gpu_session: DECODE_CONFIGS='$DECODE_CONFIGS': unknown config '$c' (stock, eager, hoisted)" >&2; exit 2 ;;
+      esac
+    done
     [ -f "$ENV_SH" ] || { echo "gpu_session: $ENV_SH missing: install the payload first (docs/GPU-E2E.md)" >&2; exit 3; }
     rm -rf "$GS" "$REPO"; mkdir -p "$GS" "$REPO"
     if [ -f "$JIT_CARRIED" ]; then  # a previous session's JIT caches (see the top)
@@ -189,7 +200,7 @@ case "${1:-}" in
     tar --exclude=./.payload --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C "$REPO"
     echo $(( $(date +%s) + BUDGET )) >"$GS/end"
     export COMMIT PHASES
-    setsid bash -c "$(declare -f log left need e2e_deadline jit_pack phase decode_phase run_phases); GS=$GS REPO=$REPO ENV_SH=$ENV_SH BENCH=$BENCH ROWS=$ROWS JIT_DIRS='$JIT_DIRS' JIT_MAX_MIB=$JIT_MAX_MIB JIT_CARRIED=$JIT_CARRIED DECODE_REPEATS=$DECODE_REPEATS DECODE_TOKENS=$DECODE_TOKENS DECODE_SECONDS=$DECODE_SECONDS run_phases" \
+    setsid bash -c "$(declare -f log left need e2e_deadline jit_pack phase decode_phase run_phases); GS=$GS REPO=$REPO ENV_SH=$ENV_SH BENCH=$BENCH ROWS=$ROWS JIT_DIRS='$JIT_DIRS' JIT_MAX_MIB=$JIT_MAX_MIB JIT_CARRIED=$JIT_CARRIED DECODE_REPEATS=$DECODE_REPEATS DECODE_TOKENS=$DECODE_TOKENS DECODE_SECONDS=$DECODE_SECONDS DECODE_CONFIGS=$DECODE_CONFIGS run_phases" \
       </dev/null >"$GS/driver.log" 2>&1 &
     log "launched (pid $!, budget ${BUDGET}s, phases $PHASES, commit $COMMIT)"
     ;;

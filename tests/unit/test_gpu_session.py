@@ -50,7 +50,7 @@ def test_start_runs_detached_and_watch_returns_one_archive(tmp_path):
     (home / ".triton" / "cache" / "ab12" / "kernel.cubin").write_bytes(b"\x7fELF" + bytes(1000))
     env = _session_env(tmp_path, "export VLLM_USE_FLASHINFER_SAMPLER=0\n", HOME=str(home),
                        PATH=f"{bindir}:{os.environ['PATH']}", FLASH_SESSION_PLE_ROWS="40000", OUT=str(out),
-                       DECODE_REPEATS="2", DECODE_TOKENS="24")
+                       DECODE_REPEATS="2", DECODE_TOKENS="24", DECODE_CONFIGS="stock,hoisted")
     t0 = time.monotonic()
     r = subprocess.run(["bash", str(SCRIPT), "start", "abc1234", "420", "decode8"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)
@@ -68,7 +68,9 @@ def test_start_runs_detached_and_watch_returns_one_archive(tmp_path):
         names = set(tar.getnames())
         rows = [json.loads(line) for line in tar.extractfile("gs/decode/raw.jsonl").read().decode().splitlines()]
     assert {"gs/phases.log", "gs/decode/stock-L8.log", "gs/decode/hoisted-L8.log"} <= names
-    assert sorted(r["label"] for r in rows if r.get("event") == "booted") == ["eager", "hoisted", "stock"]
+    # DECODE_CONFIGS reached the matrix: eager was neither booted nor measured
+    assert "gs/decode/eager-L8.log" not in names
+    assert sorted(r["label"] for r in rows if r.get("event") == "booted") == ["hoisted", "stock"]
     meas = [r for r in rows if "aggregate_tok_s" in r]
     assert {r["layers"] for r in meas} == {8} and {(r["repeat"], r["max_tokens"]) for r in meas} == {(0, 24), (1, 24)}
 
@@ -123,6 +125,11 @@ def test_phases_run_in_the_order_asked_and_unknown_ones_are_refused(tmp_path):
     r = subprocess.run(["bash", str(SCRIPT), "start", "c0ffee1", "60", "decode8"], cwd=ROOT,
                        env={**env, "DECODE_REPEATS": "six"}, capture_output=True, text=True)
     assert r.returncode == 2 and "DECODE_REPEATS='six'" in r.stderr and not (tmp_path / "gs").exists()
+    for configs, says in (("stock,fast", "unknown config 'fast' (stock, eager, hoisted)"),
+                          ("stock,hoisted,stock", "stock twice"), (",", "DECODE_CONFIGS is empty")):
+        r = subprocess.run(["bash", str(SCRIPT), "start", "c0ffee1", "60", "decode8"], cwd=ROOT,
+                           env={**env, "DECODE_CONFIGS": configs}, capture_output=True, text=True)
+        assert r.returncode == 2 and says in r.stderr and not (tmp_path / "gs").exists(), r.stderr
     # kernels before e2e; on this CPU machine both end at once (no CUDA: exit 3), in that order
     r = subprocess.run(["bash", str(SCRIPT), "start", "c0ffee1", "700", "kernels,e2e"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)
