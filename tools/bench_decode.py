@@ -642,13 +642,39 @@ def ratios(summ: dict) -> dict:
 GOAL_VS_STOCK = 0.90  # issue 12: FULL + hoisted within 10% of the stock ceiling
 
 
+def _verdict(logs, goal: float, resamples: int, seed: int) -> dict:
+    """Log ratios -> geometric mean, 95% bootstrap interval (numpy, fixed seed: the same rows give
+    the same interval) and a verdict against `goal`: met when the interval lies above it, missed
+    when below, else open, with the pairs an interval that narrow would need at this spread (normal
+    approximation)."""
+    import math
+
+    import numpy as np
+
+    g = math.exp(float(np.mean(logs)))
+    row = {"pairs": len(logs), "geomean": round(g, 3)}
+    if len(logs) < 2:
+        return row | {"verdict": "open", "why": "one pair: no interval"}
+    means = logs[np.random.default_rng(seed).integers(0, len(logs), (resamples, len(logs)))].mean(axis=1)
+    lo, hi = (math.exp(q) for q in np.quantile(means, [0.025, 0.975]))
+    row["ci95"] = [round(lo, 3), round(hi, 3)]
+    if lo >= goal:
+        row["verdict"] = "met"
+    elif hi < goal:
+        row["verdict"] = "missed"
+    else:
+        row["verdict"] = "open"
+        if g > goal:  # pairs for the interval's lower end to clear the goal if the mean stayed
+            row["pairs_needed"] = math.ceil((1.96 * float(np.std(logs, ddof=1)) / math.log(g / goal)) ** 2)
+    return row
+
+
 def paired(rows: list[dict], goal: float = GOAL_VS_STOCK, resamples: int = 20_000, seed: int = 0) -> dict:
     """Each config against stock, pair by pair: the same layer count, concurrency and repeat (the
     matrix measures the servers back to back, so a pair shares one window of the machine's noise).
-    Pooled over the pairs: the geometric mean of the per-stream ratios with a 95% bootstrap interval
-    (numpy, fixed seed: the same rows give the same interval), median and range, and a verdict
-    against `goal`: met when the interval lies above it, missed when below, else open, with the
-    pairs an interval that narrow would need at this spread (normal approximation)."""
+    Pooled over the pairs: `_verdict` (geometric mean of the per-stream ratios, 95% bootstrap
+    interval, met/missed/open against `goal`), median and range; and the same verdict per
+    concurrency (`per_concurrency`): a pooled mean can sit on the goal while one level misses it."""
     import math
 
     import numpy as np
@@ -663,25 +689,14 @@ def paired(rows: list[dict], goal: float = GOAL_VS_STOCK, resamples: int = 20_00
         logs = np.log([tok[k] / tok[("stock", *k[1:])] for k in keys])
         if not len(logs):
             continue
-        g = math.exp(logs.mean())
-        row = {"pairs": len(logs), "geomean": round(g, 3), "median": round(math.exp(float(np.median(logs))), 3),
+        levels = sorted({k[2] for k in keys})
+        at = {c: logs[[k[2] == c for k in keys]] for c in levels}
+        row = {"pairs": len(logs), "geomean": round(math.exp(logs.mean()), 3),
+               "median": round(math.exp(float(np.median(logs))), 3),
                "min": round(math.exp(logs.min()), 3), "max": round(math.exp(logs.max()), 3), "goal": goal,
-               "by_concurrency": {c: round(math.exp(float(np.mean([lg for k, lg in zip(keys, logs) if k[2] == c]))), 3)
-                                  for c in sorted({k[2] for k in keys})}}
-        if len(logs) < 2:
-            out[label] = row | {"verdict": "open", "why": "one pair: no interval"}
-            continue
-        means = logs[np.random.default_rng(seed).integers(0, len(logs), (resamples, len(logs)))].mean(axis=1)
-        lo, hi = (math.exp(q) for q in np.quantile(means, [0.025, 0.975]))
-        row |= {"ci95": [round(lo, 3), round(hi, 3)]}
-        if lo >= goal:
-            row["verdict"] = "met"
-        elif hi < goal:
-            row["verdict"] = "missed"
-        else:
-            row["verdict"] = "open"
-            if g > goal:  # pairs for the interval's lower end to clear the goal if the mean stayed
-                row["pairs_needed"] = math.ceil((1.96 * float(logs.std(ddof=1)) / math.log(g / goal)) ** 2)
+               "by_concurrency": {c: round(math.exp(float(at[c].mean())), 3) for c in levels}}
+        row |= {k: v for k, v in _verdict(logs, goal, resamples, seed).items() if k not in row}
+        row["per_concurrency"] = {c: _verdict(at[c], goal, resamples, seed) for c in levels}
         out[label] = row
     return out
 

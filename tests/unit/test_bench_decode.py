@@ -109,6 +109,27 @@ def test_paired_ratios_judge_the_goal_by_their_interval(bd):
     assert bd.paired(_pairs(lambda i: 0.92 * (1.25, 0.8, 1.0)[i % 3], n=18))["hoisted"] == noisy  # fixed seed
 
 
+def test_paired_judges_each_concurrency_too(bd):
+    """run6's shape: pooled, the mean sits on the goal (open), while one level misses it on its own."""
+    at = {1: 0.95, 4: 0.96, 8: 0.80}
+    rows = _pairs(lambda i: 1.0, n=30)
+    for r in rows:  # hoisted = stock x the level's ratio, ±2% pair to pair
+        if r["label"] == "hoisted":
+            r["per_stream_tok_s"] *= at[r["concurrency"]] * (1 + 0.02 * ((r["repeat"] % 3) - 1))
+    h = bd.paired(rows)["hoisted"]
+    assert h["verdict"] == "open" and h["ci95"][0] < 0.90 < h["ci95"][1]
+    per = h["per_concurrency"]
+    assert set(per) == {1, 4, 8} and per[8]["verdict"] == "missed" and per[8]["ci95"][1] < 0.90
+    assert per[1]["verdict"] == per[4]["verdict"] == "met" and per[1]["pairs"] == 12
+    assert per[8]["geomean"] == pytest.approx(0.80, abs=0.005) == h["by_concurrency"][8]
+    # a level with one pair has no interval, and says so
+    one = bd.paired([r for r in rows if r["concurrency"] != 1 or r["repeat"] == 0])["hoisted"]["per_concurrency"][1]
+    assert one["pairs"] == 2 and one["verdict"] == "met" and one["ci95"] == [0.931, 0.931]  # two equal pairs
+    lone = bd.paired([r for r in rows if r["concurrency"] != 1 or (r["repeat"] == 0 and r["layers"] == 4)])
+    assert lone["hoisted"]["per_concurrency"][1] == {"pairs": 1, "geomean": 0.931, "verdict": "open",
+                                                     "why": "one pair: no interval"}
+
+
 def test_paired_needs_both_sides_of_a_pair(bd):
     rows = _pairs(lambda i: 0.9)
     rows = [r for r in rows if not (r["label"] == "stock" and r["layers"] == 8)]  # stock/L8 never booted
