@@ -681,8 +681,8 @@ def paired(rows: list[dict], goal: float = GOAL_VS_STOCK, resamples: int = 20_00
 
     tok: dict = {}
     for r in rows:
-        if r.get("per_stream_tok_s"):
-            tok[(r["label"], r.get("layers"), r["concurrency"], r.get("repeat"))] = r["per_stream_tok_s"]
+        if r.get("per_stream_tok_s"):  # `run`: which file a row came from (plot's), so no pair spans two runs
+            tok[(r["label"], r.get("layers"), r["concurrency"], r.get("repeat"), r.get("run", 0))] = r["per_stream_tok_s"]
     out: dict = {}
     for label in sorted({k[0] for k in tok} - {"stock"}):
         keys = sorted((k for k in tok if k[0] == label and ("stock", *k[1:]) in tok), key=lambda k: tuple(map(str, k)))
@@ -691,13 +691,85 @@ def paired(rows: list[dict], goal: float = GOAL_VS_STOCK, resamples: int = 20_00
             continue
         levels = sorted({k[2] for k in keys})
         at = {c: logs[[k[2] == c for k in keys]] for c in levels}
+        # ms per stream and step (acceptance 1) the config adds to stock's, pair by pair
+        added = np.array([1000.0 / tok[k] - 1000.0 / tok[("stock", *k[1:])] for k in keys])
         row = {"pairs": len(logs), "geomean": round(math.exp(logs.mean()), 3),
                "median": round(math.exp(float(np.median(logs))), 3),
                "min": round(math.exp(logs.min()), 3), "max": round(math.exp(logs.max()), 3), "goal": goal,
                "by_concurrency": {c: round(math.exp(float(at[c].mean())), 3) for c in levels}}
         row |= {k: v for k, v in _verdict(logs, goal, resamples, seed).items() if k not in row}
-        row["per_concurrency"] = {c: _verdict(at[c], goal, resamples, seed) for c in levels}
+        row["per_concurrency"] = {c: _verdict(at[c], goal, resamples, seed) | {"added_ms": _mean_ci(
+            added[[k[2] == c for k in keys]], resamples, seed)} for c in levels}
         out[label] = row
+    return out
+
+
+def _mean_ci(xs, resamples: int, seed: int) -> dict:
+    """Mean and 95% bootstrap interval (fixed seed), rounded to µs."""
+    import numpy as np
+
+    row = {"mean": round(float(np.mean(xs)), 3)}
+    if len(xs) > 1:
+        means = xs[np.random.default_rng(seed).integers(0, len(xs), (resamples, len(xs)))].mean(axis=1)
+        row["ci95"] = [round(float(q), 3) for q in np.quantile(means, [0.025, 0.975])]
+    return row
+
+
+def at_layers(summ: dict, pair: dict, layers: int = LAYERS) -> dict:
+    """An estimate, per concurrency, of each config against stock at `layers`: stock's ms per step
+    read off its line through the measured layer counts (per-stream medians), plus the ms the config
+    adds per step (`paired`'s `added_ms`) taken as layer-independent: right for the hoisted gather
+    (one PLE layer, one hook per step, whatever the layer count), wrong for eager (PIECEWISE leaves
+    the graph at every attention layer). Ratio = stock / (stock + added), with the added ms's interval."""
+    pts: dict = {}
+    for series, by in summ.items():
+        cfg, _, L = series.partition("/L")
+        if cfg == "stock" and L.isdigit():
+            for c, v in by.items():
+                if v.get("per_stream_tok_s"):
+                    pts.setdefault(c, []).append((int(L), 1000.0 / v["per_stream_tok_s"]))
+    stock, floors = {}, {}
+    for c, xy in sorted(pts.items()):
+        if len({x for x, _ in xy}) < 2:
+            continue
+        n = len(xy)
+        mx, my = sum(x for x, _ in xy) / n, sum(y for _, y in xy) / n
+        b = sum((x - mx) * (y - my) for x, y in xy) / sum((x - mx) ** 2 for x, _ in xy)
+        if b > 0:
+            stock[c] = my - b * mx + b * layers
+        else:  # a step cannot shrink with more layers: the cells' noise made this line
+            floors[c] = f"stock's line at c={c} falls with the layers (slope {b:.3f} ms per layer): noise"
+    if stock:
+        # a level without a rising line of its own: the lowest level's line is a floor (a step at a
+        # higher concurrency is not shorter), so its ratio is a lower bound
+        low = min(stock)
+        for c in sorted(set(pts) - {low}):
+            if c in floors:
+                floors[c] += f"; c={low}'s line used as a floor: the ratio is a lower bound"
+            elif c in stock and stock[c] < stock[low]:
+                floors[c] = (f"stock's line at c={c} reads {stock[c]:.2f} ms, under c={low}'s: noise; "
+                             f"c={low}'s used as a floor: the ratio is a lower bound")
+            else:
+                continue
+            stock[c] = stock[low]
+    out: dict = {"note": f"estimate: stock's line at {layers} layers + the measured added ms per step, taken as "
+                         "layer-independent (one PLE layer: true of the hoisted gather, not of eager)",
+                 f"stock_ms_L{layers}": {c: round(v, 3) for c, v in sorted(stock.items())}}
+    if floors:
+        out["floors"] = floors
+    if not stock:
+        return out | {"why": "no rising stock line through two layer counts at any level"}
+    for label, row in pair.items():
+        if label == "eager":
+            continue
+        per = {}
+        for c, v in (row.get("per_concurrency") or {}).items():
+            if c in stock and "added_ms" in v:
+                s, add = stock[c], v["added_ms"]
+                per[c] = {"ratio": round(s / (s + add["mean"]), 3)} | ({"bound": "lower"} if c in floors else {})
+                if "ci95" in add:
+                    per[c]["range"] = [round(s / (s + add["ci95"][1]), 3), round(s / (s + add["ci95"][0]), 3)]
+        out[label] = per
     return out
 
 
@@ -771,10 +843,13 @@ def extrapolate(summ: dict, layers: int = LAYERS, bw_h200_gbs: float | None = No
 
 
 def plot_cmd(args) -> int:
-    rows = [json.loads(line) for f in args.files for line in open(f) if line.strip()]
+    # each row tagged with its file: the pairs stay inside one run (two runs repeat the same keys)
+    rows = [json.loads(line) | {"run": i} for i, f in enumerate(args.files) for line in open(f) if line.strip()]
     summ = summarize(rows)
-    report = {"summary": summ, "ratios_vs_stock": ratios(summ), "paired_vs_stock": paired(rows),
-              "extrapolated": extrapolate(summ, bw_h200_gbs=args.bandwidth_gbs)}
+    pair = paired(rows)
+    report = {"summary": summ, "ratios_vs_stock": ratios(summ), "paired_vs_stock": pair,
+              "extrapolated": extrapolate(summ, bw_h200_gbs=args.bandwidth_gbs),
+              f"vs_stock_L{LAYERS}": at_layers(summ, pair)}
     print(json.dumps(report, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -127,7 +127,59 @@ def test_paired_judges_each_concurrency_too(bd):
     assert one["pairs"] == 2 and one["verdict"] == "met" and one["ci95"] == [0.931, 0.931]  # two equal pairs
     lone = bd.paired([r for r in rows if r["concurrency"] != 1 or (r["repeat"] == 0 and r["layers"] == 4)])
     assert lone["hoisted"]["per_concurrency"][1] == {"pairs": 1, "geomean": 0.931, "verdict": "open",
-                                                     "why": "one pair: no interval"}
+                                                     "why": "one pair: no interval",
+                                                     "added_ms": {"mean": 1.059}}  # 1000/(70 x 0.931) - 1000/70
+
+
+def _cells(step_ms: dict, added_ms: float, reps: int = 3, jitter: float = 0.05) -> list[dict]:
+    """Stock at {(layers, concurrency): ms per step} and hoisted `added_ms` slower, `reps` pairs each,
+    the pair sharing a ±`jitter` swing (each row's per-stream tok/s is 1000 / its ms)."""
+    rows = []
+    for (L, c), ms in step_ms.items():
+        for rep in range(reps):
+            m = ms * (1 + jitter * ((rep % 3) - 1))
+            rows += [{"label": "stock", "layers": L, "concurrency": c, "repeat": rep, "aggregate_tok_s": c * 1000 / m,
+                      "per_stream_tok_s": 1000 / m},
+                     {"label": "hoisted", "layers": L, "concurrency": c, "repeat": rep,
+                      "aggregate_tok_s": c * 1000 / (m + added_ms), "per_stream_tok_s": 1000 / (m + added_ms)}]
+    return rows
+
+
+def test_added_ms_and_the_estimate_at_48_layers(bd):
+    # stock: 5 ms + 0.2 ms per layer at c=1 and c=8; hoisted adds 1 ms per step whatever the layers
+    rows = _cells({(L, c): 5 + 0.2 * L for L in (4, 8) for c in (1, 8)}, 1.0)
+    pair = bd.paired(rows)
+    add = pair["hoisted"]["per_concurrency"][8]["added_ms"]
+    assert add["mean"] == pytest.approx(1.0, abs=1e-3) and add["ci95"][0] <= 1.0 <= add["ci95"][1]
+    est = bd.at_layers(bd.summarize(rows), pair)
+    assert est["stock_ms_L48"][1] == pytest.approx(14.6, abs=0.01)  # 5 + 0.2 x 48
+    assert est["hoisted"][8]["ratio"] == pytest.approx(14.6 / 15.6, abs=1e-3) and "bound" not in est["hoisted"][8]
+    assert "floors" not in est and "eager" not in est
+
+
+def test_the_48_layer_estimate_refuses_a_falling_line_and_floors_it(bd):
+    # at c=8 the cells' noise made stock faster at 8 layers than at 4: that line is not read; c=1's is
+    # a floor (a step at c=8 is not shorter than at c=1), so c=8's ratio is marked a lower bound
+    rows = _cells({(4, 1): 5.8, (8, 1): 6.6, (4, 8): 7.0, (8, 8): 6.5}, 1.5)
+    est = bd.at_layers(bd.summarize(rows), bd.paired(rows))
+    assert "falls with the layers" in est["floors"][8] and "lower bound" in est["floors"][8]
+    assert est["stock_ms_L48"][8] == est["stock_ms_L48"][1] == pytest.approx(14.6, abs=0.01)  # 5 + 0.2 x 48
+    assert est["hoisted"][8]["bound"] == "lower" and est["hoisted"][8]["ratio"] == pytest.approx(14.6 / 16.1, abs=1e-3)
+    # one layer count: no line at all, said so
+    one = bd.at_layers(bd.summarize([r for r in rows if r["layers"] == 8]), bd.paired(rows))
+    assert "no rising stock line" in one["why"] and "hoisted" not in one
+
+
+def test_plot_never_pairs_rows_of_two_runs(bd, tmp_path):
+    """Two runs repeat the same (layers, concurrency, repeat) keys: each pair stays inside its file."""
+    a = _cells({(8, 1): 6.0}, 0.0, reps=3)  # run a: hoisted as fast as stock
+    b = [r | {"per_stream_tok_s": r["per_stream_tok_s"] * 2} for r in a]  # run b: the machine twice as fast
+    fa, fb, js = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "s.json"
+    fa.write_text("".join(json.dumps(r) + "\n" for r in a))
+    fb.write_text("".join(json.dumps(r) + "\n" for r in b))
+    assert bd.main(["plot", str(fa), str(fb), "--out", str(tmp_path / "p.png"), "--json", str(js)]) == 0
+    h = json.loads(js.read_text())["paired_vs_stock"]["hoisted"]
+    assert h["pairs"] == 6 and h["geomean"] == 1.0 and h["min"] == h["max"] == 1.0  # crossed pairs would give 0.5 and 2
 
 
 def test_paired_needs_both_sides_of_a_pair(bd):
