@@ -290,6 +290,24 @@ def _metric(url: str, names: tuple[str, ...]) -> dict:
 
 
 SPEC = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total")
+# patch 1's counters (flash_vllm.ple.stats), on the API server's /metrics through the metrics bridge,
+# which rewrites them at most every FLASH_METRICS_INTERVAL_MS (1 s): read after a settle
+PLE = {"ops": "vllm:ple_mmap_lookup_ops_total", "op": "vllm:ple_mmap_op_seconds_total",
+       "gpu_wait": "vllm:ple_mmap_gpu_wait_seconds_total", "dedup": "vllm:ple_mmap_dedup_seconds_total",
+       "gather": "vllm:ple_mmap_gather_seconds_total", "stage": "vllm:ple_mmap_stage_seconds_total",
+       "rows": "vllm:ple_mmap_rows_total"}
+PLE_SETTLE_S = 1.5  # the bridge's 1 s interval, and a margin
+
+
+def ple_phases(before: dict, after: dict) -> dict | None:
+    """Patch 1's lookups during one measurement: ops, and per op the ms of each phase and the rows
+    (None when the server made none: stock, or counters not exposed)."""
+    ops = after.get(PLE["ops"], 0.0) - before.get(PLE["ops"], 0.0)
+    if ops <= 0:
+        return None
+    per = {f"{k}_ms_per_op": round((after.get(n, 0.0) - before.get(n, 0.0)) * 1000.0 / ops, 4)
+           for k, n in PLE.items() if k not in ("ops", "rows")}
+    return {"ops": int(ops), **per, "rows_per_op": round((after.get(PLE["rows"], 0.0) - before.get(PLE["rows"], 0.0)) / ops, 1)}
 
 
 def _one(url: str, prompt: list[int], tokens: int, rec: dict) -> None:
@@ -341,11 +359,18 @@ def _streams(url: str, conc: int, tokens: int, rng) -> list[dict]:
     return recs
 
 
-def measure_one(url: str, label: str, conc: int, tokens: int, rep: int, rng, sink, extra: dict | None = None) -> dict:
-    """One measurement (`_streams`, the spec-decode counters read around it): one raw row."""
-    before = _metric(url, SPEC)
+def measure_one(url: str, label: str, conc: int, tokens: int, rep: int, rng, sink, extra: dict | None = None,
+                settle_s: float = 0.0) -> dict:
+    """One measurement (`_streams`, the spec-decode and PLE counters read around it): one raw row.
+    `settle_s`: wait that long after the streams before the second read, so the PLE counters the
+    metrics bridge carries (at most once a second) hold all of this measurement's lookups; the
+    first read needs no wait when the server's previous measurement or warm-up settled too."""
+    names = SPEC + tuple(PLE.values())
+    before = _metric(url, names)
     recs = _streams(url, conc, tokens, rng)
-    after = _metric(url, SPEC)
+    if settle_s:
+        time.sleep(settle_s)
+    after = _metric(url, names)
     errors = [r["error"] for r in recs if "error" in r]
     row = {"label": label, "concurrency": conc, "repeat": rep, "max_tokens": tokens, "time": time.time(), **(extra or {})}
     if errors:
@@ -360,18 +385,24 @@ def measure_one(url: str, label: str, conc: int, tokens: int, rep: int, rng, sin
         row.update(aggregate_tok_s=total / wall, per_stream_tok_s=statistics.median(per) if per else None,
                    tokens=total, wall_s=wall, ttft_s=statistics.median([r["first"] - r["sent"] for r in recs]),
                    mtp_drafts=drafts, mtp_accepted=acc, mtp_acceptance_length=(1 + acc / drafts) if drafts else None)
+        ple = ple_phases(before, after)
+        if ple:
+            row["ple"] = ple
     sink(row)
     print(json.dumps(row), flush=True)
     return row
 
 
-def warm(url: str, label: str, conc: int, tokens: int, sink, extra: dict | None = None) -> None:
+def warm(url: str, label: str, conc: int, tokens: int, sink, extra: dict | None = None, settle_s: float = 0.0) -> None:
     """`conc` streams of `tokens` tokens, untimed for the results: one `warmup` event row (its wall
-    time kept raw, so a slow first round shows), never summarized or paired."""
+    time kept raw, so a slow first round shows), never summarized or paired. `settle_s` after it, as
+    measure_one's: the first measurement's PLE counters then hold none of the warm-up's lookups."""
     import random
 
     rng = random.Random(7)  # its own prompts: the timed ones stay the same with or without it
     recs = _streams(url, conc, tokens, rng)
+    if settle_s:
+        time.sleep(settle_s)
     row = {"label": label, "event": "warmup", "concurrency": conc, "max_tokens": tokens, **(extra or {}),
            "wall_s": round(max(r["end"] for r in recs) - min(r["sent"] for r in recs), 3)}
     errors = [r["error"] for r in recs if "error" in r]
@@ -512,13 +543,15 @@ def matrix(args) -> int:
         for c in configs:
             if c not in booted:
                 sink({"label": c, "event": "boot_timeout", **extra})
+        # patch 1's servers: their PLE counters settle after each round (stock has none to wait for)
+        settle = {c: (args.ple_settle if c != "stock" else 0.0) for c in live}
         if args.warmup_tokens:
             # one untimed round per config and level first: run5's first repeat was the slowest for
             # every config (the first batch of each size pays one-time costs), hoisted's most
             for c in live:
                 for conc in levels:
                     if time.monotonic() < deadline:
-                        warm(urls[c], c, conc, args.warmup_tokens, sink, extra)
+                        warm(urls[c], c, conc, args.warmup_tokens, sink, extra, settle[c])
         rngs = {c: random.Random(12) for c in live}  # each config sees the same prompts in the same order
         for rep in range(args.repeats):
             # concurrency-major: the configs at one level run back to back, so each pair paired()
@@ -529,7 +562,7 @@ def matrix(args) -> int:
                     if time.monotonic() > deadline:
                         sink({"event": "deadline", "repeat": rep, "at_s": round(time.monotonic() - t0, 1), **extra})
                         return 0 if live else 1
-                    measure_one(urls[c], c, conc, args.tokens, rep, rngs[c], sink, extra)
+                    measure_one(urls[c], c, conc, args.tokens, rep, rngs[c], sink, extra, settle[c])
         return 0 if live == configs else 1
     finally:
         _stop(procs)
@@ -622,6 +655,10 @@ def summarize(rows: list[dict]) -> dict:
             res[lab][c] = {"aggregate_tok_s": statistics.median(r["aggregate_tok_s"] for r in rs),
                            "per_stream_tok_s": statistics.median(per) if per else None,
                            "acceptance_length": statistics.median(acc) if acc else None, "n": len(rs)}
+            ple = [r["ple"] for r in rs if r.get("ple")]
+            if ple:  # patch 1's lookups at this level alone (the server's stats line mixes the levels)
+                res[lab][c]["ple"] = {k: round(statistics.median(p[k] for p in ple), 4)
+                                      for k in ple[0] if k != "ops"} | {"n": len(ple)}
     return res
 
 
@@ -928,6 +965,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--boot-timeout", type=float, default=600)
     p.add_argument("--warmup-tokens", type=int, default=64, help="an untimed round per config and level first (0: none)")
+    p.add_argument("--ple-settle", type=float, default=PLE_SETTLE_S,
+                   help="s to wait after each eager/hoisted round before reading its PLE counters (0: read at once)")
     p.add_argument("--deadline", type=float, default=3600, help="s from start: stop measuring (rows so far are kept)")
     p.set_defaults(func=matrix)
     p = sub.add_parser("greedy", help="fixed token-id prompts, greedy, token ids to a JSON file")
@@ -948,6 +987,8 @@ def main(argv=None) -> int:
     p.add_argument("--bandwidth-gbs", type=float, help="the H200's measured copy bandwidth (GB10 estimate)")
     p.set_defaults(func=plot_cmd)
     args = ap.parse_args(argv)
+    if getattr(args, "ple_settle", 0) < 0:
+        raise SystemExit(f"--ple-settle {args.ple_settle}: give 0 (read at once) or seconds such as {PLE_SETTLE_S}")
     if getattr(args, "warmup_tokens", 0) < 0:
         raise SystemExit(f"--warmup-tokens {args.warmup_tokens}: give 0 (no warm-up) or a token count such as 64")
     if getattr(args, "ple_rows", "full") != "full" and not str(args.ple_rows).isdigit():

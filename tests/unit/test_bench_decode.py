@@ -247,16 +247,34 @@ mode = "stock" if os.environ.get("VLLM_PLE_MMAP") == "0" else os.environ["VLLM_P
 if mode in os.environ.get("FAKE_FAIL", ""):
     print("boom: cannot boot", mode, flush=True)
     sys.exit(7)
+import threading
 delay = {"stock": 0.002, "eager": 0.004, "hoisted": 0.0022}[mode]
 drafts = [0]
+# patch 1's counters as the metrics bridge carries them: one op per token, 0.25 ms and 3 rows each,
+# exposed only as of the last copy, every FAKE_PLE_LAG s (the bridge's interval)
+ple_live, ple_shown = [0, 0.0, 0], [0, 0.0, 0]
+lock = threading.Lock()
+def bridge():
+    while True:
+        time.sleep(float(os.environ.get("FAKE_PLE_LAG", "0.3")))
+        with lock:
+            ple_shown[:] = ple_live
+threading.Thread(target=bridge, daemon=True).start()
 class H(BaseHTTPRequestHandler):
     def log_message(self, *a):
         pass
     def do_GET(self):
-        body = b"ok" if self.path == "/health" else (
-            "# TYPE vllm:spec_decode_num_drafts_total counter\nvllm:spec_decode_num_drafts_total{model_name=\"bench\"} %d\n"
-            "vllm:spec_decode_num_drafts_created{model_name=\"bench\"} 1.7962e+09\n"  # vLLM's counters carry these
-            "vllm:spec_decode_num_accepted_tokens_total{model_name=\"bench\"} %d\n" % (drafts[0], drafts[0] // 4)).encode()
+        text = ("# TYPE vllm:spec_decode_num_drafts_total counter\nvllm:spec_decode_num_drafts_total{model_name=\"bench\"} %d\n"
+                "vllm:spec_decode_num_drafts_created{model_name=\"bench\"} 1.7962e+09\n"  # vLLM's counters carry these
+                "vllm:spec_decode_num_accepted_tokens_total{model_name=\"bench\"} %d\n" % (drafts[0], drafts[0] // 4))
+        if mode != "stock":
+            with lock:
+                ops, op_s, rows = ple_shown
+            text += ("# TYPE vllm:ple_mmap_lookup_ops counter\nvllm:ple_mmap_lookup_ops_total %d\n"
+                     "vllm:ple_mmap_lookup_ops_created 1.7962e+09\n"
+                     "# TYPE vllm:ple_mmap_op_seconds counter\nvllm:ple_mmap_op_seconds_total %r\n"
+                     "# TYPE vllm:ple_mmap_rows counter\nvllm:ple_mmap_rows_total %d\n" % (ops, op_s, rows))
+        body = b"ok" if self.path == "/health" else text.encode()
         self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
     def do_POST(self):
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -265,6 +283,8 @@ class H(BaseHTTPRequestHandler):
         for i in range(req["max_tokens"]):
             time.sleep(delay)
             drafts[0] += 1
+            with lock:
+                ple_live[0] += 1; ple_live[1] += 0.00025; ple_live[2] += 3
             self.wfile.write(b"data: " + json.dumps({"choices": [{"text": "x"}]}).encode() + b"\n\n")
         self.wfile.write(b"data: " + json.dumps({"choices": [], "usage": {"completion_tokens": req["max_tokens"]}}).encode() + b"\n\n")
         self.wfile.write(b"data: [DONE]\n\n")
@@ -287,7 +307,7 @@ def test_matrix_boots_side_by_side_and_measures_in_turn(bd, prepared, tmp_path, 
     _fake_vllm(tmp_path, monkeypatch)
     out = tmp_path / "raw.jsonl"
     rc = bd.main(["matrix", str(prepared), "--port", "18770", "--out", str(out), "--levels", "1,2", "--tokens", "40",
-                  "--repeats", "2", "--boot-timeout", "60"])
+                  "--repeats", "2", "--boot-timeout", "60", "--ple-settle", "0.5"])
     assert rc == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["label"] for r in rows if r.get("event") == "booted") == ["eager", "hoisted", "stock"]
@@ -303,9 +323,20 @@ def test_matrix_boots_side_by_side_and_measures_in_turn(bd, prepared, tmp_path, 
     assert [r["label"] for r in meas][3:6] == ["eager", "hoisted", "stock"]
     assert bd.paired(rows)["hoisted"]["pairs"] == 4
     assert all(0 < r["mtp_drafts"] < 1e6 for r in meas)  # counts, never a `_created` time
+    # patch 1's lookups per measurement, read after the bridge's lag settled: every token's op, this
+    # measurement's only (the warm-up's settled before), none for stock
+    for r in meas:
+        if r["label"] == "stock":
+            assert "ple" not in r
+        else:
+            assert r["ple"]["ops"] == r["tokens"] and r["ple"]["rows_per_op"] == 3.0, r
+            assert r["ple"]["op_ms_per_op"] == pytest.approx(0.25) and r["ple"]["gather_ms_per_op"] == 0.0
     summ = bd.summarize(rows)
     ratio = bd.ratios(summ)
     assert set(summ) == {"stock/L48", "eager/L48", "hoisted/L48"}
+    assert summ["hoisted/L48"][2]["ple"] == {"op_ms_per_op": 0.25, "gpu_wait_ms_per_op": 0.0, "dedup_ms_per_op": 0.0,
+                                             "gather_ms_per_op": 0.0, "stage_ms_per_op": 0.0, "rows_per_op": 3.0, "n": 2}
+    assert "ple" not in summ["stock/L48"][2]
     assert ratio["eager/L48"][1]["per_stream_tok_s"] < 0.8 < ratio["hoisted/L48"][1]["per_stream_tok_s"]
 
 
@@ -350,3 +381,15 @@ def test_step_bytes_follow_the_config(bd):
     assert bd.BENCH_BYTES["fixed"] == bd.RECIPE_BYTES["fixed"] > 3 * 248_320 * 2560 * 2
     one = bd.extrapolate({"eager/L8": {1: {"per_stream_tok_s": 50.0}}})["eager"]
     assert "one layer count" in one["note"]
+
+
+def test_ple_phases_per_op_and_bad_settle(bd):
+    n = bd.PLE
+    before = {n["ops"]: 100.0, n["op"]: 0.05, n["stage"]: 0.01, n["rows"]: 1000.0}
+    after = {n["ops"]: 300.0, n["op"]: 0.15, n["stage"]: 0.05, n["rows"]: 5000.0}
+    assert bd.ple_phases(before, after) == {"ops": 200, "op_ms_per_op": 0.5, "gpu_wait_ms_per_op": 0.0,
+                                            "dedup_ms_per_op": 0.0, "gather_ms_per_op": 0.0,
+                                            "stage_ms_per_op": 0.2, "rows_per_op": 20.0}
+    assert bd.ple_phases(after, after) is None and bd.ple_phases({}, {}) is None  # stock: no lookups
+    with pytest.raises(SystemExit, match=r"--ple-settle -1.0: give 0"):
+        bd.main(["matrix", "x", "--out", "y", "--ple-settle", "-1"])
