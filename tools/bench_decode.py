@@ -57,6 +57,10 @@ SIDE_PARAMS = 60e6  # attention or GDN + shared expert + router per layer (memor
 EXPERT_BYTES = {"nvfp4": 0.5 + 1 / 16, "fp8": 1.0 + 4 / (128 * 128)}  # per parameter, block scales included
 FULL_NGRAM_BASE = 20_000_000
 CONFIGS = ("stock", "eager", "hoisted")
+# opt-in variants (`--configs`): hoisted with every decode batch up to the Stager's graph limit
+# (1,024 rows) on the short path, no dedup (run6: c=8 x MTP=2 = 384 rows took the dedup side of 256)
+VARIANTS = {"hoisted-nodedup": ("hoisted", {"VLLM_PLE_MMAP_DEDUP_MIN": "1025"})}
+ALL_CONFIGS = CONFIGS + tuple(VARIANTS)
 GPU_GIB = 139  # the H200's memory as the device machine reports it
 
 
@@ -267,7 +271,8 @@ def server_plan(d: Path, port: int, side_by_side: bool = False) -> dict:
                   "argv": common(0) + ["--engram-config", '{"cpu_offload":false}'] + cc("FULL_AND_PIECEWISE")},
         "eager": {"env": {**ple_env, "VLLM_PLE_MMAP_MODE": "eager"}, "argv": common(1) + cc("PIECEWISE")},
         "hoisted": {"env": {**ple_env, "VLLM_PLE_MMAP_MODE": "hoisted"}, "argv": common(2) + cc("FULL_AND_PIECEWISE")},
-    }
+    } | {name: {"env": {**ple_env, "VLLM_PLE_MMAP_MODE": "hoisted", **env}, "argv": common(3 + i) + cc("FULL_AND_PIECEWISE")}
+         for i, (name, (_, env)) in enumerate(VARIANTS.items())}
 
 
 def plan_cmd(args) -> int:
@@ -483,9 +488,9 @@ def _stop(procs: dict) -> None:
 
 def _configs(text: str) -> list[str]:
     names = [c.strip() for c in text.split(",") if c.strip()]
-    bad = [c for c in names if c not in CONFIGS]
-    if bad or not names:
-        raise SystemExit(f"--configs {text!r}: give a comma-separated subset of {', '.join(CONFIGS)}")
+    bad = [c for c in names if c not in ALL_CONFIGS]
+    if bad or not names or len(set(names)) < len(names):
+        raise SystemExit(f"--configs {text!r}: give a comma-separated subset of {', '.join(ALL_CONFIGS)}, each once")
     return names
 
 
@@ -895,7 +900,7 @@ def plot_cmd(args) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = sorted(summ, key=lambda k: (k.split("/")[1:], CONFIGS.index(k.split("/")[0]) if k.split("/")[0] in CONFIGS else 9))
+    labels = sorted(summ, key=lambda k: (k.split("/")[1:], ALL_CONFIGS.index(k.split("/")[0]) if k.split("/")[0] in ALL_CONFIGS else 9))
     levels = sorted({c for lab in summ.values() for c in lab})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / max(1, len(labels))
@@ -941,7 +946,7 @@ def main(argv=None) -> int:
         p = sub.add_parser(name)
         if name == "serve-run":
             p.add_argument("dir")
-            p.add_argument("config", choices=CONFIGS)
+            p.add_argument("config", choices=ALL_CONFIGS)
             p.add_argument("--port", type=int, default=8000)
             p.add_argument("--boot-timeout", type=float, default=1200)
             p.add_argument("--log")

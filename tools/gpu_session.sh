@@ -20,7 +20,7 @@
 #   decode4  the same matrix at 4 layers (two layer counts: the line read at 48 layers)
 #            (both: DECODE_REPEATS, default 3; DECODE_TOKENS per request, 256; DECODE_SECONDS each
 #            may take, its boot included, 420; DECODE_CONFIGS, default stock,eager,hoisted: fewer
-#            servers give the rest more pairs in the same seconds)
+#            servers give the rest more pairs in the same seconds; hoisted-nodedup is opt-in)
 # Results: /var/tmp/gs (phases.log, e2e/, decode/, kernels/). PHASES: a comma list, default
 # e2e,decode8,kernels,decode4.
 #
@@ -184,11 +184,12 @@ case "${1:-}" in
     done
     seen=,
     for c in ${DECODE_CONFIGS//,/ } ''; do  # the trailing '' catches an empty list
-      case "$c,$seen" in
-        stock,*,stock,*|eager,*,eager,*|hoisted,*,hoisted,*) echo "gpu_session: DECODE_CONFIGS='$DECODE_CONFIGS': $c twice" >&2; exit 2 ;;
-        stock,*|eager,*|hoisted,*) seen="$seen$c," ;;
-        ,*) [ "$seen" != , ] || { echo "gpu_session: DECODE_CONFIGS is empty: give a comma list of stock, eager, hoisted" >&2; exit 2; } ;;
-        *) echo "gpu_session: DECODE_CONFIGS='$DECODE_CONFIGS': unknown config '$c' (stock, eager, hoisted)" >&2; exit 2 ;;
+      case ",$c," in
+        ,,) [ "$seen" != , ] || { echo "gpu_session: DECODE_CONFIGS is empty: give a comma list of stock, eager, hoisted, hoisted-nodedup" >&2; exit 2; } ;;
+        ,stock,|,eager,|,hoisted,|,hoisted-nodedup,)
+          case "$seen" in *",$c,"*) echo "gpu_session: DECODE_CONFIGS='$DECODE_CONFIGS': $c twice" >&2; exit 2 ;; esac
+          seen="$seen$c," ;;
+        *) echo "gpu_session: DECODE_CONFIGS='$DECODE_CONFIGS': unknown config '$c' (stock, eager, hoisted, hoisted-nodedup)" >&2; exit 2 ;;
       esac
     done
     [ -f "$ENV_SH" ] || { echo "gpu_session: $ENV_SH missing: install the payload first (docs/GPU-E2E.md)" >&2; exit 3; }

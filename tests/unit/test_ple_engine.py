@@ -35,6 +35,8 @@ def test_config_defaults_and_values():
     ({"VLLM_PLE_MMAP_PREWARM": "2"}, "not a boolean"),
     ({"VLLM_PLE_MMAP_STATS_SEC": "soon"}, "number of seconds"),
     ({"VLLM_PLE_MMAP_WORKRES": "4"}, "unknown PLE setting"),
+    ({"VLLM_PLE_MMAP_DEDUP_MIN": "0"}, r"VLLM_PLE_MMAP_DEDUP_MIN=0 is out of range \(accepted: 1\.\.16777216\)"),
+    ({"VLLM_PLE_MMAP_DEDUP_MIN": "1k"}, "VLLM_PLE_MMAP_DEDUP_MIN='1k' is not an integer"),
 ])
 def test_config_rejects(env, needle):
     with pytest.raises(PLEConfigError, match=needle):
@@ -128,6 +130,25 @@ def test_stager_distinct_ids_keep_their_order(small, shape):
         out = torch.empty(*shape, 160, dtype=torch.bfloat16)
         assert s.lookup(ids, out=out) is out
         assert torch.equal(out.view(torch.int16), (ref.float() * t.scale).to(torch.bfloat16).view(torch.int16))
+
+
+@pytest.mark.parametrize("dedup_min, deduplicated", [(None, True), ("1025", False), ("384", True), ("385", False)])
+def test_stager_dedup_min_comes_from_the_tables_config(small, monkeypatch, dedup_min, deduplicated):
+    """VLLM_PLE_MMAP_DEDUP_MIN reaches the Stager through the table's config: a c=8 x MTP=2 decode
+    batch (24 tokens x 16 heads = 384 rows) is deduplicated at the default 256 and at 384, gathered
+    as it is from 385 up; the rows are the table's either way."""
+    cfg = config_from_env({} if dedup_min is None else {"VLLM_PLE_MMAP_DEDUP_MIN": dedup_min})
+    with PLETable.from_checkpoint(small, config=cfg) as t:
+        s = Stager(t, "cpu")
+        assert s.dedup_min == cfg.dedup_min == (256 if dedup_min is None else int(dedup_min))
+        calls = []
+        real = t.gather_unique
+        monkeypatch.setattr(t, "gather_unique", lambda *a, **k: calls.append(1) or real(*a, **k))
+        ids = np.random.default_rng(8).integers(0, t.num_rows, (24, 16))
+        ref = torch.from_numpy(reference_rows(small, ids)).view(torch.uint8).view(24, 16, 160)
+        assert torch.equal(s.lookup(ids, raw=True).view(torch.uint8), ref)
+        assert bool(calls) is deduplicated
+    assert Stager(t, "cpu", dedup_min=7).dedup_min == 7  # an explicit value wins
 
 
 @pytest.mark.parametrize("shape", [(3,), (48,), (12, 16), (700, 16)])

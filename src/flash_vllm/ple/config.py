@@ -30,6 +30,10 @@ class PLEConfig:
     debug: bool = False  # patch 1: cross-check every gather's ids (device sync + host reference); slow
     mode: str = "eager"  # eager: gather inside the forward | hoisted: before it (patches/ple_hoist.py)
     hoist_check: bool = False  # hoisted: eager forwards compare the ids with those gathered for (syncs)
+    # Stager: batches of >= this many rows upload distinct rows + an inverse (eager device part);
+    # smaller ones replay a captured graph. 256 puts c=8 x MTP=2 decode (384 rows) on the dedup side
+    # (decode-h200/run6: +1.5 ms per step there vs +0.4 at c=1/4); the matrix A/Bs 1025.
+    dedup_min: int = 256
 
 
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -74,6 +78,7 @@ def config_from_env(env: Mapping[str, str]) -> PLEConfig:
         "VLLM_PLE_MMAP_FAST_ROWS", "VLLM_PLE_MMAP_STATS_SEC", "VLLM_PLE_MMAP_PROMETHEUS",
         "VLLM_PLE_MMAP_DIR", "VLLM_PLE_MMAP_RING_DEPTH", "VLLM_PLE_MMAP_IO", "VLLM_PLE_MMAP_CHUNK",
         "VLLM_PLE_MMAP_NATIVE", "VLLM_PLE_MMAP_DEBUG", "VLLM_PLE_MMAP_MODE", "VLLM_PLE_MMAP_HOIST_CHECK",
+        "VLLM_PLE_MMAP_DEDUP_MIN",
     }
     unknown = sorted(k for k in env if k.startswith("VLLM_PLE_MMAP_") and k not in known)
     if unknown:
@@ -108,4 +113,5 @@ def config_from_env(env: Mapping[str, str]) -> PLEConfig:
         debug=_bool(env, "VLLM_PLE_MMAP_DEBUG", False),
         mode=_choice(env, "VLLM_PLE_MMAP_MODE", "eager", ("eager", "hoisted")),
         hoist_check=_bool(env, "VLLM_PLE_MMAP_HOIST_CHECK", False),
+        dedup_min=_int(env, "VLLM_PLE_MMAP_DEDUP_MIN", 256, 1, 1 << 24),
     )

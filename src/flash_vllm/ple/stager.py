@@ -30,7 +30,7 @@ def torch_dtype(name: str):
 
 
 class Stager:
-    def __init__(self, table, device="cuda", out_dtype=None, max_rows: int = 8192, dedup_min: int = 256,
+    def __init__(self, table, device="cuda", out_dtype=None, max_rows: int = 8192, dedup_min: int | None = None,
                  stats=None, slots: int = 2, graph_max_rows: int = 1024, max_graphs: int = 64,
                  zero_copy: bool | None = None):
         import numpy as np
@@ -43,7 +43,8 @@ class Stager:
         self.table_dtype = torch_dtype(table.dtype)
         self.out_dtype = out_dtype if out_dtype is not None else torch.bfloat16
         self.scale = table.scale
-        self.dedup_min = dedup_min
+        # None: the table's settings (VLLM_PLE_MMAP_DEDUP_MIN), else the default 256
+        self.dedup_min = dedup_min if dedup_min is not None else getattr(getattr(table, "config", None), "dedup_min", 256)
         self.stats = stats
         self.max_graphs = max_graphs
         self.n_slots = max(1, slots)
