@@ -29,6 +29,9 @@ What runs (the real model's shapes, bf16 head, fp32 indexer scores):
   only) = `stock`, then the repair as run43 timed it, one program per row (`slice_columns=None`):
   the sliced repair's before, side by side.
 - copy bandwidth: a device-to-device copy of 4 GiB (1 GiB with --quick).
+- PLE staging (patch 1's Stager, `ple_stage`): `lookup(ids, out=buffer)` at 3/12/24/48 tokens x 16
+  heads on a synthetic table of the real row width, dedup_min 256 (the default) against 1025 (no
+  dedup below the graph limit), wall time per call to a synchronised device (host work included).
 
 Each timing is measured eager (CUDA events around every call) and, where capture works, inside a
 CUDA graph (one graph holds `graph_reps` calls; per-call = replay time / reps), the regime of FULL
@@ -89,6 +92,11 @@ class Plan:
     graph_replays: int
     copy_bytes: int
     copy_iters: int
+    # patch 1's Stager: decode steps of these many tokens (x 16 heads rows), a synthetic table of
+    # stage_shards x stage_rows_per_shard rows of the real width
+    stage_tokens: tuple[int, ...] = (3, 12, 24, 48)
+    stage_shards: int = 128
+    stage_rows_per_shard: int = 20000
 
     @property
     def block_topk(self) -> int:
@@ -98,7 +106,8 @@ class Plan:
 def make_plan(mode: str) -> Plan:
     if mode == "cpu-smoke":
         return Plan("cpu", 64, 1000, 256, (1, 3), (1, 2), (512, 1024), (2048,), 32,
-                    warmup=1, iters=3, graph_reps=0, graph_replays=0, copy_bytes=8 << 20, copy_iters=3)
+                    warmup=1, iters=3, graph_reps=0, graph_replays=0, copy_bytes=8 << 20, copy_iters=3,
+                    stage_tokens=(3, 24), stage_shards=6, stage_rows_per_shard=997)
     quick = mode == "quick"
     return Plan("cuda", HIDDEN, VOCAB, DRAFT_IDS, (1, 3, 4, 8, 12, 24), (1, 4, 8),
                 (8192, 32768, 131072), (131072, 500000), TOKEN_TOPK,
@@ -531,6 +540,73 @@ def bench_bandwidth(torch, sink: Sink, plan: Plan) -> None:
     del src, dst
 
 
+# --- 4. patch 1's Stager: the dedup side against the short path -----------------------------
+
+STAGE_HEADS = 16  # n-gram heads per token (model-and-checkpoints.md): rows per decode token
+STAGE_IMPLS = {"dedup256": 256, "nodedup": 1025}  # dedup_min: the default, and every decode batch below it
+
+
+def time_wall(torch, fn: Callable[[], object], plan: Plan) -> list[float]:
+    """Per-call microseconds of host work + device work: wall time to a synchronised device (the
+    hoisted hook's whole cost sits on the decode step's critical path, host part included)."""
+    sync = torch.cuda.synchronize if plan.device == "cuda" else (lambda: None)
+    for _ in range(plan.warmup):
+        fn()
+    sync()
+    out = []
+    for _ in range(plan.iters):
+        t0 = time.perf_counter_ns()
+        fn()
+        sync()
+        out.append((time.perf_counter_ns() - t0) / 1e3)
+    return out
+
+
+def bench_ple_stage(torch, sink: Sink, plan: Plan) -> None:
+    """`Stager.lookup(ids, out=buffer)` at decode sizes, warm table: dedup_min 256 (the default,
+    which sends 24 tokens x 16 heads = 384 rows, c=8 at MTP=2, down the dedup path: np.unique,
+    inverse, eager device ops) against 1025 (every decode batch on the short path: one compiled
+    gather, one graph replay). decode-h200/run6 measured hoisted +1.5 ms per step at c=8 and +0.4
+    at c=1/4; this times the Stager alone, without a server's noise."""
+    import tempfile
+
+    import numpy as np
+
+    from flash_vllm.ple.stager import Stager
+    from flash_vllm.ple.synth import reference_rows, write_checkpoint
+    from flash_vllm.ple.table import PLETable
+
+    with tempfile.TemporaryDirectory(prefix="flash-stage-") as d:
+        write_checkpoint(d, rows_per_shard=plan.stage_rows_per_shard, num_shards=plan.stage_shards)
+        with PLETable.from_checkpoint(d) as t:
+            stagers = {name: Stager(t, plan.device, dedup_min=m) for name, m in STAGE_IMPLS.items()}
+            rng = np.random.default_rng(12)
+            jobs = []
+            for tokens in plan.stage_tokens:
+                # 16 id sets in turn: a decode step's ids change every step
+                sets = [rng.integers(0, t.num_rows, (tokens, STAGE_HEADS)) for _ in range(16)]
+                want = torch.from_numpy(reference_rows(d, sets[0])).view(torch.float8_e4m3fn)
+                want = (want.float() * t.scale).to(torch.bfloat16).view(tokens, STAGE_HEADS, t.head_dim)
+                impls = {}
+                for name, st in stagers.items():
+                    buf = torch.empty(tokens, STAGE_HEADS, t.head_dim, dtype=torch.bfloat16, device=plan.device)
+                    got = st.lookup(sets[0], out=buf)
+                    sink.emit({"kind": "check", "bench": "ple_stage", "impl": name, "tokens": tokens,
+                               "ok": bool(torch.equal(got.cpu().view(torch.int16), want.view(torch.int16)))})
+                    turn = iter(range(1 << 62))
+                    impls[name] = (lambda st=st, buf=buf, turn=turn, sets=sets: st.lookup(sets[next(turn) % 16], out=buf))
+                jobs.append(({"bench": "ple_stage", "tokens": tokens, "rows": tokens * STAGE_HEADS}, impls))
+            for base, impls in jobs:
+                for impl, fn in impls.items():
+                    rec = dict(base, kind="ple_stage", impl=impl, mode="wall", dedup_min=STAGE_IMPLS[impl])
+                    try:
+                        us = time_wall(torch, fn, plan)
+                        rec.update(stats(us), raw_us=[round(u, 3) for u in us])
+                    except Exception as e:
+                        rec["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:400]
+                    sink.emit(rec)
+
+
 # --- summary ---------------------------------------------------------------------------------
 
 GOALS = {"draft_head": 0.30, "qsa_topk": 1.0}
@@ -572,6 +648,11 @@ def summarize(records: list[dict]) -> dict:
     rs = [r["ratio"] for r in ratios if r["bench"] == "qsa_topk" and r["vs"] == "persistent"
           and r["impl"] == "repair_persistent"]
     out["qsa_topk_repair_persistent_ratio_vs_persistent_max"] = max(rs) if rs else None
+    stage = {(r["tokens"], r["impl"]): r for r in records if r.get("kind") == "ple_stage" and "median_us" in r}
+    out["ple_stage"] = [{"tokens": tok, "rows": r["rows"], "dedup256_us": r["median_us"],
+                         "nodedup_us": stage[(tok, "nodedup")]["median_us"],
+                         "ratio_nodedup_vs_dedup256": round(stage[(tok, "nodedup")]["median_us"] / r["median_us"], 3)}
+                        for (tok, impl), r in sorted(stage.items()) if impl == "dedup256" and (tok, "nodedup") in stage]
     return out
 
 
@@ -585,11 +666,17 @@ def table(summary: dict) -> str:
                      f"{r['ref_us']:>10.1f} {r['ratio']:>6.3f} {'<=' if r['meets_goal'] else '> '}{r['goal']}")
     lines.append(f"checks passed {summary['checks_passed']}/{summary['checks']}; errors {len(summary['errors'])}; "
                  f"copy {summary['copy_gbps_read_plus_write']} GB/s (read+write); wall {summary.get('wall_s')} s")
+    lines += [f"ple_stage   tokens={r['tokens']:<3} rows={r['rows']:<4} dedup256 {r['dedup256_us']:>8.1f} us  "
+              f"nodedup {r['nodedup_us']:>8.1f} us  ratio {r['ratio_nodedup_vs_dedup256']:.3f}"
+              for r in summary.get("ple_stage", [])]
     lines += [f"  error: {e}" for e in summary["errors"]]
     return "\n".join(lines)
 
 
 # --- CLI -------------------------------------------------------------------------------------
+
+BENCHES = {"draft_head": bench_draft_head, "qsa_topk": bench_qsa_topk, "copy_bandwidth": bench_bandwidth,
+           "ple_stage": bench_ple_stage}
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -599,8 +686,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--quick", action="store_true", help="fewer iterations, 1 GiB copy")
     g.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes on CPU torch, few iterations: every path but the CUDA kernels")
-    ap.add_argument("--only", choices=("draft_head", "qsa_topk", "copy_bandwidth"), action="append",
-                    help="run only these parts (repeatable); default all three")
+    ap.add_argument("--only", choices=tuple(BENCHES), action="append",
+                    help="run only these parts (repeatable); default all four")
     return ap.parse_args(argv)
 
 
@@ -620,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     plan = make_plan("cpu-smoke" if args.cpu_smoke else "quick" if args.quick else "full")
-    parts = args.only or ["draft_head", "qsa_topk", "copy_bandwidth"]
+    parts = args.only or list(BENCHES)
     fh = args.out.open("w") if args.out else None
     sink = Sink(fh)
     t0 = time.monotonic()
@@ -636,10 +723,9 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             env["vllm"] = None
         sink.emit(env)
-        benches = {"draft_head": bench_draft_head, "qsa_topk": bench_qsa_topk, "copy_bandwidth": bench_bandwidth}
         for part in parts:
             try:
-                benches[part](torch, sink, plan)
+                BENCHES[part](torch, sink, plan)
             except BenchError as e:
                 sink.emit({"kind": "setup", "bench": part, "error": str(e)})
             except Exception as e:

@@ -81,7 +81,7 @@ def test_summary_ratios_are_patched_over_stock(smoke):
            for r in smoke if r["kind"] in ("draft_head", "qsa_topk")}
     # one ratio per flash implementation and shape: patched (draft head, QSA), radix and repair (QSA only)
     assert len(s["ratios"]) == sum(1 for k in med if k[-1] in ("patched", "radix", "repair"))
-    assert s["checks"] == s["checks_passed"] == 6 and s["errors"] == []
+    assert s["checks"] == s["checks_passed"] == 10 and s["errors"] == []  # 2 draft, 4 QSA, 4 Stager
     for r in s["ratios"]:
         key = (r["bench"], r.get("tokens"), r.get("batch"), r.get("context"))
         assert r["vs"] == "stock" and r["patched_us"] == med[key + (r["impl"],)] and r["ref_us"] == med[key + ("stock",)]
@@ -92,6 +92,38 @@ def test_summary_ratios_are_patched_over_stock(smoke):
     assert s["qsa_topk_repair_ratio_vs_stock_max"] == max(r["ratio"] for r in s["ratios"] if r["impl"] == "repair")
     assert {r["impl"] for r in s["ratios"] if r["bench"] == "draft_head"} == {"patched"}
     assert s["gb10_over_this_device_bandwidth"] == round(273.0 / s["copy_gbps_read_plus_write"], 4)
+
+
+def test_ple_stage_times_both_dedup_sides_and_checks_the_rows(bk, smoke):
+    plan = bk.make_plan("cpu-smoke")
+    timed = [r for r in smoke if r["kind"] == "ple_stage"]
+    assert {(r["tokens"], r["impl"], r["dedup_min"]) for r in timed} == {
+        (t, i, m) for t in plan.stage_tokens for i, m in (("dedup256", 256), ("nodedup", 1025))}
+    assert all(r["rows"] == 16 * r["tokens"] and r["mode"] == "wall" and r["n"] == plan.iters for r in timed)
+    checks = [r for r in smoke if r["kind"] == "check" and r["bench"] == "ple_stage"]
+    assert len(checks) == 2 * len(plan.stage_tokens) and all(c["ok"] for c in checks)
+    med = {(r["tokens"], r["impl"]): r["median_us"] for r in timed}
+    ratios = smoke[-1]["ple_stage"]
+    assert [r["tokens"] for r in ratios] == sorted(plan.stage_tokens)
+    for r in ratios:
+        assert r["ratio_nodedup_vs_dedup256"] == round(med[(r["tokens"], "nodedup")] / med[(r["tokens"], "dedup256")], 3)
+
+
+def test_ple_stage_check_fails_on_wrong_rows(bk, monkeypatch, capsys):
+    from flash_vllm.ple.stager import Stager
+
+    real = Stager.lookup
+
+    def off_by_one_row(self, ids, raw=False, out=None):
+        res = real(self, ids, raw=raw, out=out)
+        if self.dedup_min == 1025:
+            res.view(-1, res.shape[-1])[0] += 1  # the no-dedup side serves one wrong row
+        return res
+
+    monkeypatch.setattr(Stager, "lookup", off_by_one_row)
+    assert bk.main(["--cpu-smoke", "--only", "ple_stage"]) == bk.EXIT_CHECK_FAILED
+    checks = [json.loads(x) for x in capsys.readouterr().out.splitlines() if '"check"' in x]
+    assert {c["impl"]: c["ok"] for c in checks} == {"dedup256": True, "nodedup": False}
 
 
 def test_draft_check_fails_on_a_wrong_scatter_or_value(bk):
