@@ -242,9 +242,10 @@ def prepare(args) -> int:
 
 
 def server_plan(d: Path, port: int, side_by_side: bool = False) -> dict:
-    """The three servers: env + argv. Common: dummy weights, MTP=2, 8 sequences, short context.
-    side_by_side: ports port, port+1, port+2 and a fixed 4 GiB KV pool each (no memory profiling,
-    so three boots at once cannot starve each other), for `matrix`; else one at a time at 0.95."""
+    """The three servers and the opt-in VARIANTS: env + argv. Common: dummy weights, MTP=2, 8
+    sequences, short context. side_by_side: ports port, port+1, ... (CONFIGS then VARIANTS) and a
+    fixed 4 GiB KV pool each (no memory profiling, so boots at once cannot starve each other), for
+    `matrix`; else one at a time at 0.95."""
     mem = ["--gpu-memory-utilization", "0.30", "--kv-cache-memory-bytes", str(4 << 30)] if side_by_side else \
         ["--gpu-memory-utilization", "0.95"]
 

@@ -16,7 +16,7 @@
 #            alone first (kv_plan), then the others with fixed KV pools in waves of
 #            FLASH_E2E_BOOT_WAVE (default 4); its deadline is what the phases after it leave (e2e_deadline)
 #   decode8  tools/bench_decode.py matrix, 8 of the 48 layers (real per-layer shapes, dummy weights)
-#   kernels  tools/bench_step_kernels.py (draft head, QSA top-k, copy bandwidth) + tests/gpu
+#   kernels  tools/bench_step_kernels.py (draft head, QSA top-k, copy bandwidth, PLE staging) + tests/gpu
 #   decode4  the same matrix at 4 layers (two layer counts: the line read at 48 layers)
 #            (both: DECODE_REPEATS, default 3; DECODE_TOKENS per request, 256; DECODE_SECONDS each
 #            may take, its boot included, 420; DECODE_CONFIGS, default stock,eager,hoisted: fewer
