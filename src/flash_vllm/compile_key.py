@@ -96,6 +96,8 @@ NOT_TRACED: dict[str, str] = {
     "VLLM_PLE_MMAP_CHUNK": _PLE_ENGINE.format("rows per pool task"),
     "VLLM_PLE_MMAP_IO": _PLE_ENGINE.format("I/O method"),
     "VLLM_PLE_MMAP_NATIVE": _PLE_ENGINE.format("compiled (numba) gather loops"),
+    "VLLM_PLE_MMAP_DEDUP_MIN": _PLE_ENGINE.format("Stager dedup threshold (its own small CUDA graphs are "
+                                                  "captured by the Stager, not by torch.compile)"),
 }
 
 
