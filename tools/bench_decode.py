@@ -50,6 +50,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from flash_vllm.metrics_bridge import interval_s as bridge_interval_s  # noqa: E402 (stdlib only)
+from flash_vllm.ple.stats import COUNTERS as PLE_COUNTERS  # noqa: E402 (stdlib only)
+
 P = "model.language_model."
 LAYERS, EXPERTS, HIDDEN, MOE_INTER, VOCAB = 48, 512, 2560, 640, 248_320
 TOPK, MTP = 10, 2  # experts per token (num_experts_per_tok); draft tokens the servers run with
@@ -265,15 +268,18 @@ def server_plan(d: Path, port: int, side_by_side: bool = False) -> dict:
         return ["--compilation-config", json.dumps({"cudagraph_mode": mode, "max_cudagraph_capture_size": 32},
                                                    separators=(",", ":"))]
 
-    return {
+    plans = {
         # the ceiling: the release's own storage with the whole table on the GPU, vLLM's default graphs
         # (patch 1 off explicitly: the plugin is installed in all three; the other patches are alike)
         "stock": {"env": {**base_env, "VLLM_PLE_MMAP": "0"},
                   "argv": common(0) + ["--engram-config", '{"cpu_offload":false}'] + cc("FULL_AND_PIECEWISE")},
         "eager": {"env": {**ple_env, "VLLM_PLE_MMAP_MODE": "eager"}, "argv": common(1) + cc("PIECEWISE")},
         "hoisted": {"env": {**ple_env, "VLLM_PLE_MMAP_MODE": "hoisted"}, "argv": common(2) + cc("FULL_AND_PIECEWISE")},
-    } | {name: {"env": {**ple_env, "VLLM_PLE_MMAP_MODE": "hoisted", **env}, "argv": common(3 + i) + cc("FULL_AND_PIECEWISE")}
-         for i, (name, (_, env)) in enumerate(VARIANTS.items())}
+    }
+    # a variant: its base's server with more env, on the next port
+    head = len(common(0))
+    return plans | {name: {"env": {**plans[base]["env"], **env}, "argv": common(len(plans) + i) + plans[base]["argv"][head:]}
+                    for i, (name, (base, env)) in enumerate(VARIANTS.items())}
 
 
 def plan_cmd(args) -> int:
@@ -296,13 +302,12 @@ def _metric(url: str, names: tuple[str, ...]) -> dict:
 
 
 SPEC = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total")
-# patch 1's counters (flash_vllm.ple.stats), on the API server's /metrics through the metrics bridge,
-# which rewrites them at most every FLASH_METRICS_INTERVAL_MS (1 s): read after a settle
-PLE = {"ops": "vllm:ple_mmap_lookup_ops_total", "op": "vllm:ple_mmap_op_seconds_total",
-       "gpu_wait": "vllm:ple_mmap_gpu_wait_seconds_total", "dedup": "vllm:ple_mmap_dedup_seconds_total",
-       "gather": "vllm:ple_mmap_gather_seconds_total", "stage": "vllm:ple_mmap_stage_seconds_total",
-       "rows": "vllm:ple_mmap_rows_total"}
-PLE_SETTLE_S = 1.5  # the bridge's 1 s interval, and a margin
+# patch 1's counters (flash_vllm.ple.stats.COUNTERS, as counter samples), on the API server's
+# /metrics through the metrics bridge, which rewrites them at most once an interval (1 s by
+# default): read after a settle of that interval and a margin
+PLE = {k.removesuffix("_s"): PLE_COUNTERS[k][0] + "_total"
+       for k in ("ops", "op_s", "gpu_wait_s", "dedup_s", "gather_s", "stage_s", "rows")}
+PLE_SETTLE_S = bridge_interval_s({}) + 0.5
 
 
 def ple_phases(before: dict, after: dict) -> dict | None:
@@ -685,6 +690,22 @@ def ratios(summ: dict) -> dict:
 GOAL_VS_STOCK = 0.90  # issue 12: FULL + hoisted within 10% of the stock ceiling
 
 
+def _line(xy: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) through points at two or more distinct x."""
+    n = len(xy)
+    mx, my = sum(x for x, _ in xy) / n, sum(y for _, y in xy) / n
+    b = sum((x - mx) * (y - my) for x, y in xy) / sum((x - mx) ** 2 for x, _ in xy)
+    return my - b * mx, b
+
+
+def _boot_means(xs, resamples: int, seed: int):
+    """The means of `resamples` bootstrap resamples of `xs` (numpy, fixed seed: the same rows give
+    the same interval)."""
+    import numpy as np
+
+    return xs[np.random.default_rng(seed).integers(0, len(xs), (resamples, len(xs)))].mean(axis=1)
+
+
 def _verdict(logs, goal: float, resamples: int, seed: int) -> dict:
     """Log ratios -> geometric mean, 95% bootstrap interval (numpy, fixed seed: the same rows give
     the same interval) and a verdict against `goal`: met when the interval lies above it, missed
@@ -698,8 +719,7 @@ def _verdict(logs, goal: float, resamples: int, seed: int) -> dict:
     row = {"pairs": len(logs), "geomean": round(g, 3)}
     if len(logs) < 2:
         return row | {"verdict": "open", "why": "one pair: no interval"}
-    means = logs[np.random.default_rng(seed).integers(0, len(logs), (resamples, len(logs)))].mean(axis=1)
-    lo, hi = (math.exp(q) for q in np.quantile(means, [0.025, 0.975]))
+    lo, hi = (math.exp(q) for q in np.quantile(_boot_means(logs, resamples, seed), [0.025, 0.975]))
     row["ci95"] = [round(lo, 3), round(hi, 3)]
     if lo >= goal:
         row["verdict"] = "met"
@@ -733,7 +753,8 @@ def paired(rows: list[dict], goal: float = GOAL_VS_STOCK, resamples: int = 20_00
         if not len(logs):
             continue
         levels = sorted({k[2] for k in keys})
-        at = {c: logs[[k[2] == c for k in keys]] for c in levels}
+        mask = {c: np.array([k[2] == c for k in keys]) for c in levels}
+        at = {c: logs[mask[c]] for c in levels}
         # ms per stream and step (acceptance 1) the config adds to stock's, pair by pair
         added = np.array([1000.0 / tok[k] - 1000.0 / tok[("stock", *k[1:])] for k in keys])
         row = {"pairs": len(logs), "geomean": round(math.exp(logs.mean()), 3),
@@ -741,8 +762,8 @@ def paired(rows: list[dict], goal: float = GOAL_VS_STOCK, resamples: int = 20_00
                "min": round(math.exp(logs.min()), 3), "max": round(math.exp(logs.max()), 3), "goal": goal,
                "by_concurrency": {c: round(math.exp(float(at[c].mean())), 3) for c in levels}}
         row |= {k: v for k, v in _verdict(logs, goal, resamples, seed).items() if k not in row}
-        row["per_concurrency"] = {c: _verdict(at[c], goal, resamples, seed) | {"added_ms": _mean_ci(
-            added[[k[2] == c for k in keys]], resamples, seed)} for c in levels}
+        row["per_concurrency"] = {c: _verdict(at[c], goal, resamples, seed)
+                                  | {"added_ms": _mean_ci(added[mask[c]], resamples, seed)} for c in levels}
         out[label] = row
     return out
 
@@ -753,8 +774,7 @@ def _mean_ci(xs, resamples: int, seed: int) -> dict:
 
     row = {"mean": round(float(np.mean(xs)), 3)}
     if len(xs) > 1:
-        means = xs[np.random.default_rng(seed).integers(0, len(xs), (resamples, len(xs)))].mean(axis=1)
-        row["ci95"] = [round(float(q), 3) for q in np.quantile(means, [0.025, 0.975])]
+        row["ci95"] = [round(float(q), 3) for q in np.quantile(_boot_means(xs, resamples, seed), [0.025, 0.975])]
     return row
 
 
@@ -775,11 +795,9 @@ def at_layers(summ: dict, pair: dict, layers: int = LAYERS) -> dict:
     for c, xy in sorted(pts.items()):
         if len({x for x, _ in xy}) < 2:
             continue
-        n = len(xy)
-        mx, my = sum(x for x, _ in xy) / n, sum(y for _, y in xy) / n
-        b = sum((x - mx) * (y - my) for x, y in xy) / sum((x - mx) ** 2 for x, _ in xy)
+        a, b = _line(xy)
         if b > 0:
-            stock[c] = my - b * mx + b * layers
+            stock[c] = a + b * layers
         else:  # a step cannot shrink with more layers: the cells' noise made this line
             floors[c] = f"stock's line at c={c} falls with the layers (slope {b:.3f} ms per layer): noise"
     if stock:
@@ -864,10 +882,7 @@ def extrapolate(summ: dict, layers: int = LAYERS, bw_h200_gbs: float | None = No
         if len({x for x, _ in xy}) < 2:
             out[cfg] = {"points": xy, "note": "one layer count: no line to extrapolate"}
             continue
-        n = len(xy)
-        mx, my = sum(x for x, _ in xy) / n, sum(y for _, y in xy) / n
-        b = sum((x - mx) * (y - my) for x, y in xy) / sum((x - mx) ** 2 for x, _ in xy)
-        a = my - b * mx
+        a, b = _line(xy)
         ms = a + b * layers
         row = {"points": xy, "ms_fixed": round(a, 3), "ms_per_layer": round(b, 4), f"ms_per_token_L{layers}": round(ms, 3),
                f"tok_s_L{layers}_h200_estimate": round(1000.0 / ms, 1)}
@@ -939,6 +954,8 @@ def main(argv=None) -> int:
     p.add_argument("--ple-rows", default="full", help="'full' (320,001,536 rows, 47.68 GiB) or a row count")
     p.add_argument("--layers", type=int, default=LAYERS, help="decoder layers: a multiple of 4 up to 48 (the real 48)")
     p.set_defaults(func=prepare)
+    p = sub.add_parser("configs", help="print the servers `matrix --configs` accepts (gpu_session checks against it)")
+    p.set_defaults(func=lambda args: print(",".join(ALL_CONFIGS)) or 0)
     p = sub.add_parser("plan")
     p.add_argument("dir")
     p.add_argument("--port", type=int, default=8000)

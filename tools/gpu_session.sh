@@ -182,14 +182,16 @@ case "${1:-}" in
     for v in DECODE_REPEATS DECODE_TOKENS DECODE_SECONDS; do
       case "${!v}" in ''|*[!0-9]*|0*) echo "gpu_session: $v='${!v}': give a positive whole number" >&2; exit 2 ;; esac
     done
-    seen=,
+    # the servers the matrix knows, from the matrix itself (stdlib only: the device's python3)
+    known=$(python3 "$(dirname "$0")/bench_decode.py" configs) || { echo "gpu_session: tools/bench_decode.py configs failed" >&2; exit 3; }
+    names=${known//,/, } seen=,
     for c in ${DECODE_CONFIGS//,/ } ''; do  # the trailing '' catches an empty list
-      case ",$c," in
-        ,,) [ "$seen" != , ] || { echo "gpu_session: DECODE_CONFIGS is empty: give a comma list of stock, eager, hoisted, hoisted-nodedup" >&2; exit 2; } ;;
-        ,stock,|,eager,|,hoisted,|,hoisted-nodedup,)
+      case ",$c,:,$known," in
+        ,,:*) [ "$seen" != , ] || { echo "gpu_session: DECODE_CONFIGS is empty: give a comma list of $names" >&2; exit 2; } ;;
+        *:*",$c,"*)
           case "$seen" in *",$c,"*) echo "gpu_session: DECODE_CONFIGS='$DECODE_CONFIGS': $c twice" >&2; exit 2 ;; esac
           seen="$seen$c," ;;
-        *) echo "gpu_session: DECODE_CONFIGS='$DECODE_CONFIGS': unknown config '$c' (stock, eager, hoisted, hoisted-nodedup)" >&2; exit 2 ;;
+        *) echo "gpu_session: DECODE_CONFIGS='$DECODE_CONFIGS': unknown config '$c' ($names)" >&2; exit 2 ;;
       esac
     done
     [ -f "$ENV_SH" ] || { echo "gpu_session: $ENV_SH missing: install the payload first (docs/GPU-E2E.md)" >&2; exit 3; }

@@ -113,5 +113,5 @@ def config_from_env(env: Mapping[str, str]) -> PLEConfig:
         debug=_bool(env, "VLLM_PLE_MMAP_DEBUG", False),
         mode=_choice(env, "VLLM_PLE_MMAP_MODE", "eager", ("eager", "hoisted")),
         hoist_check=_bool(env, "VLLM_PLE_MMAP_HOIST_CHECK", False),
-        dedup_min=_int(env, "VLLM_PLE_MMAP_DEDUP_MIN", 256, 1, 1 << 24),
+        dedup_min=_int(env, "VLLM_PLE_MMAP_DEDUP_MIN", PLEConfig.dedup_min, 1, 1 << 24),
     )

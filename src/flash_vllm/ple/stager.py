@@ -43,8 +43,11 @@ class Stager:
         self.table_dtype = torch_dtype(table.dtype)
         self.out_dtype = out_dtype if out_dtype is not None else torch.bfloat16
         self.scale = table.scale
-        # None: the table's settings (VLLM_PLE_MMAP_DEDUP_MIN), else the default 256
-        self.dedup_min = dedup_min if dedup_min is not None else getattr(getattr(table, "config", None), "dedup_min", 256)
+        if dedup_min is None:  # the table's settings (VLLM_PLE_MMAP_DEDUP_MIN); PLEConfig's default without
+            from .config import PLEConfig
+
+            dedup_min = getattr(table, "config", PLEConfig()).dedup_min
+        self.dedup_min = dedup_min
         self.stats = stats
         self.max_graphs = max_graphs
         self.n_slots = max(1, slots)
