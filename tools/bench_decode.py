@@ -492,6 +492,18 @@ def _stop(procs: dict) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def _commit() -> str:
+    """The tree measured: FLASH_E2E_COMMIT (gpu_session sets it; the device's copy has no .git),
+    else git's HEAD here, else "unknown"."""
+    if os.environ.get("FLASH_E2E_COMMIT"):
+        return os.environ["FLASH_E2E_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def _configs(text: str) -> list[str]:
     names = [c.strip() for c in text.split(",") if c.strip()]
     bad = [c for c in names if c not in ALL_CONFIGS]
@@ -514,7 +526,8 @@ def matrix(args) -> int:
     sink = _sink(args.out)
     logs = Path(args.logs or Path(args.out).parent)
     logs.mkdir(parents=True, exist_ok=True)
-    extra = {"layers": meta.get("layers", LAYERS), "quant": meta.get("quant"), "ple_rows": meta.get("ple_rows")}
+    extra = {"layers": meta.get("layers", LAYERS), "quant": meta.get("quant"), "ple_rows": meta.get("ple_rows"),
+             "commit": _commit()}  # every raw row names the tree it measured
     t0, deadline = time.monotonic(), time.monotonic() + args.deadline
     procs, urls, booted = {}, {}, {}
     try:

@@ -334,6 +334,7 @@ def test_matrix_boots_side_by_side_and_measures_in_turn(bd, prepared, tmp_path, 
     assert [r["label"] for r in meas][3:6] == ["eager", "hoisted", "stock"]
     assert bd.paired(rows)["hoisted"]["pairs"] == 4
     assert all(0 < r["mtp_drafts"] < 1e6 for r in meas)  # counts, never a `_created` time
+    assert {r["commit"] for r in rows} == {bd._commit()} and bd._commit() != "unknown"  # this checkout's HEAD
     # patch 1's lookups per measurement, read after the bridge's lag settled: every token's op, this
     # measurement's only (the warm-up's settled before), none for stock
     for r in meas:

@@ -71,6 +71,7 @@ def test_start_runs_detached_and_watch_returns_one_archive(tmp_path):
     # DECODE_CONFIGS reached the matrix: eager was neither booted nor measured
     assert "gs/decode/eager-L8.log" not in names
     assert sorted(r["label"] for r in rows if r.get("event") == "booted") == ["hoisted", "stock"]
+    assert {r.get("commit") for r in rows} == {"abc1234"}  # every raw row names the commit it measured
     meas = [r for r in rows if "aggregate_tok_s" in r]
     assert {r["layers"] for r in meas} == {8} and {(r["repeat"], r["max_tokens"]) for r in meas} == {(0, 24), (1, 24)}
 
