@@ -30,8 +30,9 @@ What runs (the real model's shapes, bf16 head, fp32 indexer scores):
   the sliced repair's before, side by side.
 - copy bandwidth: a device-to-device copy of 4 GiB (1 GiB with --quick).
 - PLE staging (patch 1's Stager, `ple_stage`): `lookup(ids, out=buffer)` at 3/12/24/48 tokens x 16
-  heads on a synthetic table of the real row width, dedup_min 256 (the default) against 1025 (no
-  dedup below the graph limit), wall time per call to a synchronised device (host work included).
+  heads on a synthetic table of the real row width, dedup_min 256 (run6's default) against 1025 (the
+  default since: no dedup below the graph limit), wall time per call to a synchronised device (host
+  work included).
 
 Each timing is measured eager (CUDA events around every call) and, where capture works, inside a
 CUDA graph (one graph holds `graph_reps` calls; per-call = replay time / reps), the regime of FULL
@@ -543,7 +544,7 @@ def bench_bandwidth(torch, sink: Sink, plan: Plan) -> None:
 # --- 4. patch 1's Stager: the dedup side against the short path -----------------------------
 
 STAGE_HEADS = 16  # n-gram heads per token (model-and-checkpoints.md): rows per decode token
-STAGE_IMPLS = {"dedup256": 256, "nodedup": 1025}  # dedup_min: the default, and every decode batch below it
+STAGE_IMPLS = {"dedup256": 256, "nodedup": 1025}  # dedup_min: run6's, and today's default (every decode batch below it)
 
 
 def time_wall(torch, fn: Callable[[], object], plan: Plan) -> list[float]:
@@ -563,9 +564,9 @@ def time_wall(torch, fn: Callable[[], object], plan: Plan) -> list[float]:
 
 
 def bench_ple_stage(torch, sink: Sink, plan: Plan) -> None:
-    """`Stager.lookup(ids, out=buffer)` at decode sizes, warm table: dedup_min 256 (the default,
+    """`Stager.lookup(ids, out=buffer)` at decode sizes, warm table: dedup_min 256 (run6's default,
     which sends 24 tokens x 16 heads = 384 rows, c=8 at MTP=2, down the dedup path: np.unique,
-    inverse, eager device ops) against 1025 (every decode batch on the short path: one compiled
+    inverse, eager device ops) against 1025 (today's: every decode batch on the short path: one compiled
     gather, one graph replay). decode-h200/run6 measured hoisted +1.5 ms per step at c=8 and +0.4
     at c=1/4; this times the Stager alone, without a server's noise."""
     import tempfile

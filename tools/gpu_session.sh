@@ -20,7 +20,7 @@
 #   decode4  the same matrix at 4 layers (two layer counts: the line read at 48 layers)
 #            (both: DECODE_REPEATS, default 3; DECODE_TOKENS per request, 256; DECODE_SECONDS each
 #            may take, its boot included, 420; DECODE_CONFIGS, default stock,eager,hoisted: fewer
-#            servers give the rest more pairs in the same seconds; hoisted-nodedup is opt-in)
+#            servers give the rest more pairs in the same seconds; hoisted-dedup256 is opt-in)
 # Results: /var/tmp/gs (phases.log, e2e/, decode/, kernels/). PHASES: a comma list, default
 # e2e,decode8,kernels,decode4.
 #

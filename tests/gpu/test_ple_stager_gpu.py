@@ -56,12 +56,14 @@ def _same(got, want):
 
 
 @pytest.mark.parametrize("graphs", [True, False])
-@pytest.mark.parametrize("shape", [(16, 16), (33, 16)])
-def test_distinct_ids_past_dedup_min_keep_their_order(ckpt, shape, graphs):
+# run38's sizes at its threshold (256), and the first prefill past the default (1025 rows)
+@pytest.mark.parametrize("shape, dedup_min", [((16, 16), 256), ((33, 16), 256), ((65, 16), None)])
+def test_distinct_ids_past_dedup_min_keep_their_order(ckpt, shape, dedup_min, graphs):
     """Deduplicated rows come in sorted-id order; with every id distinct the inverse is still
     needed (run38: 16-33-token prefills served permuted rows and greedy output left stock's)."""
     with PLETable.from_checkpoint(ckpt) as t:
-        st = Stager(t, "cuda", out_dtype=torch.bfloat16, graph_max_rows=1024 if graphs else 0)
+        st = Stager(t, "cuda", out_dtype=torch.bfloat16, graph_max_rows=1024 if graphs else 0, dedup_min=dedup_min)
+        assert int(np.prod(shape)) >= st.dedup_min  # the dedup side, or the test proves nothing
         rng = np.random.default_rng(shape[0])
         ids = rng.choice(t.num_rows, int(np.prod(shape)), replace=False).reshape(shape)
         raw_ref, want = _expected(ckpt, ids, t, torch.bfloat16)

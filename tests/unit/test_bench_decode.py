@@ -56,12 +56,12 @@ def test_quant_configs(bd):
 
 def test_plan_modes(bd, prepared):
     plan = bd.server_plan(prepared, 8123)
-    assert set(plan) == {"stock", "eager", "hoisted", "hoisted-nodedup"}
+    assert set(plan) == {"stock", "eager", "hoisted", "hoisted-dedup256"}
     assert plan["stock"]["env"]["VLLM_PLE_MMAP"] == "0" and '{"cpu_offload":false}' in plan["stock"]["argv"]
     stock_cc = json.loads(plan["stock"]["argv"][plan["stock"]["argv"].index("--compilation-config") + 1])
     assert stock_cc["cudagraph_mode"] == "FULL_AND_PIECEWISE"  # vLLM's default, spelled out
     for name, mode, graphs in (("eager", "eager", "PIECEWISE"), ("hoisted", "hoisted", "FULL_AND_PIECEWISE"),
-                                 ("hoisted-nodedup", "hoisted", "FULL_AND_PIECEWISE")):
+                                 ("hoisted-dedup256", "hoisted", "FULL_AND_PIECEWISE")):
         assert plan[name]["env"]["VLLM_PLE_MMAP_MODE"] == mode
         assert plan[name]["env"]["VLLM_PLE_MMAP_DIR"] == str(prepared / "ple")
         cc = json.loads(plan[name]["argv"][plan[name]["argv"].index("--compilation-config") + 1])
@@ -234,18 +234,19 @@ def test_fewer_layers_keep_the_pattern(bd, tmp_path):
 def test_side_by_side_plan_gives_each_config_its_port_and_a_fixed_pool(bd, prepared):
     plan = bd.server_plan(prepared, 9000, side_by_side=True)
     ports = {c: p["argv"][p["argv"].index("--port") + 1] for c, p in plan.items()}
-    assert ports == {"stock": "9000", "eager": "9001", "hoisted": "9002", "hoisted-nodedup": "9003"}
+    assert ports == {"stock": "9000", "eager": "9001", "hoisted": "9002", "hoisted-dedup256": "9003"}
     for p in plan.values():
         assert p["argv"][p["argv"].index("--kv-cache-memory-bytes") + 1] == str(4 << 30)
-    # the opt-in variant: the hoisted server, every decode batch (<= 1,024 rows) off the dedup side
-    nd, h = plan["hoisted-nodedup"], plan["hoisted"]
-    assert nd["env"] == {**h["env"], "VLLM_PLE_MMAP_DEDUP_MIN": "1025"}
+    # the opt-in variant: the hoisted server with run6's threshold, c=8 x MTP=2 on the dedup side
+    nd, h = plan["hoisted-dedup256"], plan["hoisted"]
+    assert nd["env"] == {**h["env"], "VLLM_PLE_MMAP_DEDUP_MIN": "256"}
     assert [a for a in nd["argv"] if a != "9003"] == [a for a in h["argv"] if a != "9002"]
     from flash_vllm.ple.config import config_from_env
-    assert config_from_env(nd["env"]).dedup_min == 1025 > 24 * 16  # c=8 x MTP=2 on the short path
-    assert bd._configs("stock,hoisted-nodedup") == ["stock", "hoisted-nodedup"]
+    assert config_from_env(nd["env"]).dedup_min == 256 <= 24 * 16  # c=8 x MTP=2 on the dedup side
+    assert config_from_env(h["env"]).dedup_min > 24 * 16  # the default: on the short path
+    assert bd._configs("stock,hoisted-dedup256") == ["stock", "hoisted-dedup256"]
     for bad in ("stock,stock", "stock,fast", ","):
-        with pytest.raises(SystemExit, match="hoisted-nodedup, each once"):
+        with pytest.raises(SystemExit, match="hoisted-dedup256, each once"):
             bd._configs(bad)
 
 

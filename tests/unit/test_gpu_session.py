@@ -126,7 +126,7 @@ def test_phases_run_in_the_order_asked_and_unknown_ones_are_refused(tmp_path):
     r = subprocess.run(["bash", str(SCRIPT), "start", "c0ffee1", "60", "decode8"], cwd=ROOT,
                        env={**env, "DECODE_REPEATS": "six"}, capture_output=True, text=True)
     assert r.returncode == 2 and "DECODE_REPEATS='six'" in r.stderr and not (tmp_path / "gs").exists()
-    for configs, says in (("stock,fast", "unknown config 'fast' (stock, eager, hoisted, hoisted-nodedup)"),
+    for configs, says in (("stock,fast", "unknown config 'fast' (stock, eager, hoisted, hoisted-dedup256)"),
                           ("stock,hoisted,stock", "stock twice"), (",", "DECODE_CONFIGS is empty")):
         r = subprocess.run(["bash", str(SCRIPT), "start", "c0ffee1", "60", "decode8"], cwd=ROOT,
                            env={**env, "DECODE_CONFIGS": configs}, capture_output=True, text=True)

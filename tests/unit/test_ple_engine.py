@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flash_vllm.ple import stats as stats_mod
-from flash_vllm.ple.config import PLEConfigError, config_from_env
+from flash_vllm.ple.config import GRAPH_MAX_ROWS, PLEConfigError, config_from_env
 from flash_vllm.ple.stager import Stager
 from flash_vllm.ple.stats import PLEStats
 from flash_vllm.ple.synth import reference_rows, write_checkpoint
@@ -113,14 +113,14 @@ def small(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("shape", [(256,), (20, 16), (33, 16)])
-def test_stager_distinct_ids_keep_their_order(small, shape):
+@pytest.mark.parametrize("shape, dedup_min", [((256,), 256), ((20, 16), 256), ((33, 16), 256), ((65, 16), None)])
+def test_stager_distinct_ids_keep_their_order(small, shape, dedup_min):
     """A deduplicated batch (>= dedup_min rows) whose ids are all distinct: the unique rows come
     back in sorted-id order and still need the inverse. run38 on the H200: without it every
     in-graph prefill of 16-33 tokens (16 heads) served permuted PLE rows, and greedy output
     differed from stock vLLM from the first token."""
     with PLETable.from_checkpoint(small) as t:
-        s = Stager(t, "cpu")
+        s = Stager(t, "cpu", dedup_min=dedup_min)  # run38's sizes at its threshold; past the default
         assert shape[0] * (shape[1] if len(shape) > 1 else 1) >= s.dedup_min
         rng = np.random.default_rng(shape[0])
         ids = rng.choice(t.num_rows, int(np.prod(shape)), replace=False).reshape(shape)
@@ -132,15 +132,16 @@ def test_stager_distinct_ids_keep_their_order(small, shape):
         assert torch.equal(out.view(torch.int16), (ref.float() * t.scale).to(torch.bfloat16).view(torch.int16))
 
 
-@pytest.mark.parametrize("dedup_min, deduplicated", [(None, True), ("1025", False), ("384", True), ("385", False)])
+@pytest.mark.parametrize("dedup_min, deduplicated", [(None, False), ("256", True), ("384", True), ("385", False)])
 def test_stager_dedup_min_comes_from_the_tables_config(small, monkeypatch, dedup_min, deduplicated):
     """VLLM_PLE_MMAP_DEDUP_MIN reaches the Stager through the table's config: a c=8 x MTP=2 decode
-    batch (24 tokens x 16 heads = 384 rows) is deduplicated at the default 256 and at 384, gathered
-    as it is from 385 up; the rows are the table's either way."""
+    batch (24 tokens x 16 heads = 384 rows) is gathered as it is at the default (just past the
+    Stager's graph limit: every batch that can replay a graph does), deduplicated at run6's 256 and
+    at 384; the rows are the table's either way."""
     cfg = config_from_env({} if dedup_min is None else {"VLLM_PLE_MMAP_DEDUP_MIN": dedup_min})
     with PLETable.from_checkpoint(small, config=cfg) as t:
         s = Stager(t, "cpu")
-        assert s.dedup_min == cfg.dedup_min == (256 if dedup_min is None else int(dedup_min))
+        assert s.dedup_min == cfg.dedup_min == (GRAPH_MAX_ROWS + 1 if dedup_min is None else int(dedup_min))
         calls = []
         real = t.gather_unique
         monkeypatch.setattr(t, "gather_unique", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -49,7 +49,7 @@ Table (``table.py``)::
 GPU staging (``stager.py``, torch; also runs on CPU torch)::
 
     stager = Stager(table, device, out_dtype=torch.bfloat16, max_rows=8192, stats=stats)  # dedup_min=None:
-                                        # the table's config (VLLM_PLE_MMAP_DEDUP_MIN, default 256)
+                                        # the table's config (VLLM_PLE_MMAP_DEDUP_MIN, default 1025)
     emb = stager.lookup(ids)            # ids: np/torch int array (*S) -> tensor (*S, head_dim) on
                                         # device, dequantized (fp8 x scale) to out_dtype; raw=True
                                         # gives the table dtype. Persistent pinned buffers (2 slots),

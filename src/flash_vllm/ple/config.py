@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+# the Stager's captured-graph limit (rows per lookup); bigger batches run its eager device part
+GRAPH_MAX_ROWS = 1024
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -31,9 +34,10 @@ class PLEConfig:
     mode: str = "eager"  # eager: gather inside the forward | hoisted: before it (patches/ple_hoist.py)
     hoist_check: bool = False  # hoisted: eager forwards compare the ids with those gathered for (syncs)
     # Stager: batches of >= this many rows upload distinct rows + an inverse (eager device part);
-    # smaller ones replay a captured graph. 256 puts c=8 x MTP=2 decode (384 rows) on the dedup side
-    # (decode-h200/run6: +1.5 ms per step there vs +0.4 at c=1/4); the matrix A/Bs 1025.
-    dedup_min: int = 256
+    # smaller ones replay a captured graph. Just past the graph limit: every batch that can replay a
+    # graph does. At 256, c=8 x MTP=2 decode (384 rows) took the dedup side (decode-h200/run6: +1.5 ms
+    # per step there vs +0.4 at c=1/4); decode rows are nearly all distinct, so dedup saved nothing.
+    dedup_min: int = GRAPH_MAX_ROWS + 1
 
 
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:

@@ -31,10 +31,12 @@ def torch_dtype(name: str):
 
 class Stager:
     def __init__(self, table, device="cuda", out_dtype=None, max_rows: int = 8192, dedup_min: int | None = None,
-                 stats=None, slots: int = 2, graph_max_rows: int = 1024, max_graphs: int = 64,
+                 stats=None, slots: int = 2, graph_max_rows: int | None = None, max_graphs: int = 160,
                  zero_copy: bool | None = None):
         import numpy as np
         import torch
+
+        from .config import GRAPH_MAX_ROWS, PLEConfig
 
         self.torch, self.np = torch, np
         self.table = table
@@ -44,18 +46,18 @@ class Stager:
         self.out_dtype = out_dtype if out_dtype is not None else torch.bfloat16
         self.scale = table.scale
         if dedup_min is None:  # the table's settings (VLLM_PLE_MMAP_DEDUP_MIN); PLEConfig's default without
-            from .config import PLEConfig
-
             dedup_min = getattr(table, "config", PLEConfig()).dedup_min
         self.dedup_min = dedup_min
         self.stats = stats
+        # a graph per (slot, rows, raw, out): decode and short prefills below the limit are up to 64
+        # token counts x 16 heads, x 2 slots; fewer graphs than that would recapture in a cycle
         self.max_graphs = max_graphs
         self.n_slots = max(1, slots)
         self.capacity = 0
         self._slot = 0
         # Small batches on CUDA: the device part (H2D + view + dequant) replays as one CUDA graph
         # per (slot, rows, raw, out buffer): one launch instead of 3-4 ops and their allocations.
-        self.graph_max_rows = graph_max_rows if self.cuda else 0
+        self.graph_max_rows = (GRAPH_MAX_ROWS if graph_max_rows is None else graph_max_rows) if self.cuda else 0
         self._graph_events = None  # captured graphs record the slot's event themselves (torch >= 2.8)
         # zero_copy: the captured kernel reads the pinned slot over the bus (a pinned buffer's host
         # address is valid on the device under UVA) instead of a separate H2D copy node: one node

@@ -139,9 +139,9 @@ CASES = {
     "prefill-chunks": ([37, 5, 20], [[EOS, EOS], [3, 4], [EOS, 9]]),
     "decode": ([1] * 6, [[1, 2], [EOS, 5], [7, EOS], [8, 9], [10, 11], [EOS, EOS]]),
     "mtp-verify": ([3, 3, 3], [[1, 2], [3, 4], [5, EOS]]),  # 1 + 2 draft positions per request
-    # >= the Stager's dedup_min (256) rows, every id distinct: deduplicated rows come back sorted and
+    # >= the Stager's dedup_min (1025) rows, every id distinct: deduplicated rows come back sorted and
     # still need the inverse (run38: 16-33-token prefills diverged from stock on the H200)
-    "prefill-distinct": ([16], [[EOS, EOS]]),
+    "prefill-distinct": ([65], [[EOS, EOS]]),
 }
 
 
