@@ -74,7 +74,7 @@ def test_distinct_ids_past_dedup_min_keep_their_order(ckpt, shape, dedup_min, gr
 
 
 @pytest.mark.parametrize("graphs", [True, False])
-@pytest.mark.parametrize("shape", [(1,), (48,), (12, 16), (8192, 16)])
+@pytest.mark.parametrize("shape", [(1,), (48,), (12, 16), (24, 16), (8192, 16)])  # (24, 16): c=8 x MTP=2
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float16", "float32"])
 def test_stage_bit_exact(ckpt, shape, out_dtype, graphs):
     od = getattr(torch, out_dtype)
