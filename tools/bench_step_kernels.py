@@ -563,6 +563,14 @@ def time_wall(torch, fn: Callable[[], object], plan: Plan) -> list[float]:
     return out
 
 
+def same_bits(torch, got, want) -> bool:
+    """Bit-equal, except that a NaN only has to be a NaN: the random table holds fp8 NaN bytes,
+    and the GPU's fp8->bf16 conversion writes another NaN payload than the CPU's (run7 failed all
+    eight checks on that alone, while tests/gpu's NaN-aware comparison passed the same Stager)."""
+    gn, wn = torch.isnan(got), torch.isnan(want)
+    return bool(torch.equal(gn, wn) and torch.equal(got.view(torch.int16)[~gn], want.view(torch.int16)[~wn]))
+
+
 def bench_ple_stage(torch, sink: Sink, plan: Plan) -> None:
     """`Stager.lookup(ids, out=buffer)` at decode sizes, warm table: dedup_min 256 (run6's default,
     which sends 24 tokens x 16 heads = 384 rows, c=8 at MTP=2, down the dedup path: np.unique,
@@ -593,7 +601,7 @@ def bench_ple_stage(torch, sink: Sink, plan: Plan) -> None:
                     buf = torch.empty(tokens, STAGE_HEADS, t.head_dim, dtype=torch.bfloat16, device=plan.device)
                     got = st.lookup(sets[0], out=buf)
                     sink.emit({"kind": "check", "bench": "ple_stage", "impl": name, "tokens": tokens,
-                               "ok": bool(torch.equal(got.cpu().view(torch.int16), want.view(torch.int16)))})
+                               "ok": same_bits(torch, got.cpu(), want)})
                     turn = iter(range(1 << 62))
                     impls[name] = (lambda st=st, buf=buf, turn=turn, sets=sets: st.lookup(sets[next(turn) % 16], out=buf))
                 jobs.append(({"bench": "ple_stage", "tokens": tokens, "rows": tokens * STAGE_HEADS}, impls))

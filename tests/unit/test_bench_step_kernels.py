@@ -126,6 +126,20 @@ def test_ple_stage_check_fails_on_wrong_rows(bk, monkeypatch, capsys):
     assert {c["impl"]: c["ok"] for c in checks} == {"dedup256": True, "nodedup": False}
 
 
+def test_ple_stage_check_accepts_another_nan_payload_only(bk):
+    want = torch.tensor([1.5, float("nan"), -2.0], dtype=torch.bfloat16)
+    other_nan = want.clone()
+    other_nan.view(torch.int16)[1] = -64  # 0xFFC0: a NaN with the sign bit, as a GPU may write it
+    assert not torch.equal(other_nan.view(torch.int16), want.view(torch.int16))
+    assert bk.same_bits(torch, other_nan, want)
+    moved = want.clone()
+    moved[0], moved[1] = float("nan"), 1.5  # a NaN where the table has a number: wrong rows
+    assert not bk.same_bits(torch, moved, want)
+    off = want.clone()
+    off.view(torch.int16)[2] += 1  # one bit off in a number
+    assert not bk.same_bits(torch, off, want)
+
+
 def test_draft_check_fails_on_a_wrong_scatter_or_value(bk):
     g = torch.Generator().manual_seed(1)
     full = torch.randn(3, 50, generator=g).to(torch.bfloat16)
