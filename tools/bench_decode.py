@@ -52,6 +52,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from flash_vllm.metrics_bridge import interval_s as bridge_interval_s  # noqa: E402 (stdlib only)
 from flash_vllm.ple.stats import COUNTERS as PLE_COUNTERS  # noqa: E402 (stdlib only)
+from flash_common.provenance import tree_commit  # noqa: E402 (stdlib only)
 
 P = "model.language_model."
 LAYERS, EXPERTS, HIDDEN, MOE_INTER, VOCAB = 48, 512, 2560, 640, 248_320
@@ -494,15 +495,8 @@ def _stop(procs: dict) -> None:
 
 
 def _commit() -> str:
-    """The tree measured: FLASH_E2E_COMMIT (gpu_session sets it; the device's copy has no .git),
-    else git's HEAD here, else "unknown"."""
-    if os.environ.get("FLASH_E2E_COMMIT"):
-        return os.environ["FLASH_E2E_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    """The tree measured (FLASH_E2E_COMMIT, else this checkout's short HEAD), as the e2e tier names it."""
+    return tree_commit(ROOT, short=True)
 
 
 def _configs(text: str) -> list[str]:

@@ -59,6 +59,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:
     sys.path.append(str(ROOT / "src"))  # after PYTHONPATH: a caller's src/ wins
 
+from flash_vllm.ple.config import GRAPH_MAX_ROWS  # noqa: E402 (stdlib only: the Stager's graph limit)
+
 EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_NO_CUDA = 1, 2, 3
 
 # The real model (docs: shared/reference/model-and-checkpoints.md) and an MTP=2 decode step.
@@ -544,7 +546,7 @@ def bench_bandwidth(torch, sink: Sink, plan: Plan) -> None:
 # --- 4. patch 1's Stager: the dedup side against the short path -----------------------------
 
 STAGE_HEADS = 16  # n-gram heads per token (model-and-checkpoints.md): rows per decode token
-STAGE_IMPLS = {"dedup256": 256, "nodedup": 1025}  # dedup_min: run6's, and today's default (every decode batch below it)
+STAGE_IMPLS = {"dedup256": 256, "nodedup": GRAPH_MAX_ROWS + 1}  # dedup_min: run6's, and today's default (every decode batch below it)
 
 
 def time_wall(torch, fn: Callable[[], object], plan: Plan) -> list[float]:

@@ -69,6 +69,7 @@ for p in (ROOT / "src", ROOT / "tests"):
         sys.path.insert(0, str(p))
 
 from flash_common import releases  # noqa: E402 - stdlib only; the catalogue of bases
+from flash_common.provenance import tree_commit  # noqa: E402 - stdlib only
 
 NEUTRAL = (1, 3, 4, 5, 8, 13)   # output-neutral patches: greedy output must not change
 ALL_PATCHES = tuple(range(1, 14))
@@ -1195,12 +1196,7 @@ def fixture_problem(env: dict[str, str], python: str) -> str | None:
 
 
 def commit() -> str:
-    if os.environ.get("FLASH_E2E_COMMIT"):
-        return os.environ["FLASH_E2E_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (set FLASH_E2E_COMMIT)"
+    return tree_commit(ROOT, unknown="unknown (set FLASH_E2E_COMMIT)")
 
 
 def make_context(dry: bool) -> Context:
