@@ -3,7 +3,7 @@
 
 The device machine (one H200, Python 3.12 + pip, no network, 64 MiB per call) lacks what a vLLM
 release needs (torch, triton, NCCL, FlashInfer, ~100 small wheels: ~1.5 GiB for 0.33.0). This
-tool packs them here into one uncompressed tar split into parts of at most 60 MiB with a
+tool packs them here into one uncompressed tar split into parts that fit a call beside the tree, with a
 manifest of sha256 sums, receives one part per device call there, and installs only a complete,
 verified payload into its own prefix. docs/GPU-E2E.md gives the call sequence.
 
@@ -41,8 +41,13 @@ from typing import BinaryIO, Callable, Iterable
 
 FORMAT = 1
 MIB = 1024 * 1024
-# 60, not 62: a call carries the working tree (~3 MiB) beside the part, under the tool's 64 MiB
-DEFAULT_PART_SIZE = 56 * MIB  # + the working tree (3.8 MiB and growing) under the 64 MiB a call carries
+# A device call carries the working tree beside the part, 64 MiB in all: 62 MiB parts failed with a
+# 2.6 MiB tree, 56 MiB ones with the 8.3 MB tree of b50eb5d and the 7.7 MiB one of e3ac91a. So `pack`
+# sizes parts from the tree it sees (carry_part_size), keeping headroom for what a session adds.
+CALL_LIMIT = 64 * MIB
+CARRY_HEADROOM = 3 * MIB  # the manifest, a session's new evidence files, rounding
+MIN_PART_SIZE = 16 * MIB  # below this the carry takes 100+ calls: slim the tree instead
+DEFAULT_PART_SIZE = 56 * MIB  # pack()'s default when called as a library (the tests)
 DEFAULT_STORE = "/var/tmp/flash-payload"
 DEFAULT_CACHE = Path.home() / ".cache" / "flash-payload" / "wheels"
 # Where the vllm tier keeps the release wheels it already downloaded (tests/support/tier-vllm.sh).
@@ -262,6 +267,32 @@ class SplitWriter:
 
     def close(self):
         self._close()
+
+
+def tree_bytes(root: Path = ROOT, run: Runner | None = None) -> int | None:
+    """Bytes of what a device call copies: git's tracked and untracked-not-ignored files (the
+    device tool's rule). None outside a git checkout or without git."""
+    run = run or subprocess.run
+    try:
+        out = run(["git", "-C", str(root), "ls-files", "-z", "-co", "--exclude-standard"],
+                  capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    names = out.decode() if isinstance(out, bytes) else out
+    return sum((root / n).stat().st_size for n in names.split("\0") if n and (root / n).is_file())
+
+
+def carry_part_size(tree: int | None, limit: int = CALL_LIMIT, headroom: int = CARRY_HEADROOM) -> int:
+    """The largest whole-MiB part that fits one device call beside a tree of `tree` bytes."""
+    if tree is None:  # no checkout to measure: room for a tree of up to 13 MiB
+        return 48 * MIB
+    size = (limit - tree - headroom) // MIB * MIB
+    if size < MIN_PART_SIZE:
+        raise PayloadError(f"the working tree is {tree / MIB:.1f} MiB: with {headroom / MIB:g} MiB headroom "
+                           f"a part would be {max(size, 0) / MIB:g} MiB of the {limit / MIB:g} MiB a device call "
+                           f"carries (at least {MIN_PART_SIZE / MIB:g} needed); move large untracked files "
+                           "out of the tree or pass --part-size-mib", 2)
+    return size
 
 
 def pack(release: str, wheels: list[Path], out: Path, part_size: int = DEFAULT_PART_SIZE,
@@ -796,6 +827,15 @@ def cmd_pack(a) -> int:
     wheels = fetch_wheels(names, cache, pip_downloader, local_dirs=VLLM_WHEEL_DIRS, log=print)
     out = Path(a.out or f".payload/vllm-{a.release}")
     t0 = time.monotonic()
+    if a.part_size_mib is None:
+        tree = tree_bytes()
+        part_size = carry_part_size(tree)
+        print(f"part size {part_size / MIB:g} MiB: " + (
+            f"{CALL_LIMIT / MIB:g} MiB a call - the {tree / MIB:.1f} MiB tree - {CARRY_HEADROOM / MIB:g} MiB headroom"
+            if tree is not None else "no git checkout to measure the tree by"))
+        a.part_size_mib = part_size / MIB
+    elif a.part_size_mib <= 0:
+        raise PayloadError(f"--part-size-mib {a.part_size_mib:g}: give a positive size in MiB", 2)
     m = pack(a.release, wheels, out, int(a.part_size_mib * MIB), source=source)
     (out / "wheels.txt").write_text("".join(w["name"] + "\n" for w in m["wheels"]))
     print(f"packed {len(m['wheels'])} wheels, {m['tar']['size'] / MIB:.0f} MiB, into {len(m['parts'])} "
@@ -916,7 +956,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--python", help=f"a CPython {PY_VERSION} to run pip's resolver under (default: this one, "
                                     f"python{PY_VERSION} on PATH, or ~/.pyenv/versions/{PY_VERSION}*)")
     p.add_argument("--out", help="output dir (default .payload/vllm-RELEASE)")
-    p.add_argument("--part-size-mib", type=float, default=DEFAULT_PART_SIZE / MIB)
+    p.add_argument("--part-size-mib", type=float, default=None,
+                   help=f"default: what fits one device call ({CALL_LIMIT // MIB} MiB) beside this checkout's "
+                        f"tree, less {CARRY_HEADROOM // MIB} MiB headroom")
     p.add_argument("--extra-list", help="more wheel filenames (default: tools/payload/vllm-RELEASE-extra.txt when present)")
     p.add_argument("--cache", default=str(DEFAULT_CACHE), help="wheel download cache")
     p.set_defaults(func=cmd_pack)

@@ -493,3 +493,53 @@ def test_kept_lists_are_the_default_where_shared_has_none(dp, monkeypatch):
     assert dp.default_list("0.31.0") is None  # none kept: pack resolves
     monkeypatch.setattr(dp, "shared_gpu_e2e", lambda name: Path("/shared/gpu-e2e") / name)
     assert dp.default_list("0.29.0") == Path("/shared/gpu-e2e/vllm-0.29.0-wheels.txt")
+
+
+def test_carry_part_size_fits_one_call_beside_the_tree(dp):
+    MIB = dp.MIB
+    # e3ac91a's tree (7.74 MiB): 56 MiB parts were refused by the device tool; 53 fit
+    assert dp.carry_part_size(8_112_640) == 53 * MIB
+    for tree in (0, 1, 3 * MIB, 20 * MIB + 5):
+        size = dp.carry_part_size(tree)
+        assert size % MIB == 0 and size + tree + dp.CARRY_HEADROOM <= dp.CALL_LIMIT < size + MIB + tree + dp.CARRY_HEADROOM
+    assert dp.carry_part_size(None) == 48 * MIB
+    with pytest.raises(dp.PayloadError, match=r"working tree is 50\.0 MiB.*--part-size-mib"):
+        dp.carry_part_size(50 * MIB)
+
+
+def test_tree_bytes_counts_what_a_device_call_copies(dp, tmp_path):
+    import subprocess
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / ".gitignore").write_text(".payload/\n")  # 10 bytes
+    (repo / "tracked.txt").write_bytes(b"x" * 1000)
+    (repo / "untracked.txt").write_bytes(b"y" * 300)
+    (repo / ".payload").mkdir()
+    (repo / ".payload" / "part-000").write_bytes(b"z" * 50_000)  # ignored: carried by name, not counted
+    subprocess.run(["git", "-C", str(repo), "add", "tracked.txt", ".gitignore"], check=True)
+    assert dp.tree_bytes(repo) == 1310
+    (repo / "tracked.txt").unlink()  # deleted but still in the index: not copied, not counted
+    assert dp.tree_bytes(repo) == 310
+    assert dp.tree_bytes(tmp_path / "not-a-repo") is None
+
+
+def test_cli_pack_sizes_parts_from_the_tree(dp, packed, tmp_path, monkeypatch, capsys):
+    m, out, cache, dl = packed
+    lst = tmp_path / "list.txt"
+    lst.write_text("\n".join(WHEELS) + "\n")
+    monkeypatch.setattr(dp, "tree_bytes", lambda: 40 * dp.MIB + 123)
+    extra = tmp_path / "extra.txt"  # a wheel the list holds: the real extra list would download
+    extra.write_text(WHEELS[0] + "\n")
+    args = ["pack", "--release", "0.33.0", "--list", str(lst), "--cache", str(cache), "--extra-list", str(extra)]
+    assert dp.main(args + ["--out", str(tmp_path / "auto")]) == 0
+    assert "part size 20 MiB: 64 MiB a call - the 40.0 MiB tree - 3 MiB headroom" in capsys.readouterr().out
+    assert dp.load_manifest(tmp_path / "auto" / "manifest.json")["part_size"] == 20 * dp.MIB
+    monkeypatch.setattr(dp, "tree_bytes", lambda: 50 * dp.MIB)
+    assert dp.main(args + ["--out", str(tmp_path / "big")]) == 2
+    assert "working tree is 50.0 MiB" in capsys.readouterr().err
+    assert not (tmp_path / "big").exists(), "nothing is packed when the parts cannot fit a call"
+    assert dp.main(args + ["--out", str(tmp_path / "given"), "--part-size-mib", "0.004"]) == 0
+    assert dp.load_manifest(tmp_path / "given" / "manifest.json")["part_size"] == int(0.004 * dp.MIB)
+    assert dp.main(args + ["--out", str(tmp_path / "neg"), "--part-size-mib", "-1"]) == 2
+    assert "--part-size-mib -1: give a positive size" in capsys.readouterr().err
