@@ -47,7 +47,8 @@ MIB = 1024 * 1024
 CALL_LIMIT = 64 * MIB
 CARRY_HEADROOM = 3 * MIB  # the manifest, a session's new evidence files, rounding
 MIN_PART_SIZE = 16 * MIB  # below this the carry takes 100+ calls: slim the tree instead
-DEFAULT_PART_SIZE = 56 * MIB  # pack()'s default when called as a library (the tests)
+# without a tree to measure (no git checkout; pack() called as a library): room for a 13 MiB tree
+DEFAULT_PART_SIZE = 48 * MIB
 DEFAULT_STORE = "/var/tmp/flash-payload"
 DEFAULT_CACHE = Path.home() / ".cache" / "flash-payload" / "wheels"
 # Where the vllm tier keeps the release wheels it already downloaded (tests/support/tier-vllm.sh).
@@ -284,8 +285,8 @@ def tree_bytes(root: Path = ROOT, run: Runner | None = None) -> int | None:
 
 def carry_part_size(tree: int | None, limit: int = CALL_LIMIT, headroom: int = CARRY_HEADROOM) -> int:
     """The largest whole-MiB part that fits one device call beside a tree of `tree` bytes."""
-    if tree is None:  # no checkout to measure: room for a tree of up to 13 MiB
-        return 48 * MIB
+    if tree is None:
+        return DEFAULT_PART_SIZE
     size = (limit - tree - headroom) // MIB * MIB
     if size < MIN_PART_SIZE:
         raise PayloadError(f"the working tree is {tree / MIB:.1f} MiB: with {headroom / MIB:g} MiB headroom "
@@ -797,6 +798,16 @@ def _err(*a, **k):
 
 
 def cmd_pack(a) -> int:
+    # the part size first: a tree too big to carry beside any part fails before a download
+    if a.part_size_mib is None:
+        tree = tree_bytes()
+        part_size = carry_part_size(tree)
+        print(f"part size {part_size / MIB:g} MiB: " + (
+            f"{CALL_LIMIT / MIB:g} MiB a call - the {tree / MIB:.1f} MiB tree - {CARRY_HEADROOM / MIB:g} MiB headroom"
+            if tree is not None else "no git checkout to measure the tree by"))
+        a.part_size_mib = part_size / MIB
+    elif a.part_size_mib <= 0:
+        raise PayloadError(f"--part-size-mib {a.part_size_mib:g}: give a positive size in MiB", 2)
     cache = Path(a.cache)
     if a.list:
         lst = Path(a.list)
@@ -827,15 +838,6 @@ def cmd_pack(a) -> int:
     wheels = fetch_wheels(names, cache, pip_downloader, local_dirs=VLLM_WHEEL_DIRS, log=print)
     out = Path(a.out or f".payload/vllm-{a.release}")
     t0 = time.monotonic()
-    if a.part_size_mib is None:
-        tree = tree_bytes()
-        part_size = carry_part_size(tree)
-        print(f"part size {part_size / MIB:g} MiB: " + (
-            f"{CALL_LIMIT / MIB:g} MiB a call - the {tree / MIB:.1f} MiB tree - {CARRY_HEADROOM / MIB:g} MiB headroom"
-            if tree is not None else "no git checkout to measure the tree by"))
-        a.part_size_mib = part_size / MIB
-    elif a.part_size_mib <= 0:
-        raise PayloadError(f"--part-size-mib {a.part_size_mib:g}: give a positive size in MiB", 2)
     m = pack(a.release, wheels, out, int(a.part_size_mib * MIB), source=source)
     (out / "wheels.txt").write_text("".join(w["name"] + "\n" for w in m["wheels"]))
     print(f"packed {len(m['wheels'])} wheels, {m['tar']['size'] / MIB:.0f} MiB, into {len(m['parts'])} "

@@ -536,8 +536,11 @@ def test_cli_pack_sizes_parts_from_the_tree(dp, packed, tmp_path, monkeypatch, c
     assert "part size 20 MiB: 64 MiB a call - the 40.0 MiB tree - 3 MiB headroom" in capsys.readouterr().out
     assert dp.load_manifest(tmp_path / "auto" / "manifest.json")["part_size"] == 20 * dp.MIB
     monkeypatch.setattr(dp, "tree_bytes", lambda: 50 * dp.MIB)
+    fetch, fetched = dp.fetch_wheels, []
+    monkeypatch.setattr(dp, "fetch_wheels", lambda *a, **k: fetched.append(a) or fetch(*a, **k))
     assert dp.main(args + ["--out", str(tmp_path / "big")]) == 2
     assert "working tree is 50.0 MiB" in capsys.readouterr().err
+    assert fetched == [], "a tree that cannot be carried fails before any download"
     assert not (tmp_path / "big").exists(), "nothing is packed when the parts cannot fit a call"
     assert dp.main(args + ["--out", str(tmp_path / "given"), "--part-size-mib", "0.004"]) == 0
     assert dp.load_manifest(tmp_path / "given" / "manifest.json")["part_size"] == int(0.004 * dp.MIB)
