@@ -270,27 +270,25 @@ class SplitWriter:
         self._close()
 
 
-def tree_bytes(root: Path = ROOT, run: Runner | None = None) -> int | None:
+def tree_bytes(root: Path = ROOT) -> int | None:
     """Bytes of what a device call copies: git's tracked and untracked-not-ignored files (the
     device tool's rule). None outside a git checkout or without git."""
-    run = run or subprocess.run
     try:
-        out = run(["git", "-C", str(root), "ls-files", "-z", "-co", "--exclude-standard"],
-                  capture_output=True, check=True).stdout
+        names = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "-co", "--exclude-standard"],
+                               capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
-    names = out.decode() if isinstance(out, bytes) else out
     return sum((root / n).stat().st_size for n in names.split("\0") if n and (root / n).is_file())
 
 
-def carry_part_size(tree: int | None, limit: int = CALL_LIMIT, headroom: int = CARRY_HEADROOM) -> int:
+def carry_part_size(tree: int | None) -> int:
     """The largest whole-MiB part that fits one device call beside a tree of `tree` bytes."""
     if tree is None:
         return DEFAULT_PART_SIZE
-    size = (limit - tree - headroom) // MIB * MIB
+    size = (CALL_LIMIT - tree - CARRY_HEADROOM) // MIB * MIB
     if size < MIN_PART_SIZE:
-        raise PayloadError(f"the working tree is {tree / MIB:.1f} MiB: with {headroom / MIB:g} MiB headroom "
-                           f"a part would be {max(size, 0) / MIB:g} MiB of the {limit / MIB:g} MiB a device call "
+        raise PayloadError(f"the working tree is {tree / MIB:.1f} MiB: with {CARRY_HEADROOM / MIB:g} MiB headroom "
+                           f"a part would be {max(size, 0) / MIB:g} MiB of the {CALL_LIMIT / MIB:g} MiB a device call "
                            f"carries (at least {MIN_PART_SIZE / MIB:g} needed); move large untracked files "
                            "out of the tree or pass --part-size-mib", 2)
     return size
