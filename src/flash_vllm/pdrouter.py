@@ -35,6 +35,7 @@ Standard library plus prometheus_client (a vLLM dependency, so in every vLLM ima
 from __future__ import annotations
 
 import argparse
+import hmac
 import http.client
 import json
 import os
@@ -55,6 +56,9 @@ PD_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/
 # pull_scheduler.request_finished() answers with the params the decode server needs.
 PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                      "remote_block_ids": None, "remote_host": None, "remote_port": None}
+# Answered by the router itself, without a key (as vLLM serves /health and /metrics); exact raw
+# targets only, so no encoding or query string widens the exemption.
+OPEN_PATHS = {"/health", "/metrics"}
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "te", "trailer", "upgrade",
                "proxy-authenticate", "proxy-authorization"}
 CONNECT_TIMEOUT = 10.0
@@ -232,10 +236,31 @@ class Handler(BaseHTTPRequestHandler):
         return self.rfile.read(n) if n > 0 else b""
 
     def authorized(self) -> bool:
+        """Deny by default: with a key, every request needs it but GET/HEAD of exactly /health and
+        /metrics, which the router answers itself. vLLM exempts everything outside /v1, but it reads
+        the decoded path; a raw-path prefix test let `/%76%31/...` and absolute-form targets through
+        here, and the router then forwarded them with its own key."""
         key = self.router.api_key
-        if not key or not self.path.startswith("/v1"):  # as vLLM: only /v1/* needs the key
+        if not key:
             return True
-        return self.headers.get("Authorization", "") == f"Bearer {key}"
+        if self.command in ("GET", "HEAD") and self.path in OPEN_PATHS:
+            return True
+        given = self.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        return hmac.compare_digest(given, f"Bearer {key}".encode())  # constant time
+
+    def origin_form(self) -> bool:
+        """Only `/path` request targets: an absolute-form (`http://x/v1/...`) or `*` target is refused."""
+        if self.path.startswith("/") and not self.path.startswith("//"):
+            return True
+        self.close_connection = True
+        self.send_bytes(400, error_body(400, "the request target must be a path (origin-form)", "BadRequestError"))
+        return False
+
+    def refuse_unauthorized(self) -> None:
+        # the body is never read: close the connection instead of leaving its bytes in the stream
+        self.close_connection = True
+        self.router.metrics.requests.labels(PD_PATHS.get(self.path.split("?", 1)[0], "other"), "unauthorized").inc()
+        self.send_bytes(401, json.dumps({"error": "Unauthorized"}).encode())
 
     def upstream_headers(self, request_id: str | None = None) -> dict:
         h = {"Content-Type": "application/json", **self.router.auth_headers()}
@@ -292,6 +317,10 @@ class Handler(BaseHTTPRequestHandler):
 
     # -- routes --------------------------------------------------------------------------------
     def do_GET(self) -> None:
+        if not self.origin_form():
+            return
+        if not self.authorized():
+            return self.refuse_unauthorized()
         path = self.path.split("?", 1)[0]
         if path == "/health":
             return self.health()
@@ -300,6 +329,10 @@ class Handler(BaseHTTPRequestHandler):
         self.passthrough()
 
     def do_POST(self) -> None:
+        if not self.origin_form():
+            return
+        if not self.authorized():  # before any body byte is read
+            return self.refuse_unauthorized()
         endpoint = PD_PATHS.get(self.path.split("?", 1)[0])
         if endpoint is None:
             return self.passthrough()
@@ -327,8 +360,6 @@ class Handler(BaseHTTPRequestHandler):
         self.send_bytes(200 if ok else 503, json.dumps(state).encode())
 
     def passthrough(self) -> None:
-        if not self.authorized():
-            return self.send_bytes(401, json.dumps({"error": "Unauthorized"}).encode())
         body = self.read_body() if self.command == "POST" else None
         b = self.router.decode
         try:
@@ -339,9 +370,6 @@ class Handler(BaseHTTPRequestHandler):
 
     def disaggregated(self, endpoint: str) -> str:
         raw = self.read_body()
-        if not self.authorized():
-            self.send_bytes(401, json.dumps({"error": "Unauthorized"}).encode())
-            return "unauthorized"
         try:
             body = json.loads(raw or b"{}")
         except ValueError as exc:

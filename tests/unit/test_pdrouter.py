@@ -280,3 +280,67 @@ def test_flash_test_passes_through_the_router_in_front_of_two_standins(capsys):
     assert seen_d and all(k["do_remote_prefill"] is True and k["remote_host"] == "10.9.8.7" and k["remote_port"] == 5600
                           for k in seen_d)
     assert seen_d[-1]["remote_request_id"].startswith("msg_")  # the last handoff was the Messages request's
+
+
+def raw_request(url: str, head: str, body: bytes = b"") -> tuple[int, bytes]:
+    """One request written byte for byte (no client library normalises the target), its status."""
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(head.encode() + b"\r\n" + body)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    return int(data.split(b" ", 2)[1]), data
+
+
+@pytest.mark.parametrize("target", ["/%76%31/chat/completions", "/%76%31/models", "/V1/models", "/v1%2Fmodels",
+                                    "/tokenize", "/./v1/models", "/health/../v1/models", "/metrics?x=/v1"])
+def test_every_target_but_health_and_metrics_needs_the_key(target):
+    """The audit's bypass: the key was checked on the raw path's `/v1` prefix, and the router then
+    forwarded with its own key. Now every target needs the key, whatever its encoding."""
+    p, d = pair(api_key=KEY)
+    _, server, url = start(p.url, d.url, KEY)
+    try:
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        for method in ("GET", "POST"):
+            head = (f"{method} {target} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\n")
+            status, _ = raw_request(url, head, body)
+            assert status == 401, (method, target, status)
+        assert not p.seen and not d.seen
+    finally:
+        server.shutdown()
+        p.stop()
+        d.stop()
+
+
+@pytest.mark.parametrize("target", ["http://x/v1/models", "http://x/v1/chat/completions", "*", "//x/v1/models"])
+def test_absolute_form_targets_are_refused(target):
+    p, d = pair(api_key=KEY)
+    _, server, url = start(p.url, d.url, KEY)
+    try:
+        for method in ("GET", "POST"):
+            status, _ = raw_request(url, f"{method} {target} HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n", b"{}")
+            assert status in (400, 401), (method, target, status)
+        assert not p.seen and not d.seen
+    finally:
+        server.shutdown()
+        p.stop()
+        d.stop()
+
+
+def test_the_key_is_checked_before_the_body_is_read():
+    """A client without the key announcing 6 GB of body gets 401 at once, from its headers alone."""
+    p, d = pair(api_key=KEY)
+    _, server, url = start(p.url, d.url, KEY)
+    try:
+        head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 6000000000\r\n"
+        status, _ = raw_request(url, head, b"{")  # one byte of six billion sent
+        assert status == 401 and not p.seen and not d.seen
+    finally:
+        server.shutdown()
+        p.stop()
+        d.stop()
