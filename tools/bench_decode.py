@@ -359,11 +359,12 @@ def measure(url: str, label: str, levels: list[int], tokens: int, repeats: int, 
             measure_one(url, label, conc, tokens, rep, rng, sink)
 
 
-def _streams(url: str, conc: int, tokens: int, rng) -> list[dict]:
-    """`conc` requests at once, each a distinct random 64-id prompt drawn from `rng` and `tokens`
-    greedy tokens; one timing record per stream (_one's)."""
+def _streams(url: str, conc: int, tokens: int, rng, prompt_len: int = 64) -> list[dict]:
+    """`conc` requests at once, each a distinct random `prompt_len`-id prompt drawn from `rng` and
+    `tokens` greedy tokens; one timing record per stream (_one's)."""
     recs = [{} for _ in range(conc)]
-    threads = [threading.Thread(target=_one, args=(url, [rng.randrange(1000, 240000) for _ in range(64)], tokens, recs[i]))
+    threads = [threading.Thread(target=_one, args=(url, [rng.randrange(1000, 240000) for _ in range(prompt_len)], tokens,
+                                                   recs[i]))
                for i in range(conc)]
     for t in threads:
         t.start()
@@ -373,14 +374,14 @@ def _streams(url: str, conc: int, tokens: int, rng) -> list[dict]:
 
 
 def measure_one(url: str, label: str, conc: int, tokens: int, rep: int, rng, sink, extra: dict | None = None,
-                settle_s: float = 0.0) -> dict:
+                settle_s: float = 0.0, prompt_len: int = 64) -> dict:
     """One measurement (`_streams`, the spec-decode and PLE counters read around it): one raw row.
     `settle_s`: wait that long after the streams before the second read, so the PLE counters the
     metrics bridge carries (at most once a second) hold all of this measurement's lookups; the
     first read needs no wait when the server's previous measurement or warm-up settled too."""
     names = SPEC + tuple(PLE.values())
     before = _metric(url, names)
-    recs = _streams(url, conc, tokens, rng)
+    recs = _streams(url, conc, tokens, rng, prompt_len)
     if settle_s:
         time.sleep(settle_s)
     after = _metric(url, names)
@@ -406,14 +407,15 @@ def measure_one(url: str, label: str, conc: int, tokens: int, rep: int, rng, sin
     return row
 
 
-def warm(url: str, label: str, conc: int, tokens: int, sink, extra: dict | None = None, settle_s: float = 0.0) -> None:
+def warm(url: str, label: str, conc: int, tokens: int, sink, extra: dict | None = None, settle_s: float = 0.0,
+         prompt_len: int = 64) -> None:
     """`conc` streams of `tokens` tokens, untimed for the results: one `warmup` event row (its wall
     time kept raw, so a slow first round shows), never summarized or paired. `settle_s` after it, as
     measure_one's: the first measurement's PLE counters then hold none of the warm-up's lookups."""
     import random
 
     rng = random.Random(7)  # its own prompts: the timed ones stay the same with or without it
-    recs = _streams(url, conc, tokens, rng)
+    recs = _streams(url, conc, tokens, rng, prompt_len)
     if settle_s:
         time.sleep(settle_s)
     row = {"label": label, "event": "warmup", "concurrency": conc, "max_tokens": tokens, **(extra or {}),

@@ -1,0 +1,180 @@
+"""tools/bench_recipe.py: every server is the RunSpec `flash serve` renders, changed only where the
+bench says so; the blocks run against a stand-in `vllm` module (real HTTP, streamed completions,
+Prometheus counters) and the report pairs each config with stock in the same cycle."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from flash_cli import recipe
+from flash_cli.commands import serve
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import bench_recipe as br  # noqa: E402
+
+# the flags the bench substitutes in a RunSpec's argv (docstring: each one said in `deviations`)
+SUBSTITUTED = {"--load-format", "--host", "--port", "--served-model-name"}
+
+
+def _pairs(argv: list[str]) -> dict[str, str | None]:
+    out, i = {}, 0
+    while i < len(argv):
+        if argv[i].startswith("--"):
+            val = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None
+            out[argv[i]] = val
+            i += 2 if val is not None else 1
+        else:
+            i += 1
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n, c in br.CONFIGS.items() if c["kind"] != "nvidia"])
+def test_flash_servers_are_the_runspec_with_only_the_said_substitutions(name, tmp_path):
+    c = br.CONFIGS[name]
+    r = recipe.load([c["profile"], *c["words"]], env={})
+    spec = serve.plan(r, "<SNAPSHOT>")
+    got = br.render(name, tmp_path, 18999, "py")
+    want, have = _pairs(list(spec.command[3:])), _pairs(got["argv"])
+    for flag, val in want.items():
+        if flag not in SUBSTITUTED:
+            assert have.get(flag, "<absent>") == val, (name, flag)
+    assert have["--load-format"] == "dummy" and have["--port"] == "18999" and have["--host"] == "127.0.0.1"
+    extra = set(have) - set(want)
+    allowed = {"--gdn-prefill-backend"} | ({"--engram-config"} if c["kind"] == "stock" else set())
+    assert extra == allowed, extra
+    # the container environment, less the HF cache mount, plus what the bench says
+    for k, v in spec.env.items():
+        if k != "HF_HOME":
+            assert got["env"][k] == v or k == "VLLM_USE_FLASHINFER_SAMPLER", k
+    model = got["argv"][got["argv"].index("serve") + 1]
+    assert model == str(tmp_path / ("model-hybrid" if r.settings["MODE"] == "hybrid" else "model"))
+    if c["kind"] == "stock":
+        assert got["env"]["VLLM_PLUGINS"] == "" and "flash_vllm.launch" not in got["argv"]
+        assert have["--engram-config"] == '{"cpu_offload":false}'
+    else:
+        assert "VLLM_PLUGINS" not in got["env"] and got["argv"][:3] == ["py", "-m", "flash_vllm.launch"]
+        assert got["env"]["VLLM_PLE_MMAP_DIR"] == str(tmp_path / "ple")
+
+
+def test_ablations_change_only_their_setting():
+    d = Path("/x")
+    base = br.render("default", d, 1)
+    # DRAFT_VOCAB=0: the variable is not set at all (patch 10's gate off); DET_TOPK=0: the stock kernel
+    for name, env_key, value in (("default-no10", "VLLM_MTP_DRAFT_VOCAB", None), ("default-no8", "VLLM_QSA_DET_TOPK", "0")):
+        got = br.render(name, d, 1)
+        assert got["argv"] == base["argv"]
+        keys = set(got["env"]) | set(base["env"])
+        assert {k for k in keys if got["env"].get(k) != base["env"].get(k)} == {env_key}
+        assert got["env"].get(env_key) == value
+    mtp4 = _pairs(br.render("default-mtp4", d, 1)["argv"])
+    assert json.loads(mtp4["--speculative-config"])["num_speculative_tokens"] == 4
+
+
+def test_nvidia_keeps_every_flag_stock_vllm_takes_and_names_the_rest():
+    got = br.render("nvidia", Path("/x"), 1)
+    have, theirs = _pairs(got["argv"]), _pairs(br.NVIDIA_ARGS)
+    for flag, val in theirs.items():
+        word = f"{flag} {val}" if val is not None else flag
+        if word in br.NVIDIA_DROPPED:
+            assert flag not in have or flag == "--load-format"
+            assert any(d.startswith(f"dropped {word}:") for d in got["deviations"])
+        else:
+            assert have[flag] == val, flag
+    assert json.loads(have["--speculative-config"])["num_speculative_tokens"] == 4
+    assert have["--kv-cache-dtype"] == "fp8" and have["--max-num-seqs"] == "8" and have["--gpu-memory-utilization"] == "0.8"
+    for k, v in br.NVIDIA_ENV.items():
+        assert got["env"].get(k) == v or f"{k}={v}" in br.NVIDIA_DROPPED
+    assert got["env"]["VLLM_PLUGINS"] == ""
+
+
+def test_a_bad_config_list_is_refused_naming_it():
+    with pytest.raises(SystemExit, match="defualt"):
+        br._configs("stock,defualt")
+    with pytest.raises(SystemExit):
+        br._configs("stock,stock")
+
+
+def test_hybrid_model_dir_passes_flash_s_own_gate(tmp_path):
+    assert br.main(["prepare", str(tmp_path), "--ple-rows", "100000"]) == 0
+    from flash_cli.checkpoint import quantcfg
+
+    cfg = json.loads((tmp_path / "model-hybrid" / "config.json").read_text())
+    hq = json.loads((tmp_path / "model-hybrid" / "hf_quant_config.json").read_text())
+    assert quantcfg.problems(cfg, hq, br.side_modules(48)) == []
+    # the published dir keeps its side layers unquantized (excluded), the hybrid serves them as fp8
+    pub = json.loads((tmp_path / "model" / "config.json").read_text())["quantization_config"]
+    assert all(m not in pub["quantized_layers"] for m in br.side_modules(48))
+    assert (tmp_path / "model-hybrid" / "tokenizer.json").resolve() == (tmp_path / "model" / "tokenizer.json").resolve()
+
+
+FAKE_MAIN = r'''
+import json, os, sys, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+argv = sys.argv[1:]
+assert argv[0] == "serve", argv
+port = int(argv[argv.index("--port") + 1])
+plugin = os.environ.get("VLLM_PLUGINS") != ""
+mtp = json.loads(argv[argv.index("--speculative-config") + 1])["num_speculative_tokens"]
+delay = 0.002 if not plugin else 0.0019
+drafts = [0]
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def do_GET(self):
+        text = ("vllm:spec_decode_num_drafts_total{model_name=\"bench\"} %d\n"
+                "vllm:spec_decode_num_accepted_tokens_total{model_name=\"bench\"} 0\n" % drafts[0])
+        body = b"ok" if self.path == "/health" else text.encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert req["model"] == "bench" and isinstance(req["prompt"], list) and req["ignore_eos"]
+        self.send_response(200); self.send_header("Content-Type", "text/event-stream"); self.end_headers()
+        time.sleep(len(req["prompt"]) * 1e-6)
+        for i in range(req["max_tokens"]):
+            time.sleep(delay)
+            drafts[0] += 1
+            self.wfile.write(b"data: " + json.dumps({"choices": [{"text": "x"}]}).encode() + b"\n\n")
+        self.wfile.write(b"data: " + json.dumps({"choices": [], "usage": {"completion_tokens": req["max_tokens"]}}).encode() + b"\n\n")
+        self.wfile.write(b"data: [DONE]\n\n")
+print("INFO Using MoE backend FAKE", flush=True)
+ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def test_blocks_alternate_whole_servers_and_pair_within_a_cycle(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    main = site / "vllm" / "entrypoints" / "cli"
+    main.mkdir(parents=True)
+    for pkg in (site / "vllm", site / "vllm" / "entrypoints", main):
+        (pkg / "__init__.py").write_text("")
+    (main / "main.py").write_text(FAKE_MAIN)
+    monkeypatch.setenv("PYTHONPATH", f"{site}:{ROOT / 'src'}")
+    d = tmp_path / "b"
+    assert br.main(["prepare", str(d), "--ple-rows", "100000"]) == 0
+    out = tmp_path / "raw.jsonl"
+    rc = br.main(["run", str(d), "--configs", "stock,default", "--out", str(out), "--levels", "1,2",
+                  "--long-levels", "1", "--long-prompt", "300", "--tokens", "16", "--repeats", "2",
+                  "--warmup-tokens", "4", "--deadline", "30", "--boot-guess", "5", "--block-guess", "5",
+                  "--port", "18790"])
+    assert rc == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    booted = [r for r in rows if r.get("event") == "booted"]
+    # whole servers in blocks: stock, default, stock, default, ... (one at a time, by cycle)
+    assert [r["label"] for r in booted][:4] == ["stock", "default", "stock", "default"]
+    assert all(r["commit"] and r["deviations"] and r["layers"] == 48 for r in booted)
+    assert any("MoE backend" in ln for ln in booted[0]["log_lines"])
+    meas = [r for r in rows if r.get("per_stream_tok_s")]
+    cells = {(r["concurrency"], r["prompt_tokens"]) for r in meas}
+    assert cells == {(1, 64), (2, 64), (1, 300)}
+    # the same prompts in the same order for both configs of a cycle: pairs are complete per cycle
+    rep = br.report(rows)
+    stock_vs = rep["vs_stock"]["default"]
+    assert stock_vs["pooled"]["pairs"] >= 6 and set(stock_vs) >= {"pooled", "c=1 p=64", "c=2 p=64", "c=1 p=300"}
+    assert stock_vs["pooled"]["verdict"] in ("met", "open", "missed") and "ci95" in stock_vs["pooled"]
+    assert rows[-1]["event"] == "end" and rows[-1]["cycles"] >= 2
