@@ -214,6 +214,7 @@ def write_hybrid(d: Path, layers: int) -> dict:
 
 def prepare(args) -> int:
     d = Path(args.dir)
+    d.mkdir(parents=True, exist_ok=True)  # bench_decode's disk check reads the parent
     rc = bd.prepare(argparse.Namespace(dir=str(d), quant="nvfp4", ple_rows=args.ple_rows, layers=LAYERS))
     if rc:
         return rc
