@@ -327,7 +327,7 @@ def run(args) -> int:
         print(json.dumps(row)[:600], flush=True)
 
     cycle = 0
-    while left() > 0:
+    while left() > 0 and (not args.cycles or cycle < args.cycles):
         ran = 0
         for name in configs:
             need = boot_s.get(name, args.boot_guess) + (max(block_s) if block_s else args.block_guess)
@@ -500,6 +500,7 @@ def main(argv=None) -> int:
     p.add_argument("--boot-guess", type=float, default=300, help="s a first boot is assumed to take")
     p.add_argument("--block-guess", type=float, default=120, help="s a block is assumed to take before one ran")
     p.add_argument("--deadline", type=float, default=1500)
+    p.add_argument("--cycles", type=int, default=0, help="stop after this many cycles (0: cycle until the deadline)")
     p.set_defaults(func=run)
     p = sub.add_parser("report")
     p.add_argument("files", nargs="+")
