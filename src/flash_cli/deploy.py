@@ -87,8 +87,10 @@ def find_node(client: "DockerClient", name: str, index: int | str) -> "Container
 
 def engines_of(settings) -> list[str] | None:
     """The deployment's boxes: NODES when given, else the local head container's label."""
+    from . import nodes
+
     if settings["NODES"]:
-        return [w.strip() for w in settings["NODES"].split(",") if w.strip()]
+        return [b.written for b in nodes.parse(settings["NODES"])]
     try:
         client = engine.connect(timeout=30)
     except DockerUnavailable:
@@ -96,7 +98,7 @@ def engines_of(settings) -> list[str] | None:
     head = find_node(client, settings["NAME"], 0)
     if head is None or not head.labels.get(f"{LABEL}.nodes"):
         return None
-    return [w for w in head.labels[f"{LABEL}.nodes"].split(",") if w]
+    return [b.written for b in nodes.parse(head.labels[f"{LABEL}.nodes"])]
 
 
 def locate(settings) -> list[Box] | None:

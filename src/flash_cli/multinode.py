@@ -25,6 +25,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from . import nodes as nodes_mod
 from .errors import ConfigError
 from .settings import Settings
 from .spec import KEY_TARGET, LABEL, HF_MOUNT, Mount, RunSpec, build, extra_env, is_loopback
@@ -98,16 +99,9 @@ class Deployment:
 
 
 def engine_url(box: str) -> str:
-    """`localhost` → this machine's engine; `host`/`user@host` → ssh://; URLs as written."""
-    if box in ("localhost", "local"):
-        return ""
-    if "://" in box:
-        scheme = box.split("://", 1)[0]
-        if scheme not in ("ssh", "tcp", "unix", "http", "https"):
-            raise ConfigError(f"NODES entry {box!r} has an unknown scheme {scheme!r}",
-                              hint="NODES accepts localhost, host, user@host, ssh://…, tcp://…, unix://…")
-        return box
-    return f"ssh://{box}"
+    """`localhost` → "" (this machine's engine); `host`/`user@host` → ssh://; URLs as written
+    (nodes.py checks every form)."""
+    return nodes_mod.parse_one(box).url
 
 
 def _split(s: Settings, key: str) -> list[str]:
@@ -118,7 +112,7 @@ def boxes(s: Settings) -> tuple[list[str], list[str], list[list[str]]]:
     """NODES, NODE_ADDRS, NODE_GPUS as lists, checked against each other and against PARALLEL."""
     mode = s["PARALLEL"]
     want = MODES[mode]
-    nodes, addrs = _split(s, "NODES"), _split(s, "NODE_ADDRS")
+    nodes, addrs = [b.written for b in nodes_mod.parse(s["NODES"])], _split(s, "NODE_ADDRS")
     gpus = [g.split("+") for g in _split(s, "NODE_GPUS")]
     if len(nodes) != want:
         raise ConfigError(f"PARALLEL={mode} needs {want} boxes in NODES, got {len(nodes)} ({s['NODES'] or 'empty'})",

@@ -12,18 +12,44 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import math
 import re
+import unicodedata
 import shlex
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from flash_common import releases
 
+from . import nodes
 from .errors import ConfigError
 
 TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off", "")
 SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+# Every value ends up in argv, an env var, a label, a path or a systemd unit: longer than a path
+# may be (PATH_MAX) is a mistake, never a recipe. Settings that become one path component
+# (REVISION: snapshots/<rev>) set a tighter `max_len` (NAME_MAX).
+MAX_LEN = 4096
+NAME_MAX = 255
+# Numbers cross into Docker (Go int64) and vLLM: past int64 nothing downstream can hold them.
+INT64_MAX = 2**63 - 1
+
+
+def bad_char(raw: str) -> str | None:
+    """The first control character (NUL, newline, ESC, DEL, C1) or lone surrogate (undecodable
+    bytes from argv/env) in `raw`: none of them has a meaning in any setting, and each breaks
+    something downstream (a NUL in a path, a newline in a systemd unit, a label Docker refuses)."""
+    for ch in raw:
+        if unicodedata.category(ch) in ("Cc", "Cs"):
+            return ch
+    return None
+
+
+def shown(raw: str, limit: int = 60) -> str:
+    """`raw` as an error message shows it: repr, cut to `limit` characters with the full length named."""
+    r = repr(raw)
+    return r if len(r) <= limit else f"{r[:limit]}… ({len(raw):,} characters)"
 
 
 def _parse_bool(raw: str) -> bool:
@@ -44,9 +70,12 @@ def _parse_int(raw: str) -> int:
 
 def _parse_float(raw: str) -> float:
     try:
-        return float(raw.strip())
+        value = float(raw.strip())
     except ValueError:
         raise ValueError("expected a number") from None
+    if not math.isfinite(value):  # nan passes every min/max comparison; 1e309 reads as inf
+        raise ValueError("expected a finite number (not nan, inf or beyond 1.8e308)")
+    return value
 
 
 def parse_size(raw: str) -> int:
@@ -77,8 +106,19 @@ class Setting:
     env: str | None = None
     optional: bool = False  # empty string means "unset" (default None)
     secret: bool = False
+    max_len: int = MAX_LEN
+    check: Callable[[str], None] | None = None  # what a pattern cannot say; raises ConfigError
 
     def parse(self, raw: str) -> Any:
+        if not isinstance(raw, str):
+            raise ConfigError(f"{self.name}={raw!r} is not text", hint=f"{self.name} accepts {self.accepted()}")
+        bad = bad_char(raw)
+        if bad is not None:
+            raise ConfigError(f"{self.name}={shown(raw)} contains the control character {bad!r}",
+                              hint=f"{self.name} accepts {self.accepted()}, printable characters only")
+        if len(raw) > self.max_len:
+            raise ConfigError(f"{self.name}={shown(raw)} is too long ({len(raw):,} characters, at most {self.max_len:,})",
+                              hint=f"{self.name} accepts {self.accepted()}, at most {self.max_len:,} characters")
         if self.optional and raw.strip() == "":
             return None
         try:
@@ -101,13 +141,18 @@ class Setting:
                 value = raw
         except ValueError as exc:
             raise ConfigError(
-                f"{self.name}={raw!r} is not valid: {exc}",
+                f"{self.name}={shown(raw)} is not valid: {exc}",
                 hint=f"{self.name} accepts {self.accepted()}",
             ) from None
         if self.minimum is not None and value < self.minimum or self.maximum is not None and value > self.maximum:
-            raise ConfigError(f"{self.name}={raw!r} is out of range", hint=f"{self.name} accepts {self.accepted()}")
+            raise ConfigError(f"{self.name}={shown(raw)} is out of range", hint=f"{self.name} accepts {self.accepted()}")
+        if self.kind in ("int", "size") and abs(value) > INT64_MAX:
+            raise ConfigError(f"{self.name}={shown(raw)} is out of range (beyond a 64-bit integer)",
+                              hint=f"{self.name} accepts {self.accepted()}")
+        if self.check is not None and value is not None:  # first: it names the bad part precisely
+            self.check(value)
         if self.pattern and isinstance(value, str) and not re.fullmatch(self.pattern, value):
-            raise ConfigError(f"{self.name}={raw!r} is not valid", hint=f"{self.name} accepts {self.accepted()}")
+            raise ConfigError(f"{self.name}={shown(raw)} is not valid", hint=f"{self.name} accepts {self.accepted()}")
         return value
 
     def accepted(self) -> str:
@@ -158,9 +203,10 @@ SETTINGS: tuple[Setting, ...] = (
     S("SELFCHECK", "bool", True, "Run the plugin self-check as the image's last build step (0 only for test "
       "bases without vLLM; the image is then labelled selfcheck=skipped).", "docker build --build-arg SELFCHECK"),
     S("MODEL", "str", "nvidia/Qwen3.8-Flash-Next-NVFP4", "Hugging Face repo of the checkpoint.",
-      "snapshot path under HF_CACHE (served offline)", pattern=r"[\w.-]+/[\w.-]+"),
+      "snapshot path under HF_CACHE (served offline)", pattern=r"[\w.-]+/[\w.-]+",
+      max_len=NAME_MAX - len("models----")),  # models--ORG--NAME is one path component
     S("REVISION", "str", None, "Commit to serve and download (empty: what refs/main points to).",
-      "snapshot choice; download revision", optional=True, pattern=r"[\w.-]+"),
+      "snapshot choice; download revision", optional=True, pattern=r"[\w.-]+", max_len=NAME_MAX),
     S("SERVED_MODEL_NAME", "str", "qwen3.8-flash-next", "Model id clients send.",
       "vllm --served-model-name", pattern=r"[\w.:/-]+"),
     S("HF_CACHE", "str", "~/.cache/huggingface", "Host Hugging Face cache (holds hub/models--…).",
@@ -331,7 +377,7 @@ SETTINGS: tuple[Setting, ...] = (
     S("NODES", "str", None, "The boxes of a PARALLEL deployment, head first, comma separated: `localhost` "
       "(this machine's engine), a host name or user@host (= ssh://, docker-py's ssh transport), or an engine "
       "URL ssh://…, tcp://…, unix://….", "one Docker Engine per box; label org.flash.nodes", optional=True,
-      pattern=r"[\w@.:/+-]+(,[\w@.:/+-]+)*"),
+      pattern=r"[\w@.:/+-]+(,[\w@.:/+-]+)*", check=nodes.check),
     S("NODE_ADDRS", "str", None, "Each box's IP address on the fast link (ConnectX-7), same order as NODES; "
       "the first is the master/data-parallel address. 127.0.0.1 twice = two ranks on one host.",
       "vllm --master-addr / --data-parallel-address; env VLLM_HOST_IP, VLLM_NIXL_SIDE_CHANNEL_HOST",

@@ -20,14 +20,45 @@ def api_key_path(name: str) -> Path:
 
 
 def ensure_api_key(name: str) -> tuple[Path, bool]:
-    """Generate the key once (mode 0600, written atomically); returns (path, created)."""
+    """The key for NAME, generated once (mode 0600); returns (path, created).
+
+    Any number of processes may call this at once (two `serve`s, a deployment's boxes started in
+    parallel): each writes a candidate key into its own temp file, then publishes it with link(),
+    which fails when the name exists, so exactly one candidate becomes the key and it is never seen
+    half-written. Everyone then re-reads the file and returns what is there."""
     path = api_key_path(name)
-    if path.is_file() and path.read_text().strip():
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if _key_text(path):
         os.chmod(path, 0o600)
         return path, False
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    write_private(path, f"sk-flash-{secrets.token_urlsafe(32)}\n")
-    return path, True
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    created = False
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(f"sk-flash-{secrets.token_urlsafe(32)}\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, path)  # the exclusive create: EEXIST when another process won
+            created = True
+        except FileExistsError:
+            if not _key_text(path):  # an empty file left by something else: replace it (no key to keep)
+                os.replace(tmp, path)
+                created = True
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+    os.chmod(path, 0o600)
+    return path, created
+
+
+def _key_text(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        return ""
 
 
 def write_private(path: Path, text: str) -> None:

@@ -9,18 +9,18 @@ from flash_cli import state
 
 
 def test_concurrent_key_writers_do_not_share_a_temp_file(monkeypatch):
-    real_replace = os.replace
+    real_link = os.link
     nested = []
 
-    def racing_replace(src, dst):
-        # While the first serve is between "temp written" and "renamed", a second serve
+    def racing_link(src, dst):
+        # While the first serve is between "temp written" and "published", a second serve
         # (another instance name) writes its own key: the classic interleaving of two runs.
         if not nested:
             nested.append(None)
             nested[0] = state.ensure_api_key("other")
-        return real_replace(src, dst)
+        return real_link(src, dst)
 
-    monkeypatch.setattr(state.os, "replace", racing_replace)
+    monkeypatch.setattr(state.os, "link", racing_link)
     path, created = state.ensure_api_key("first")
     assert created and nested[0][1]
     first, other = path.read_text().strip(), nested[0][0].read_text().strip()
