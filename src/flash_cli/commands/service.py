@@ -74,6 +74,8 @@ def cmd_install(args: argparse.Namespace) -> int:
         for n in plan.notes:
             say(f"  · {n}")
         return 0
+    for line in verify(plan):  # raises when systemd rejects the unit: then nothing is written
+        say(f"  · systemd-analyze: {line}")
     try:
         plan.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = plan.path.with_name(f".{plan.path.name}.tmp{os.getpid()}")
@@ -82,12 +84,43 @@ def cmd_install(args: argparse.Namespace) -> int:
     except PermissionError:
         raise UsageError(f"cannot write {plan.path}: a system unit needs root",
                          hint="sudo ./flash service install …, or --user for a user unit") from None
-    say(f"  · wrote {plan.path}")
+    say(f"  · wrote {plan.path} (systemd-analyze verify: accepted)")
     _systemctl(plan.commands)
     for n in plan.notes:
         say(f"  · {n}")
     print(f"{plan.unit} installed ({plan.scope}); flash service status{' --user' if args.user else ''} shows it")
     return 0
+
+
+def verify(plan: service.ServicePlan) -> list[str]:
+    """systemd's own check of the unit, before it is written: `systemd-analyze verify` on a copy
+    under the real unit name in a private folder. A non-zero exit (a directive it cannot parse, an
+    ExecStart= that is not an executable) refuses the install; what it says besides is returned."""
+    import tempfile
+
+    exe = shutil.which("systemd-analyze")
+    if not exe:
+        raise UsageError("systemd-analyze not found, so the unit cannot be checked before it is written",
+                         hint="flash service needs systemd (Debian/DGX OS: the systemd package ships it)")
+    with tempfile.TemporaryDirectory(prefix="flash-unit-") as d:
+        path = Path(d) / plan.unit
+        path.write_text(plan.text)
+        env = dict(os.environ, SYSTEMD_LOG_COLOR="0")
+        if plan.scope == "user" and not env.get("XDG_RUNTIME_DIR"):  # --user verify needs one; sudo -i has none
+            runtime = Path(d) / "rt"
+            runtime.mkdir(mode=0o700)
+            env["XDG_RUNTIME_DIR"] = str(runtime)
+        cmd = [exe, *(["--user"] if plan.scope == "user" else []), "verify", str(path)]
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+        except subprocess.TimeoutExpired:
+            raise FlashError(f"{' '.join(cmd)} did not answer within 120 s; {plan.path} not written") from None
+    said = [ln.replace(str(path), str(plan.path)) for ln in (res.stdout + res.stderr).splitlines() if ln.strip()]
+    if res.returncode != 0:
+        raise FlashError(f"systemd rejects the unit (systemd-analyze verify exit {res.returncode}); {plan.path} not "
+                         "written:\n  " + "\n  ".join(said[:20] or ["(no output)"]),
+                         hint="flash service install --dry-run prints the unit")
+    return said
 
 
 def cmd_uninstall(args: argparse.Namespace) -> int:
