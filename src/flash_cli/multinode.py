@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from . import nodes as nodes_mod
 from .errors import ConfigError
+from .exposure import open_api
 from .settings import Settings
 from .spec import KEY_TARGET, LABEL, HF_MOUNT, Mount, RunSpec, build, extra_env, is_loopback
 
@@ -251,6 +252,9 @@ def build_deployment(s: Settings, *, profile: str, snapshot: str, hf_cache: str,
     if mode == "pd":
         head = out[0]
         spec = router_spec(s, out, profile=profile, state_dir=state_dir, key=key)
+        exposed = open_api(s["BIND"], s["PORT"], s["API_KEY"])  # the one check single-box serve makes too
+        if exposed:
+            warnings.append(f"the P/D router: {exposed}")
         router = Node(len(out), head.box, head.engine, head.addr, "router", [], True, spec)
         if key and out[1].engine and not (out[1].engine.startswith("unix://") or "127.0.0.1" in out[1].engine):
             warnings.append(f"pd: the decode server on {out[1].box} needs the API key file at {out[1].spec.key_file} "

@@ -20,6 +20,7 @@ from flash_common.effort import EFFORT_MAP
 from . import __version__
 from .hfcache import VARIANT_SUFFIX
 from .errors import ConfigError
+from .exposure import open_api
 from .settings import Settings, split_args
 
 # The server's default reasoning effort reaches the chat template this way on every base (the
@@ -318,9 +319,9 @@ def build(
         host, listen_port = "0.0.0.0", CONTAINER_PORT
         ports = {f"{CONTAINER_PORT}/tcp": (bind, port)}
     key = needs_api_key(s) if api_key is None else api_key
-    if not is_loopback(bind) and s["API_KEY"] == "off":
-        warnings.append(f"API published on {bind}:{port} WITHOUT an API key (API_KEY=off): anyone who can "
-                        "reach this port can use the model")
+    exposed = open_api(bind, port, s["API_KEY"])  # the one check (exposure.py): pd's router and doctor share it
+    if exposed:
+        warnings.append(exposed)
     if s["PAD_M4"]:
         warnings.append("PAD_M4 has no effect: M%4 padding is upstream in every supported vLLM release")
     capped = schedule_capped(s)

@@ -11,9 +11,9 @@ import platform
 import shutil
 from pathlib import Path
 
-from .. import hfcache, preflight, recipe
+from .. import exposure, hfcache, preflight, recipe
 from ..output import Report, print_json, say
-from ..spec import NATIVE_CTX, default_image, is_loopback
+from ..spec import NATIVE_CTX, default_image
 
 GIB = 1024**3
 SPARK_MEM_GIB = 115  # a Spark reports ~119 GiB; anything well below cannot hold the recipe
@@ -163,8 +163,9 @@ def check_profile(r: recipe.Recipe, rep: Report) -> None:
         rep.warn(f"CTX={s['CTX']} with {s['KV_DTYPE']} KV is above the validated {BF16_KV_CEILING}; 1M needs KV_DTYPE=fp8_e4m3", sec)
     for p in preflight.recipe(s):
         rep.fail(f"{p.message}: {p.hint}", sec)
-    if not is_loopback(s["BIND"]) and s["API_KEY"] == "off":
-        rep.warn(f"BIND={s['BIND']} with API_KEY=off: the API is open to the network without a key", sec)
+    exposed = exposure.open_api(s["BIND"], s["PORT"], s["API_KEY"])  # serve's own check (pd: the router's bind)
+    if exposed:
+        rep.warn(exposed, sec)
     if s["PAD_M4"]:
         rep.warn("PAD_M4=1 has no effect (upstream in every supported release)", sec)
     try:
@@ -190,6 +191,9 @@ def check_deployment(r: recipe.Recipe, rep: Report) -> list[dict]:
     found = [nodecheck.facts(n, s, n.spec.image) for n in dep.nodes]
     for level, text in nodecheck.judge(found, s):
         getattr(rep, level)(text, "deployment")
+    rep.step("distributed ports (docs/MULTINODE.md)")
+    for level, text in exposure.cluster_ports(s):
+        getattr(rep, level)(text, "ports")
     return found
 
 
