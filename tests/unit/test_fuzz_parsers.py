@@ -268,3 +268,74 @@ def test_fuzz_boot_log_line_and_kv_label(line, label):
 def test_fuzz_docker_log_stream(raw):
     COUNTS["Docker multiplexed log stream"] += 1
     assert isinstance(demux(raw), bytes)
+
+
+# --- the whole `flash serve --dry-run` path (issue 34) ---------------------------------------------
+# resolve → spec (one box, or a deployment's boxes and pd's router) → render (docker run text, the
+# vllm argv; --json: the specs as data), through the CLI's own main(). Values are drawn half from
+# what each setting accepts (so cases get past validation and reach the render) and half hostile
+# (junk above, plus control characters, over-long values, NODES forms). Property: main returns an
+# exit code (0, or 2 with "Error: …" naming a word) and never raises; a traceback fails the test.
+
+def _valid_value(s) -> st.SearchStrategy:
+    if s.kind == "bool":
+        return st.sampled_from(["0", "1", "true", "off"])
+    if s.kind == "choice":
+        return st.sampled_from([c for c in s.choices])
+    if s.kind == "int":
+        lo = int(s.minimum) if s.minimum is not None else -5
+        hi = int(s.maximum) if s.maximum is not None else lo + 10**6
+        return st.integers(lo, hi).map(str)
+    if s.kind == "float":
+        lo = s.minimum if s.minimum is not None else -1e6
+        hi = s.maximum if s.maximum is not None else lo + 1e6
+        return st.floats(lo, hi, allow_nan=False).map(repr)
+    if s.kind == "size":
+        return st.sampled_from(["16G", "512m", "1073741824", "0", "1t"])
+    if s.kind == "host":
+        return st.sampled_from(["127.0.0.1", "0.0.0.0", "::1", "::", "10.0.0.1", "fd00::1"])
+    if s.pattern:
+        return st.from_regex(s.pattern, fullmatch=True).filter(lambda v: len(v) <= 300)
+    return text
+
+
+hostile = st.one_of(junk, st.sampled_from(["a" * 5000, "x\x00y", "--x\nExecStart=/bin/sh", "\x1b[2J", "\udcff",
+                                            "h:1:2,localhost", "a,,b", "http://h:2375,b", "a,a", "tcp://h:2375,b",
+                                            "me@spark2:22,localhost", "1e309", "-0", "1" * 25]))
+# one value in five hostile: most cases then get past validation to the render
+# PARALLEL comes from MULTI's coherent deployments (a lone PARALLEL=tp2 only ever says "needs NODES")
+serve_words = st.lists(st.sampled_from([s for s in SETTINGS if s.name != "PARALLEL"]).flatmap(
+    lambda s: st.integers(0, 4).flatmap(lambda i: hostile if i == 0 else _valid_value(s)).map(
+        lambda v, n=s.name: f"{n}={v}")), max_size=6)
+MULTI = [[], [], ["PARALLEL=tp2", "NETWORK=host", "NODES=localhost,localhost", "NODE_ADDRS=127.0.0.1,127.0.0.1"],
+         ["PARALLEL=dp2", "NETWORK=host", "NODES=a,me@b:2222", "NODE_ADDRS=10.0.0.1,10.0.0.2"],
+         ["PARALLEL=pd", "NETWORK=host", "NODES=localhost,tcp://10.0.0.2:2375", "NODE_ADDRS=10.0.0.1,10.0.0.2"],
+         ["PARALLEL=pd", "NETWORK=host", "NODES=localhost,localhost", "NODE_ADDRS=127.0.0.1,127.0.0.1"]]  # coherent deployments
+SERVE_RC = Counter()
+
+
+@FUZZ
+@given(st.sampled_from(profiles.names()), serve_words, st.sampled_from(MULTI), st.booleans())
+def test_fuzz_serve_dry_run_path(profile, words, multi, as_json):
+    from flash_cli.__main__ import main
+
+    COUNTS["serve --dry-run: resolve → spec → render"] += 1
+    if not multi and profiles.load(profile).layer().get("PARALLEL", "none") != "none":
+        multi = MULTI[2][2:]  # a multi-node profile: its boxes (else it only ever says "needs NODES")
+    argv = ["serve", profile, *multi, *words, "--dry-run", *(["--json"] if as_json else [])]
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)  # anything but a FlashError propagates out of main: a crash fails here
+    SERVE_RC[rc] += 1
+    COUNTS[f"serve --dry-run: exit {rc}"] += 1
+    assert rc in (0, 2), (argv, rc, err.getvalue()[-500:])
+    if rc == 0:
+        assert out.getvalue().strip(), argv  # something was rendered
+        if as_json:
+            json.loads(out.getvalue())
+    else:
+        e = err.getvalue()
+        assert e.startswith("Error: ") and "\nhint: " in e, e
