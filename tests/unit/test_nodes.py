@@ -86,3 +86,16 @@ def test_hint_names_the_accepted_forms():
 def test_localhost_twice_is_the_one_host_case():
     assert [b.url for b in nodes.parse("localhost,localhost")] == ["", ""]
     assert nodes.parse("") == [] and nodes.parse(None) == []
+
+
+def test_the_cli_extra_brings_docker_py_ssh_transport():
+    """The issue's repro: `flash status NODES=boxa,localhost` said "Install paramiko package to enable
+    ssh:// support": docker-py defines its ssh adapter only when paramiko imports, even for
+    use_ssh_client=True (the ssh binary), which is how flash dials a box (deploy.connect)."""
+    import docker
+    from docker.transport import SSHHTTPAdapter  # noqa: F401 - ImportError without paramiko
+
+    # version given: no connection is tried, only the transport is built
+    client = docker.DockerClient(base_url="ssh://nobody@127.0.0.1:1", use_ssh_client=True, timeout=1, version="1.41")
+    assert type(client.api._custom_adapter).__name__ == "SSHHTTPAdapter"
+    client.close()
