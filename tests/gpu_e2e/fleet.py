@@ -318,8 +318,9 @@ def _scenarios() -> dict[str, Scenario]:
     sc.append(Scenario("prefix_hit_off", ("probe-off",), "the same with the output-neutral patches off (is a difference ours?; kept_on(base) "
                        "stay on)",
                        lambda ctx: check_prefix_hit(ctx, "probe-off")))
-    sc.append(Scenario("ple_memory", ("probe-p1", "probe-off"), "GPU memory and pinned host bytes (smaps: cudaHostAlloc memory) with/without patch 1, asserted by the table's bytes "
-                       "(the two differ in patch 1 only); vllm:ple_mmap_* counters move",
+    sc.append(Scenario("ple_memory", ("probe-p1", "probe-off"), "GPU memory and pinned host bytes (smaps: "
+                       "cudaHostAlloc memory) with/without patch 1, asserted by the table's bytes (the two differ "
+                       "in patch 1 only); vllm:ple_mmap_* counters move",
                        lambda ctx: check_ple_memory(ctx, "probe-p1", "probe-off"),
                        na=_na_stock_side))
     sc.append(Scenario("ple_memory_p1", ("a-default",), "where ple_memory is n/a for want of a stock side: the patch-1 "
