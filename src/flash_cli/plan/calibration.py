@@ -36,7 +36,7 @@ H200_BOOTS: tuple[tuple[str, str, int], ...] = (
     ("b-default", "b", 1_850_669),  # (a) through `flash prepare hybrid`: 0.59 GiB
     ("c-default", "c", 1_850_428),  # RadixArk layout through `flash prepare graft`: 0.59 GiB
 )
-H200_RUN = "docs/benchmarks/gpu-e2e-h200/run37"
+H200_RUN = "benchmarks/gpu-e2e-h200/run37"
 # 0.679 GiB: the mean of the three boots' own solutions (0.811, 0.611, 0.614 GiB)
 RUNTIME_OVERHEAD_DISCRETE = 728_651_093
 # covers each boot's own solution (a's is 0.132 GiB above the mean: its larger activation peak)
@@ -52,7 +52,7 @@ H200_BOOTS_FULL: tuple[tuple[str, str, int], ...] = (
     ("b-default", "b", 1_904_278),
     ("c-default", "c", 1_904_037),
 )
-H200_RUN_FULL = "docs/benchmarks/gpu-e2e-h200/run43"
+H200_RUN_FULL = "benchmarks/gpu-e2e-h200/run43"
 # 0.216 GiB: the mean of the three boots' own solutions (0.348, 0.149, 0.152 GiB)
 RUNTIME_OVERHEAD_DISCRETE_FULL = 232_325_120
 # covers each boot's own solution (a's is 0.132 GiB above the mean)
