@@ -126,3 +126,17 @@ def test_a_broken_link_and_a_missing_anchor_are_reported(tmp_path, monkeypatch):
     doc.write_text("[ok](target.md#only-heading) [gone](missing.md) [bad](target.md#nope) [web](https://x.y/z)\n")
     problems = broken_links(doc)
     assert len(problems) == 2 and "missing.md" in problems[0] and "#nope" in problems[1]
+
+
+def test_readme_front_door_gives_the_command_ci_runs():
+    """README's two commands: the test line is exactly what .ci/run executes, and the front door
+    links the docs index and the architecture guide (one link from README to each)."""
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"```sh\n(.*?)```", readme, re.S)
+    assert block, "README.md lacks its ```sh block of the two commands"
+    test_line = [ln for ln in block.group(1).splitlines() if "# test it" in ln]
+    ci = [ln.split(None, 1)[1] for ln in (ROOT / ".ci" / "run").read_text().splitlines() if ln.startswith("exec ")]
+    assert len(test_line) == 1 and len(ci) == 1, (test_line, ci)
+    assert test_line[0].split("#")[0].strip() == ci[0].strip()
+    targets = {t for _, t in links(readme)}
+    assert {"docs/README.md", "docs/ARCHITECTURE.md", "docs/STATUS.md"} <= targets

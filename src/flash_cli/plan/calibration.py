@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 GIB = 1024**3
 
 RUNTIME_OVERHEAD = 3_484_221_440  # 3.245 GiB: fit() on FIT_FIGURE; test_plan_calibration re-solves it
-# Identical boots of the same recipe report 565k–630k tokens (seed 003, "depending on the page-cache
+# Identical boots of the same recipe report 565k–630k tokens (the upstream recipe's README, "depending on the page-cache
 # state at profiling"): ±32k tokens ≈ ±0.88 GiB of non-KV memory at 28.9 KB per pool token.
 OVERHEAD_BAND = int(0.88 * GIB)
 
@@ -58,7 +58,7 @@ RUNTIME_OVERHEAD_DISCRETE_FULL = 232_325_120
 # covers each boot's own solution (a's is 0.132 GiB above the mean)
 DISCRETE_OVERHEAD_BAND_FULL = int(0.14 * GIB)
 
-SEED = "seeds/003_b0eb247f2d119cfb.txt"  # blazux/qwen3.8-Flash-DGX README (the anchor recipe)
+SEED = "the upstream recipe's README (github.com/blazux/qwen3.8-Flash-DGX)"  # the anchor recipe this project follows
 DEFAULT = {"MODE": "hybrid", "YARN": "1", "CTX": "500000", "MTP": "2", "GPU_MEM": "0.80", "BASE": "v0.29"}
 
 

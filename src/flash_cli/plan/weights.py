@@ -104,7 +104,7 @@ def geometry_estimate(g: Geometry, *, checkpoint: str, mode: str, mtp: int, draf
             comps["mtp_experts"] = g.num_experts * per_expert * 2
             notes.append("MTP experts: bf16" + (" (RadixArk checkpoint)" if checkpoint == "radixark"
                                                 else f" (assumed for an unknown checkpoint: the largest case)"))
-        # dense part of the drafter (29 tensors): 4.86 GiB total - 4.69 GiB experts (seed 004)
+        # dense part of the drafter (29 tensors): 4.86 GiB total - 4.69 GiB experts (Minachist/Qwen3.8-Flash-Next-INT4-Mixed-AutoRound's model card)
         comps["mtp_dense"] = int(0.17 * GIB)
         if draft_vocab:
             comps["draft_head_copy"] = DRAFT_VOCAB_ROWS * h * 2
