@@ -74,7 +74,8 @@ def test_unreachable_daemon_is_a_typed_error(tmp_path, monkeypatch):
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path / 'absent.sock'}")
     with pytest.raises(DockerUnavailable) as err:
         engine_read.find("box")
-    assert "cannot reach the Docker Engine" in str(err.value)
+    assert str(err.value).startswith(f"Docker Engine unreachable at unix://{tmp_path / 'absent.sock'}: ")
+    assert str(err.value).endswith("No such file or directory")
 
 
 def test_tls_hosts_are_left_to_the_sdk(monkeypatch):

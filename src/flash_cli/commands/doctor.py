@@ -14,6 +14,7 @@ from pathlib import Path
 from .. import hfcache, preflight, recipe
 from ..output import Report, print_json, say
 from ..spec import NATIVE_CTX, default_image, is_loopback
+from . import summary
 
 GIB = 1024**3
 SPARK_MEM_GIB = 115  # a Spark reports ~119 GiB; anything well below cannot hold the recipe
@@ -24,7 +25,7 @@ PROC = "/proc"  # tests point this at synthetic files
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("doctor", help="check everything serve needs; exit 1 on a problem")
+    p = sub.add_parser("doctor", help=summary("doctor"))
     recipe.add_arguments(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
@@ -60,10 +61,13 @@ def check_host(s, rep: Report) -> None:
             getattr(rep, level)(text, sec)
     rows = hardware.query_gpus()
     gpus = None if rows is None else [r[0] for r in rows]
+    # a recipe that asks for the GPU (GPUS=all) cannot serve without one: a problem, not a warning
+    missing = rep.fail if s["GPUS"] == "all" else rep.warn
+    needs = ": the recipe's GPUS=all cannot start" if s["GPUS"] == "all" else ""
     if gpus is None:
-        rep.warn("nvidia-smi not found: no NVIDIA driver visible", sec)
+        missing(f"nvidia-smi not found: no NVIDIA driver visible{needs}", sec)
     elif not gpus:
-        rep.warn("nvidia-smi lists no GPU", sec)
+        missing(f"nvidia-smi lists no GPU{needs}", sec)
     elif any("GB10" in g for g in gpus):
         rep.ok(f"GPU {gpus[0]}", sec)
     else:
@@ -88,7 +92,7 @@ def check_docker(s, rep: Report):
     if "nvidia" in runtimes or shutil.which("nvidia-ctk") or shutil.which("nvidia-container-runtime") or cdi:
         rep.ok("NVIDIA container toolkit", sec)
     elif s["GPUS"] == "all":
-        rep.warn("NVIDIA container toolkit not found: GPUS=all will fail to start", sec)
+        rep.fail("NVIDIA container toolkit not found: GPUS=all will fail to start (install nvidia-container-toolkit)", sec)
     others = [c.name for c in client.containers.list() if c.name != s["NAME"]]
     if others:
         rep.warn(f"other running containers: {', '.join(others[:5])} (one big model at a time)", sec)

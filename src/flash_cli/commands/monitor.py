@@ -8,10 +8,11 @@ import shlex
 from .. import recipe
 from ..errors import ImageMissing
 from ..output import print_json, say
+from . import summary
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("monitor", help="Prometheus + Grafana + node-exporter next to the server (up|down|status)",
+    p = sub.add_parser("monitor", help=summary("monitor"),
                        description="Start (up), remove (down) or list (status) the monitoring containers of the "
                        "recipe's server. Ports: MONITOR_PROM_PORT, MONITOR_NODE_PORT (always 127.0.0.1: no "
                        "authentication) and MONITOR_GRAFANA_PORT (on MONITOR_BIND; beyond loopback it requires a "

@@ -10,10 +10,11 @@ from typing import Callable
 from .. import hfcache, recipe
 from ..errors import WeightsMissing
 from ..output import print_json, say
+from . import summary
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prepare", help="build <snapshot>-fp8hybrid (hybrid) or -fp8hybrid-mtpnvfp4 (graft)")
+    p = sub.add_parser("prepare", help=summary("prepare"))
     p.add_argument("what", choices=("hybrid", "graft"), help="hybrid: fp8 side layers; graft: + NVFP4 MTP experts (RadixArk)")
     recipe.add_arguments(p)
     p.add_argument("--no-profile", action="store_true",

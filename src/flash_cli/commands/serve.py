@@ -13,12 +13,13 @@ from ..errors import ContainerDied, UsageError
 from ..output import dim, say
 from ..render import docker_run_text
 from ..spec import LABEL, RunSpec, build
+from . import summary
 
 PLACEHOLDER = "<SNAPSHOT>"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", aliases=["up"], help="start the server for a profile",
+    p = sub.add_parser("serve", aliases=["up"], help=summary("serve"),
                        description="Start the vLLM server container for PROFILE (default: default). "
                        "KEY=VALUE words override the profile (see docs/SETTINGS.md).")
     recipe.add_arguments(p)
