@@ -56,10 +56,14 @@ class Mount:
     source: str = ""
     read_only: bool = False
     options: str = ""  # tmpfs options, e.g. "size=256m"
+    propagation: str = ""  # bind propagation, e.g. "rslave" (node-exporter's view of the host's mounts)
 
 
 @dataclass(frozen=True)
 class RunSpec:
+    """One container. The server's (build()) fills every field; a helper container (monitor.py)
+    leaves entrypoint, ipc, shm_size and healthcheck empty: the image's own apply."""
+
     name: str
     image: str
     entrypoint: list[str]
@@ -86,6 +90,8 @@ class RunSpec:
     cap_add: list[str] = field(default_factory=list)
     ulimits: list[tuple[str, int, int]] = field(default_factory=list)  # (name, soft, hard)
     gpu_ids: list[str] = field(default_factory=list)  # empty: every GPU (when gpus)
+    pid_mode: str = ""  # "host": the container sees the host's processes (node-exporter)
+    user: str = ""  # uid[:gid] inside the container; empty: the image's
 
 
 def default_image(base: str) -> str:

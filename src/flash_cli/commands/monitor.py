@@ -8,6 +8,7 @@ import shlex
 from .. import recipe
 from ..errors import ImageMissing
 from ..output import print_json, say
+from ..render import to_docker_run, to_kwargs
 from . import summary
 
 
@@ -35,8 +36,8 @@ def run(args: argparse.Namespace) -> int:
             print_json(plan.as_dict())
         else:
             print(f"# config rendered into {plan.config_dir}: {', '.join(sorted(plan.files))}")
-            for c in plan.containers:
-                print(shlex.join(c.docker_run()))
+            for c in plan.containers.values():
+                print(shlex.join(to_docker_run(c)))
             for k, v in plan.urls.items():
                 print(f"# {k}: {v}")
         return 0
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     # up
     monitor.write_files(plan)
     by_name = {c.name: c for c in found}
-    for c in plan.containers:
+    for c in plan.containers.values():
         _ensure_image(client, c.image)
         old = by_name.get(c.name)
         if old is not None:
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
                 continue
             old.remove(force=True)
         say(f"  starting {c.name} ({c.image.split('@')[0]})")
-        client.containers.run(**c.kwargs())
+        client.containers.run(**to_kwargs(c))
     for k, v in plan.urls.items():
         print(f"{k}: {v}")
     say(f"Grafana admin password: {plan.config_dir / 'grafana-admin'} "
