@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 from .. import hfcache, preflight, recipe
+from ..errors import ConfigError
 from ..output import Report, print_json, say
 from ..spec import NATIVE_CTX, default_image, is_loopback
 from . import summary
@@ -165,7 +166,13 @@ def check_profile(r: recipe.Recipe, rep: Report) -> None:
         rep.fail(f"CTX={s['CTX']} needs YARN=1 (native context is {NATIVE_CTX})", sec)
     if s["KV_DTYPE"] in ("auto", "bfloat16") and s["CTX"] > BF16_KV_CEILING:
         rep.warn(f"CTX={s['CTX']} with {s['KV_DTYPE']} KV is above the validated {BF16_KV_CEILING}; 1M needs KV_DTYPE=fp8_e4m3", sec)
-    for p in preflight.recipe(s):
+    from .serve import PLACEHOLDER, plan
+
+    try:
+        problems = preflight.recipe(plan(r, PLACEHOLDER))  # checked on the RunSpec serve would run
+    except ConfigError as exc:  # a value build() refuses (e.g. a speculative config the base lacks)
+        problems = [preflight.Problem(ConfigError, str(exc), exc.hint or "")]
+    for p in problems:
         rep.fail(f"{p.message}: {p.hint}", sec)
     if not is_loopback(s["BIND"]) and s["API_KEY"] == "off":
         rep.warn(f"BIND={s['BIND']} with API_KEY=off: the API is open to the network without a key", sec)

@@ -61,9 +61,10 @@ def _systemctl(cmds: list[list[str]]) -> None:
 
 def cmd_install(args: argparse.Namespace) -> int:
     from .. import preflight
+    from .serve import PLACEHOLDER, plan as serve_plan
 
     r = recipe.load(args.recipe)
-    for p in preflight.recipe(r.settings):  # a recipe that cannot boot must not become a boot loop
+    for p in preflight.recipe(serve_plan(r, PLACEHOLDER)):  # a recipe that cannot boot must not become a boot loop
         p.raise_()
     plan = service.plan_install(list(args.recipe), r.settings, scope=_scope(args), env=dict(os.environ), flash=FLASH,
                                 uid=os.getuid(), user=getpass.getuser(), start=not args.no_start)
