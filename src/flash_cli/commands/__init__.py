@@ -26,6 +26,7 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "bench": ("bench", "benchmark decode/prefill/TTFT with medians, ABBA, JSONL and plots", ()),
     "status": ("status", "what is running, how it is doing", ()),
     "logs": ("logs", "show the server log", ()),
+    "conversations": ("conversations", "follow the request log as conversations (needs LOG_REQUESTS=1)", ()),
     "stop": ("lifecycle", "stop the server (kept; flash start resumes it)", ()),
     "start": ("lifecycle", "start the stopped server container again", ()),
     "rm": ("lifecycle", "remove the server container (caches and keys are kept)", ("down",)),
