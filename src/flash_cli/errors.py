@@ -36,9 +36,9 @@ class DockerUnavailable(FlashError):
         return cls(f"Docker Engine unreachable at {host}: {root_cause(exc)}", hint=cls.HINT)
 
 
-def root_cause(exc: BaseException) -> str:
-    """The innermost OSError's text (strerror, e.g. "No such file or directory"), searching the
-    exception's cause/context chain and the exceptions carried in its args; else its first line."""
+def os_cause(exc: BaseException) -> OSError | None:
+    """The innermost OSError with a reason (e.g. FileNotFoundError: No such file or directory),
+    searching the exception's cause/context chain and the exceptions carried in its args."""
     seen: set[int] = set()
     todo: list[BaseException] = [exc]
     while todo:
@@ -47,9 +47,17 @@ def root_cause(exc: BaseException) -> str:
             continue
         seen.add(id(e))
         if isinstance(e, OSError) and e.strerror:
-            return e.strerror
+            return e
         todo += [a for a in e.args if isinstance(a, BaseException)]
         todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return None
+
+
+def root_cause(exc: BaseException) -> str:
+    """What to tell the user: the OSError's reason, else the exception's first line."""
+    found = os_cause(exc)
+    if found is not None:
+        return found.strerror
     return (str(exc).splitlines() or [type(exc).__name__])[0][:200]
 
 

@@ -178,6 +178,10 @@ def check_profile(r: recipe.Recipe, rep: Report) -> None:
         rep.warn(f"BIND={s['BIND']} with API_KEY=off: the API is open to the network without a key", sec)
     if s["PAD_M4"]:
         rep.warn("PAD_M4=1 has no effect (upstream in every supported release)", sec)
+    from ..spec import inapplicable
+
+    for text in inapplicable(s):  # set, but the chosen PARALLEL layout never reads it
+        rep.warn(text, sec)
     try:
         from ..plan import doctor_findings  # the memory planner, when present
     except ImportError:
