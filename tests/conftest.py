@@ -47,9 +47,10 @@ def pytest_runtest_makereport(item, call):
         rep.longrepr = f"skipped inside a selected GPU tier (FLASH_REQUIRE_GPU=1): {reason}"
 
 
-# marker → the tests/run tier it selects (a test with none of them is the unit tier's)
-TIER_OF_MARK = {"docker": "engine", "obs": "obs", "vllm": "vllm", "scale": "scale", "gpu": "gpu",
-                "gpu_e2e": "gpu-e2e", "fuzz": "fuzz"}
+# marker → the tests/run tier it selects (a test with none of them is the unit tier's; the fuzz
+# tests are unit tests too, which `tests/run fuzz` runs with more cases)
+TIER_OF_MARK = {"docker": "engine", "obs": "obs", "vllm": "vllm", "scale": "scale", "gpu_e2e": "gpu-e2e",
+                "gpu": "gpu"}
 
 
 def tier_of(keywords) -> str:
