@@ -26,6 +26,7 @@ this Event after the first chunk, to prove the router streams instead of bufferi
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import uuid
@@ -62,8 +63,11 @@ class FakeServer:
         self.hold: threading.Event | None = None
         self.disconnected = threading.Event()  # decode: the client went away mid-stream
         self.n = 0
+        self.conns: set = set()
         handler = type("H", (_Handler,), {"fake": self})
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        # uvicorn's listen backlog (2048), as vLLM's API server has, not the standard library's 5
+        server = type("S", (ThreadingHTTPServer,), {"request_queue_size": 2048})
+        self.httpd = server(("127.0.0.1", 0), handler)
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
@@ -76,8 +80,14 @@ class FakeServer:
         return self
 
     def stop(self) -> None:
+        """As a server process that dies: the listener and every open (keep-alive) connection close."""
         self.httpd.shutdown()
         self.httpd.server_close()
+        for conn in list(self.conns):
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     # -- what vLLM would refuse from a P/D router --------------------------------------------------
     def problems(self, path: str, body: dict) -> list[str]:
@@ -94,9 +104,11 @@ class FakeServer:
                 out.append(f"prefill request with max_tokens={body.get('max_tokens')!r}, not 1")
             if "max_completion_tokens" in body and body["max_completion_tokens"] != 1:
                 out.append(f"prefill request with max_completion_tokens={body['max_completion_tokens']!r}, not 1")
-            for k in ("stream_options", "min_tokens", "min_completion_tokens"):
-                if body.get(k) is not None:
-                    out.append(f"prefill request carries {k} (vLLM refuses min_tokens > max_tokens=1)")
+            if body.get("stream_options") is not None:  # vLLM: stream_options only with stream=true
+                out.append("prefill request carries stream_options")
+            for k in ("min_tokens", "min_completion_tokens"):  # SamplingParams refuses min_tokens > max_tokens
+                if (body.get(k) or 0) > 1:
+                    out.append(f"prefill request carries {k}={body[k]} (vLLM refuses min_tokens > max_tokens=1)")
         else:
             if not isinstance(kv, dict) or kv.get("do_remote_prefill") is not True:
                 out.append(f"decode request without kv_transfer_params.do_remote_prefill=true: {kv!r}")
@@ -125,6 +137,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, *args) -> None:
         pass
+
+    def setup(self) -> None:
+        super().setup()
+        self.fake.conns.add(self.connection)
+
+    def finish(self) -> None:
+        self.fake.conns.discard(self.connection)
+        super().finish()
 
     def send_json(self, code: int, obj) -> None:
         body = json.dumps(obj).encode()
