@@ -20,12 +20,15 @@ What a test needs to see is recorded: every request body and its headers (`seen`
 that a faithful router would not send is answered 400 with the reason, so the router's test fails
 on it. Faults: `status` (answer every generation with that HTTP status), `health` (the /health
 status), `break_after` (decode: close the stream after that many chunks), `hold` (decode: wait on
-this Event after the first chunk, to prove the router streams instead of buffering).
+this Event after the first chunk, to prove the router streams instead of buffering), `hold_answer`
+(prefill or decode: before a non-streaming answer, wait on this Event while watching the connection;
+a client that closes it sets `disconnected`, as vLLM aborts a request whose client left).
 """
 
 from __future__ import annotations
 
 import json
+import select
 import socket
 import threading
 import time
@@ -61,7 +64,8 @@ class FakeServer:
         self.health = 200
         self.break_after: int | None = None
         self.hold: threading.Event | None = None
-        self.disconnected = threading.Event()  # decode: the client went away mid-stream
+        self.hold_answer: threading.Event | None = None
+        self.disconnected = threading.Event()  # the client went away mid-answer
         self.n = 0
         self.conns: set = set()
         handler = type("H", (_Handler,), {"fake": self})
@@ -158,6 +162,20 @@ class _Handler(BaseHTTPRequestHandler):
         key = self.fake.api_key
         return not key or not self.path.startswith("/v1") or self.headers.get("Authorization") == f"Bearer {key}"
 
+    def client_left(self, hold: threading.Event, limit: float = 10.0) -> bool:
+        """Wait for `hold` while watching the connection, as vLLM's server notices a client that
+        closes its connection: True when it did (readable with nothing to read = EOF)."""
+        end = time.monotonic() + limit
+        while not hold.is_set() and time.monotonic() < end:
+            ready, _, _ = select.select([self.connection], [], [], 0.02)
+            if ready:
+                try:
+                    if self.connection.recv(1, socket.MSG_PEEK) == b"":
+                        return True
+                except OSError:
+                    return True
+        return False
+
     def do_GET(self) -> None:
         f = self.fake
         if self.path == "/health":
@@ -200,6 +218,9 @@ class _Handler(BaseHTTPRequestHandler):
         chat = self.path.endswith("chat/completions")
         rid = self.headers.get("X-Request-Id") or uuid.uuid4().hex
         base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "created": int(time.time()), "model": body.get("model", "m")}
+        if f.role == "prefill" and f.hold_answer is not None and self.client_left(f.hold_answer):
+            f.disconnected.set()
+            return
         if f.role == "prefill":
             kv = f.kv_answer(f"{base['id']}-0", 5)
             choice = ({"index": 0, "message": {"role": "assistant", "content": WORDS[0]}, "finish_reason": "length"}
@@ -207,6 +228,9 @@ class _Handler(BaseHTTPRequestHandler):
             return self.send_json(200, {**base, "object": "chat.completion" if chat else "text_completion",
                                         "choices": [choice], "kv_transfer_params": kv,
                                         "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}})
+        if f.hold_answer is not None and not body.get("stream") and self.client_left(f.hold_answer):
+            f.disconnected.set()
+            return
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or len(WORDS))
         words = (WORDS * 4)[:n]
         if not body.get("stream"):
