@@ -36,6 +36,7 @@ CONNECT_TIMEOUT = 10.0
 READ_TIMEOUT = 3600.0  # a 500k-token prefill takes minutes on a Spark; a stall of an hour is a failure
 HEALTH_TIMEOUT = 3.0
 HEALTH_INTERVAL = 2.0
+KEEPALIVE = 4.0
 STREAM_ENDS = (b"[DONE]", b"message_stop")  # OpenAI's last SSE data line; Anthropic's last event
 
 
@@ -96,16 +97,22 @@ class Flow:
         self.backends = (self.prefill, self.decode)
         self.api_key = api_key or None
         self.metrics = metrics
-        self.session = None
+        self.session = self.probes = None
         self._monitor: asyncio.Task | None = None
 
     async def start(self, health_interval: float = HEALTH_INTERVAL) -> None:
         import aiohttp
 
+        # idle pooled connections are dropped before vLLM's uvicorn drops them (timeout_keep_alive 5 s),
+        # so a request is never written into a connection the server is closing
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE),
             timeout=aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT, sock_read=READ_TIMEOUT),
             auto_decompress=False, skip_auto_headers=("User-Agent",))
+        # health checks on a connection of their own each time: a verdict is about the server, never
+        # about a pooled connection it has closed
+        self.probes = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                                            skip_auto_headers=("User-Agent",))
         await asyncio.gather(*(self.check(b) for b in self.backends))
         self._monitor = asyncio.create_task(self._watch(health_interval))
 
@@ -113,8 +120,9 @@ class Flow:
         if self._monitor:
             self._monitor.cancel()
             await asyncio.gather(self._monitor, return_exceptions=True)
-        if self.session:
-            await self.session.close()
+        for s in (self.session, self.probes):
+            if s:
+                await s.close()
 
     async def _watch(self, interval: float) -> None:
         while True:
@@ -133,7 +141,7 @@ class Flow:
         import aiohttp
 
         try:
-            async with self.session.get(b.url + path, headers=self.auth_headers(),
+            async with self.probes.get(b.url + path, headers=self.auth_headers(),
                                         timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 return resp.status, await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:

@@ -240,11 +240,10 @@ class _Handler(BaseHTTPRequestHandler):
             return self.send_json(200, {**base, "object": "chat.completion" if chat else "text_completion",
                                         "choices": [choice], "kv_transfer_params": None,
                                         "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}})
-        self.send_response(200)  # uvicorn streams a StreamingResponse chunked
+        self.send_response(200)  # uvicorn streams a StreamingResponse chunked, and keeps the connection
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        self.close_connection = True
 
         def chunk(data: bytes) -> None:
             self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
