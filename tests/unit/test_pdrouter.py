@@ -345,3 +345,16 @@ def test_the_key_is_checked_before_the_body_is_read():
         server.stop()
         p.stop()
         d.stop()
+
+
+def test_the_http_stack_is_imported_only_when_the_router_starts():
+    """The router runs inside the vLLM image, beside the plugin: importing the plugin or the router's
+    modules pulls in none of uvicorn, starlette, aiohttp (vLLM's own, loaded when the router runs)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, flash_vllm, flash_vllm.pdrouter, flash_vllm.pdflow, flash_vllm.httpedge; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('uvicorn', 'starlette', 'aiohttp', 'httptools', 'uvloop', 'prometheus_client')))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr
