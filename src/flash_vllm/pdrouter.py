@@ -288,10 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"pdrouter: {exc}", file=sys.stderr)
         return 2
+    server = server_for(router, sock)  # the HTTP stack imported before we say we listen
     host, port = sock.getsockname()[:2]
     print(f"pdrouter: listening on {host}:{port}; prefill {router.prefill.url}, decode {router.decode.url}, "
           f"API key {'required' if router.api_key else 'not required'}", file=sys.stderr, flush=True)
-    server_for(router, sock).run(sockets=[sock])  # SIGTERM/SIGINT: uvicorn's graceful shutdown
+    server.run(sockets=[sock])  # SIGTERM/SIGINT: uvicorn's graceful shutdown
     return 0
 
 

@@ -49,11 +49,12 @@ class RouterProcess:
             assert time.monotonic() < deadline, "the router did not start"
             time.sleep(0.05)
         self.url = f"http://{f'[{self.host}]' if ':' in self.host else self.host}:{self.port}"
-        for _ in range(100):  # listening; the lifespan (upstream session) comes up right after
+        while True:  # listening; the lifespan (upstream session, first health checks) comes up right after
             try:
-                requests.get(f"{self.url}/health", timeout=2)
+                requests.get(f"{self.url}/health", timeout=10)
                 break
-            except requests.ConnectionError:
+            except requests.RequestException:
+                assert time.monotonic() < deadline, "the router does not answer"
                 time.sleep(0.05)
 
     def rss_mib(self) -> float:
@@ -218,7 +219,8 @@ def test_a_chunked_body_is_read_whole_not_as_empty(router, fakes):
     """The old router read a chunked body as `{}` and sent that on."""
     r = router()
     body = json.dumps(BODY).encode()
-    data = post("/v1/completions", b"", "Transfer-Encoding: chunked") + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    data = post("/v1/completions", b"", "Transfer-Encoding: chunked", "Connection: close")
+    data += b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
     status, _ = exchange(r.port, data)
     assert status == 200 and fakes[0].seen[0]["body"]["prompt"] == "hi"
 
