@@ -358,3 +358,30 @@ def test_the_http_stack_is_imported_only_when_the_router_starts():
             "('uvicorn', 'starlette', 'aiohttp', 'httptools', 'uvloop', 'prometheus_client')))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr
+
+
+def test_the_listen_backlog_holds_a_burst_of_a_thousand_connections():
+    """The old router listened with the standard library's backlog of 5: a burst of 200 clients got
+    resets. The router's socket queues 1,000 connections nobody has accepted yet, each at once."""
+    from flash_vllm.httpedge import Limits
+
+    sock = pdrouter.listen("127.0.0.1", 0, Limits().backlog)
+    port = sock.getsockname()[1]
+    clients = []
+    try:
+        for _ in range(1000):
+            clients.append(socket.create_connection(("127.0.0.1", port), timeout=0.5))  # a full queue drops the SYN
+        assert len(clients) == 1000
+    finally:
+        for c in clients:
+            c.close()
+        sock.close()
+    small = pdrouter.listen("127.0.0.1", 0, 5)  # the control: the same burst against the old backlog
+    try:
+        with pytest.raises(OSError):
+            for _ in range(1000):
+                clients.append(socket.create_connection(("127.0.0.1", small.getsockname()[1]), timeout=0.5))
+    finally:
+        for c in clients:
+            c.close()
+        small.close()
