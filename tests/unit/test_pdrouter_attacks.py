@@ -39,6 +39,13 @@ class RouterProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "flash_vllm.pdrouter", "--host", host, "--port", "0",
                                       "--prefill", prefill, "--decode", decode, *args],
                                      stdout=subprocess.DEVNULL, stderr=self.log.open("w"), env=env, cwd=ROOT)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()  # a router that never came up is not left running
+            raise
+
+    def _wait_ready(self) -> None:
         deadline = time.monotonic() + 30
         while True:
             m = re.search(r"listening on (\S+):(\d+);", self.log.read_text())
