@@ -18,10 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from flash_cli.checkpoint import hybrid  # noqa: E402
-from flash_cli.errors import FlashError  # noqa: E402
+from flash_cli.checkpoint import hybrid
+from flash_cli.errors import FlashError
 
 
 def main(argv=None) -> int:

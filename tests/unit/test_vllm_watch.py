@@ -12,9 +12,9 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "standin"))
-sys.path.insert(0, str(ROOT / "tools"))
 from harness import StandIn  # noqa: E402
-import vllm_watch  # noqa: E402
+
+from tools import vllm_watch  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -58,7 +58,7 @@ RUNTIME_OVERHEAD_DISCRETE_FULL = 232_325_120
 # covers each boot's own solution (a's is 0.132 GiB above the mean)
 DISCRETE_OVERHEAD_BAND_FULL = int(0.14 * GIB)
 
-SEED = "seeds/003_b0eb247f2d119cfb.txt"  # blazux/qwen3.8-Flash-DGX README (the anchor recipe)
+SEED = "github.com/blazux/qwen3.8-Flash-DGX README"  # the anchor recipe
 DEFAULT = {"MODE": "hybrid", "YARN": "1", "CTX": "500000", "MTP": "2", "GPU_MEM": "0.80", "BASE": "v0.29"}
 
 
