@@ -543,7 +543,7 @@ def bench_bandwidth(torch, sink: Sink, plan: Plan) -> None:
 
 # --- 4. patch 1's Stager: the dedup side against the short path -----------------------------
 
-STAGE_HEADS = 16  # n-gram heads per token (model-and-checkpoints.md): rows per decode token
+STAGE_HEADS = 16  # n-gram heads per token (8 per n-gram size, 2 sizes: the published config): rows per decode token
 STAGE_IMPLS = {"dedup256": 256, "nodedup": GRAPH_MAX_ROWS + 1}  # dedup_min: run6's, and today's default (every decode batch below it)
 
 

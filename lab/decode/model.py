@@ -39,7 +39,7 @@ def check_layers(layers: int) -> int:
 
 
 def text_config(ngram_base: int, layers: int = LAYERS) -> dict:
-    """Every field of the real text_config (reference §1), none left to transformers' defaults;
+    """Every field of the published config.json's text_config, none left to transformers' defaults;
     `layers` < 48 keeps every per-layer shape and the pattern, with fewer repeats (said in meta.json)."""
     return {
         "model_type": "qwen4_exp_text", "hidden_size": HIDDEN, "num_hidden_layers": layers,
@@ -108,7 +108,7 @@ ADDED = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", 
          "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
          "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
          "<think>", "</think>", "<|audio_start|>", "<|audio_end|>", "<tts_pad>", "<tts_text_bos>", "<tts_text_eod>",
-         "<tts_text_bos_single>", "<|audio_pad|>")  # 248044.. (reference: the tokenizer section)
+         "<tts_text_bos_single>", "<|audio_pad|>")  # 248044.. (the published tokenizer's added tokens)
 
 FIRST_ADDED = 248_044
 

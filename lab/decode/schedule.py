@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -35,11 +34,7 @@ def serve_run(args) -> int:
         print(json.dumps(meta), flush=True)
         client.measure(url, args.config, client.parse_levels(args.levels), args.tokens, args.repeats, client.jsonl_sink(args.out))
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        servers.stop_all({args.config: proc})
     return 0
 
 
