@@ -216,7 +216,7 @@ case "${1:-}" in
     case ",${PHASES}," in *,recipe48,*)  # a typo here would cost the session's boots: checked first
       (cd "$TREE" && PYTHONPATH="$TREE/src${PYTHONPATH:+:$PYTHONPATH}" python3 -m lab.bench_recipe configs "$RECIPE_CONFIGS") >/dev/null || exit 2 ;;
     esac
-    [ -f "$ENV_SH" ] || { echo "gpu_session: $ENV_SH missing: install the payload first (docs/GPU-E2E.md)" >&2; exit 3; }
+    [ -f "$ENV_SH" ] || { echo "gpu_session: $ENV_SH missing: install the payload first (lab/README.md)" >&2; exit 3; }
     rm -rf "$GS" "$REPO"; mkdir -p "$GS" "$REPO"
     if [ -f "$JIT_CARRIED" ]; then  # a previous session's JIT caches (see the top)
       if tar xzf "$JIT_CARRIED" -C "$HOME"; then log "jit caches restored from $JIT_CARRIED ($(du -k "$JIT_CARRIED" | cut -f1) KiB)"
