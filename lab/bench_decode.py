@@ -2,7 +2,7 @@
 """Decode tok/s at the real model's shape (issue 12): stock vs PIECEWISE + eager PLE gather vs
 FULL + hoisted PLE gather, at concurrency 1/4/8 with MTP=2, on vLLM with `--load-format dummy`.
 
-Run from the repository root as `python3 -m lab.bench_decode COMMAND` (docs/benchmarks/decode-h200/README.md
+Run from the repository root as `python3 -m lab.bench_decode COMMAND` (benchmarks/decode-h200/README.md
 has the exact sequence for the H200). The work lives in lab/decode/, one module a job; this is the CLI.
 
 Commands:

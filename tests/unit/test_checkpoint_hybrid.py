@@ -337,25 +337,35 @@ def test_row_strips_and_worker_counts_do_not_change_a_byte(tmp_path, monkeypatch
         assert (va / name).read_bytes() == (vb / name).read_bytes()
 
 
-def test_standalone_fp8_convert_tool_same_result(tmp_path):
+def test_prepare_hybrid_from_a_plain_directory_same_result(tmp_path):
+    """`flash prepare hybrid --from DIR`: the snapshot's hybrid step on a plain copy, written beside
+    it; a dry run writes nothing; a bad directory or a profile beside --from is a clear error."""
     import shutil as sh
 
     snap = ckpt.write_snapshot(tmp_path / "hf", "nvidia")
     plain = tmp_path / "plain"  # a plain directory copy, not a cache snapshot
     sh.copytree(snap, plain, symlinks=False)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    tool = [sys.executable, str(ROOT / "tools" / "fp8_convert.py")]
-    dry = subprocess.run(tool + [str(plain), "--dry-run"], capture_output=True, text=True, env=env)
-    assert dry.returncode == 0 and "52 tensors" in dry.stdout and not (tmp_path / "plain-fp8hybrid").exists()
-    out = subprocess.run(tool + [str(plain)], capture_output=True, text=True, env=env)
+    cli = [sys.executable, "-m", "flash_cli", "prepare", "hybrid"]
+    dry = subprocess.run(cli + ["--from", str(plain), "--dry-run"], capture_output=True, text=True)
+    assert dry.returncode == 0 and "52 tensors" in dry.stderr and not (tmp_path / "plain-fp8hybrid").exists()
+    out = subprocess.run(cli + ["--from", str(plain)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert "worst per-block relative error 0.03" in out.stdout
+    assert "worst per-block relative error 0.03" in out.stderr
+    assert out.stdout.strip() == str(tmp_path / "plain-fp8hybrid")
     hybrid.prepare(snap)
     a, b = tmp_path / "plain-fp8hybrid", hfcache.variant_dir(snap, "hybrid")
     for name in json.loads((b / ".prepared").read_text())["rewritten"]:
         assert (a / name).read_bytes() == (b / name).read_bytes()
-    bad = subprocess.run(tool + [str(tmp_path / "nowhere")], capture_output=True, text=True, env=env)
-    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    to = subprocess.run(cli + ["--from", str(plain), "--to", str(tmp_path / "elsewhere"), "--json"],
+                        capture_output=True, text=True)
+    assert to.returncode == 0 and json.loads(to.stdout)["tensors"] == 52 and (tmp_path / "elsewhere" / ".prepared").is_file()
+    bad = subprocess.run(cli + ["--from", str(tmp_path / "nowhere")], capture_output=True, text=True)
+    assert bad.returncode != 0 and "nowhere" in bad.stderr and "Traceback" not in bad.stderr
+    mixed = subprocess.run(cli + ["default", "--from", str(plain)], capture_output=True, text=True)
+    assert mixed.returncode == 2 and "takes no profile" in mixed.stderr
+    graft = subprocess.run([sys.executable, "-m", "flash_cli", "prepare", "graft", "--from", str(plain)],
+                           capture_output=True, text=True)
+    assert graft.returncode == 2 and "fp8 hybrid only" in graft.stderr
 
 
 @pytest.mark.parametrize("bits", [0x7FC0, 0xFF80], ids=["nan", "-inf"])

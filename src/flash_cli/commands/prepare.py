@@ -1,4 +1,5 @@
-"""`flash prepare hybrid|graft [PROFILE] [K=V…] [--dry-run] [--json] [--force]`: build a served layout."""
+"""`flash prepare hybrid|graft [PROFILE] [K=V…] [--dry-run] [--json] [--force]`: build a served layout;
+`flash prepare hybrid --from DIR [--to DIR]`: the same hybrid step on any checkpoint directory."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from .. import hfcache, recipe
-from ..errors import WeightsMissing
+from ..errors import UsageError, WeightsMissing
 from ..output import print_json, say
 
 
@@ -21,10 +22,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the plan (files, bytes, disk); write nothing")
     p.add_argument("--force", action="store_true", help="rebuild even when the layout is ready")
     p.add_argument("--json", action="store_true", help="machine-readable result")
+    p.add_argument("--from", dest="source", metavar="DIR",
+                   help="hybrid only: convert this checkpoint directory (any copy with a model.safetensors.index.json) "
+                        "instead of the profile's cache snapshot")
+    p.add_argument("--to", dest="dest", metavar="DIR", help="with --from: where the variant goes (default: DIR-fp8hybrid)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.source or args.dest:
+        return _convert_dir(args)
     s = recipe.load(args.recipe, use_profile=not args.no_profile).settings
     snap = _snapshot(s)
     out = STEPS[args.what].prepare(snap, s, dry_run=args.dry_run, force=args.force)
@@ -34,6 +41,38 @@ def run(args: argparse.Namespace) -> int:
         STEPS[args.what].report(out)
         if out.get("dest"):
             print(out["dest"])
+    return 0
+
+
+def _convert_dir(args: argparse.Namespace) -> int:
+    """`--from DIR [--to DIR]`: the hybrid plan and build a snapshot gets, on a plain directory (no
+    cache layout): untouched files become relative links, rewritten shards and configs real files,
+    verified before `.prepared` is written and the directory renamed into place."""
+    from ..checkpoint import hybrid
+
+    if args.what != "hybrid":
+        raise UsageError(f"--from converts a directory to the fp8 hybrid only; `prepare {args.what}` works on the "
+                         "profile's snapshot", hint="flash prepare hybrid --from DIR [--to DIR]")
+    if not args.source:
+        raise UsageError(f"--to {args.dest}: give the checkpoint directory to convert with --from DIR")
+    if args.recipe or args.force:
+        raise UsageError(f"--from {args.source}: {' '.join(args.recipe) or '--force'} chooses a profile's snapshot; "
+                         "a directory takes no profile, settings or --force", hint="drop them, or drop --from")
+    src = Path(args.source)
+    src = src.absolute() if src.is_symlink() else src.resolve()
+    dest = Path(args.dest) if args.dest else src.with_name(src.name + "-fp8hybrid")
+    p = hybrid.plan(src, dest)
+    out = p.as_dict() if args.dry_run else hybrid.build(p, progress=say)
+    if args.json:
+        print_json(out)
+    elif args.dry_run:
+        for r in out["rewrite"]:
+            say(f"  rewrite {r['file']}: {r['tensors']} tensors, {r['bytes_before']:,} → {r['bytes_after']:,} B")
+        say(f"  {out['tensors']} tensors; link {out['link']} files; need {out['bytes_needed']:,} B, "
+            f"free {out['bytes_free']:,} B")
+    else:
+        say(f"  ✔ hybrid built: {out['tensors']} tensors, worst per-block relative error {out['worst_block_rel_err']:.4f}")
+        print(dest)
     return 0
 
 
