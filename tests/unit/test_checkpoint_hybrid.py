@@ -337,35 +337,31 @@ def test_row_strips_and_worker_counts_do_not_change_a_byte(tmp_path, monkeypatch
         assert (va / name).read_bytes() == (vb / name).read_bytes()
 
 
-def test_prepare_hybrid_from_a_plain_directory_same_result(tmp_path):
-    """`flash prepare hybrid --from DIR`: the snapshot's hybrid step on a plain copy, written beside
-    it; a dry run writes nothing; a bad directory or a profile beside --from is a clear error."""
+def test_prepare_hybrid_on_any_directory_same_result(tmp_path):
+    """`flash prepare hybrid --source DIR [--dest DIR]` (what tools/fp8_convert.py was): the same
+    bytes as the snapshot's own variant, next to a plain directory copy."""
     import shutil as sh
 
     snap = ckpt.write_snapshot(tmp_path / "hf", "nvidia")
     plain = tmp_path / "plain"  # a plain directory copy, not a cache snapshot
     sh.copytree(snap, plain, symlinks=False)
-    cli = [sys.executable, "-m", "flash_cli", "prepare", "hybrid"]
-    dry = subprocess.run(cli + ["--from", str(plain), "--dry-run"], capture_output=True, text=True)
+    cmd = [sys.executable, "-m", "flash_cli", "prepare", "hybrid"]
+    dry = subprocess.run(cmd + ["--source", str(plain), "--dry-run"], capture_output=True, text=True, cwd=ROOT)
     assert dry.returncode == 0 and "52 tensors" in dry.stderr and not (tmp_path / "plain-fp8hybrid").exists()
-    out = subprocess.run(cli + ["--from", str(plain)], capture_output=True, text=True)
+    out = subprocess.run(cmd + ["--source", str(plain)], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    assert "worst per-block relative error 0.03" in out.stderr
-    assert out.stdout.strip() == str(tmp_path / "plain-fp8hybrid")
+    assert "worst block rel err 0.03" in out.stderr and out.stdout == f"{tmp_path / 'plain-fp8hybrid'}\n"
+    elsewhere = subprocess.run(cmd + ["--source", str(plain), "--dest", str(tmp_path / "out" / "v")],
+                               capture_output=True, text=True, cwd=ROOT)
+    assert elsewhere.returncode == 0 and (tmp_path / "out" / "v" / ".prepared").is_file(), elsewhere.stderr
     hybrid.prepare(snap)
     a, b = tmp_path / "plain-fp8hybrid", hfcache.variant_dir(snap, "hybrid")
     for name in json.loads((b / ".prepared").read_text())["rewritten"]:
-        assert (a / name).read_bytes() == (b / name).read_bytes()
-    to = subprocess.run(cli + ["--from", str(plain), "--to", str(tmp_path / "elsewhere"), "--json"],
-                        capture_output=True, text=True)
-    assert to.returncode == 0 and json.loads(to.stdout)["tensors"] == 52 and (tmp_path / "elsewhere" / ".prepared").is_file()
-    bad = subprocess.run(cli + ["--from", str(tmp_path / "nowhere")], capture_output=True, text=True)
-    assert bad.returncode != 0 and "nowhere" in bad.stderr and "Traceback" not in bad.stderr
-    mixed = subprocess.run(cli + ["default", "--from", str(plain)], capture_output=True, text=True)
-    assert mixed.returncode == 2 and "takes no profile" in mixed.stderr
-    graft = subprocess.run([sys.executable, "-m", "flash_cli", "prepare", "graft", "--from", str(plain)],
-                           capture_output=True, text=True)
-    assert graft.returncode == 2 and "fp8 hybrid only" in graft.stderr
+        assert (a / name).read_bytes() == (b / name).read_bytes() == (tmp_path / "out" / "v" / name).read_bytes()
+    bad = subprocess.run(cmd + ["--source", str(tmp_path / "nowhere")], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 5 and "Traceback" not in bad.stderr
+    misuse = subprocess.run([*cmd[:-1], "graft", "--source", str(plain)], capture_output=True, text=True, cwd=ROOT)
+    assert misuse.returncode == 2 and "--source/--dest: prepare hybrid only" in misuse.stderr
 
 
 @pytest.mark.parametrize("bits", [0x7FC0, 0xFF80], ids=["nan", "-inf"])

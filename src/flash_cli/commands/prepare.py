@@ -1,5 +1,4 @@
-"""`flash prepare hybrid|graft [PROFILE] [K=V…] [--dry-run] [--json] [--force]`: build a served layout;
-`flash prepare hybrid --from DIR [--to DIR]`: the same hybrid step on any checkpoint directory."""
+"""`flash prepare hybrid|graft [PROFILE] [K=V…] [--dry-run] [--json] [--force]`: build a served layout."""
 
 from __future__ import annotations
 
@@ -11,10 +10,11 @@ from typing import Callable
 from .. import hfcache, recipe
 from ..errors import UsageError, WeightsMissing
 from ..output import print_json, say
+from . import summary
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("prepare", help="build <snapshot>-fp8hybrid (hybrid) or -fp8hybrid-mtpnvfp4 (graft)")
+    p = sub.add_parser("prepare", help=summary("prepare"))
     p.add_argument("what", choices=("hybrid", "graft"), help="hybrid: fp8 side layers; graft: + NVFP4 MTP experts (RadixArk)")
     recipe.add_arguments(p)
     p.add_argument("--no-profile", action="store_true",
@@ -22,57 +22,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the plan (files, bytes, disk); write nothing")
     p.add_argument("--force", action="store_true", help="rebuild even when the layout is ready")
     p.add_argument("--json", action="store_true", help="machine-readable result")
-    p.add_argument("--from", dest="source", metavar="DIR",
-                   help="hybrid only: convert this checkpoint directory (any copy with a model.safetensors.index.json) "
-                        "instead of the profile's cache snapshot")
-    p.add_argument("--to", dest="dest", metavar="DIR", help="with --from: where the variant goes (default: DIR-fp8hybrid)")
+    p.add_argument("--source", type=Path, metavar="DIR", help="hybrid: convert this checkpoint directory (any "
+                   "copy with a model.safetensors.index.json) instead of MODEL's snapshot under HF_CACHE")
+    p.add_argument("--dest", type=Path, metavar="DIR", help="hybrid with --source: where the layout goes "
+                   "(default: DIR-fp8hybrid next to it, as the HF cache layout has it)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.source or args.dest:
-        return _convert_dir(args)
-    s = recipe.load(args.recipe, use_profile=not args.no_profile).settings
-    snap = _snapshot(s)
-    out = STEPS[args.what].prepare(snap, s, dry_run=args.dry_run, force=args.force)
+        if args.what != "hybrid" or not args.source:
+            raise UsageError(f"--source/--dest: {'prepare hybrid only' if args.what != 'hybrid' else '--dest needs --source'}",
+                             hint="flash prepare hybrid --source DIR [--dest DIR]")
+        out = _prepare_hybrid_dir(args.source, args.dest, dry_run=args.dry_run)
+    else:
+        s = recipe.load(args.recipe, use_profile=not args.no_profile).settings
+        out = STEPS[args.what].prepare(_snapshot(s), s, dry_run=args.dry_run, force=args.force)
     if args.json:
         print_json(out)
     else:
         STEPS[args.what].report(out)
         if out.get("dest"):
             print(out["dest"])
-    return 0
-
-
-def _convert_dir(args: argparse.Namespace) -> int:
-    """`--from DIR [--to DIR]`: the hybrid plan and build a snapshot gets, on a plain directory (no
-    cache layout): untouched files become relative links, rewritten shards and configs real files,
-    verified before `.prepared` is written and the directory renamed into place."""
-    from ..checkpoint import hybrid
-
-    if args.what != "hybrid":
-        raise UsageError(f"--from converts a directory to the fp8 hybrid only; `prepare {args.what}` works on the "
-                         "profile's snapshot", hint="flash prepare hybrid --from DIR [--to DIR]")
-    if not args.source:
-        raise UsageError(f"--to {args.dest}: give the checkpoint directory to convert with --from DIR")
-    if args.recipe or args.force:
-        raise UsageError(f"--from {args.source}: {' '.join(args.recipe) or '--force'} chooses a profile's snapshot; "
-                         "a directory takes no profile, settings or --force", hint="drop them, or drop --from")
-    src = Path(args.source)
-    src = src.absolute() if src.is_symlink() else src.resolve()
-    dest = Path(args.dest) if args.dest else src.with_name(src.name + "-fp8hybrid")
-    p = hybrid.plan(src, dest)
-    out = p.as_dict() if args.dry_run else hybrid.build(p, progress=say)
-    if args.json:
-        print_json(out)
-    elif args.dry_run:
-        for r in out["rewrite"]:
-            say(f"  rewrite {r['file']}: {r['tensors']} tensors, {r['bytes_before']:,} → {r['bytes_after']:,} B")
-        say(f"  {out['tensors']} tensors; link {out['link']} files; need {out['bytes_needed']:,} B, "
-            f"free {out['bytes_free']:,} B")
-    else:
-        say(f"  ✔ hybrid built: {out['tensors']} tensors, worst per-block relative error {out['worst_block_rel_err']:.4f}")
-        print(dest)
     return 0
 
 
@@ -90,6 +61,20 @@ def _prepare_hybrid(snap: Path, s, dry_run: bool, force: bool = False) -> dict:
     from ..checkpoint import hybrid
 
     return hybrid.prepare(snap, dry_run=dry_run, force=force, progress=say)
+
+
+def _prepare_hybrid_dir(source: Path, dest: Path | None, dry_run: bool) -> dict:
+    """The hybrid step on any checkpoint directory (the same plan and variant transaction as a
+    snapshot's): a symlinked source is kept as named, so its links resolve as the cache's do."""
+    from ..checkpoint import hybrid
+
+    source = source.absolute() if source.is_symlink() else source.resolve()
+    dest = (dest or source.with_name(source.name + hfcache.VARIANT_SUFFIX["hybrid"])).absolute()
+    p = hybrid.plan(source, dest)
+    if dry_run:
+        return {"action": "build", "state": "absent", "plan": p.as_dict()}
+    dest.parent.mkdir(parents=True, exist_ok=True)  # the transaction builds its .partial beside dest
+    return {"action": "built", "state": "ready", "dest": str(dest), "marker": hybrid.build(p, progress=say)}
 
 
 def _prepare_graft(snap: Path, s, dry_run: bool, force: bool = False) -> dict:
