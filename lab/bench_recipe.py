@@ -46,13 +46,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "tools"))
+from lab.decode import client, model, schedule, stats  # the shape, the writer, the client
 
-import bench_decode as bd  # noqa: E402 (the shape, the writer, the client)
 
-LAYERS = bd.LAYERS
+LAYERS = model.LAYERS
 SHORT_PROMPT = 64
 # past the QSA budget (indexer_budget 2,048 tokens = 512 blocks of 4): patch 8's top-k runs its
 # selection only there, so the ablation without it means something only at this length
@@ -151,21 +148,21 @@ def render(name: str, d: Path, port: int, python: str = "python3") -> dict:
     cmd = list(spec.command)
     if cmd[:2] != ["vllm", "serve"]:
         raise ValueError(f"{name}: the RunSpec's command starts {cmd[:2]}, not vllm serve")
-    model = d / ("model-hybrid" if r.settings["MODE"] == "hybrid" else "model")
+    mdir = d / ("model-hybrid" if r.settings["MODE"] == "hybrid" else "model")
     args = cmd[3:]
     for flag, value in (("--load-format", "dummy"), ("--host", "127.0.0.1"), ("--port", str(port)),
                         ("--served-model-name", "bench")):
         args = _opt(args, flag, value)
     env = {k: v for k, v in spec.env.items() if k != "HF_HOME"} | OFFLINE_ENV | ple
-    devs = [f"model {model.name}/ (MODE={r.settings['MODE']}), --load-format dummy, --host/--port, --served-model-name bench",
+    devs = [f"model {mdir.name}/ (MODE={r.settings['MODE']}), --load-format dummy, --host/--port, --served-model-name bench",
             "--gdn-prefill-backend triton, VLLM_USE_FLASHINFER_SAMPLER=0: offline (no FlashInfer cubins)"]
     if c["kind"] == "stock":
-        argv = [*vllm, str(model), *args, "--engram-config", '{"cpu_offload":false}', *OFFLINE_ARGS]
+        argv = [*vllm, str(mdir), *args, "--engram-config", '{"cpu_offload":false}', *OFFLINE_ARGS]
         env["VLLM_PLUGINS"] = ""
         devs += ["VLLM_PLUGINS='': flash's plugin not loaded (no patch)",
                  "--engram-config {\"cpu_offload\":false}: the table on the GPU"]
     else:
-        argv = [python, "-m", "flash_vllm.launch", *vllm, str(model), *args, *OFFLINE_ARGS]
+        argv = [python, "-m", "flash_vllm.launch", *vllm, str(mdir), *args, *OFFLINE_ARGS]
         devs.append(f"VLLM_PLE_MMAP_DIR={ple['VLLM_PLE_MMAP_DIR']}: the bench's table")
     return {"name": name, "argv": argv, "env": env, "deviations": devs,
             "settings": {k: str(r.settings[k]) for k in ("MODE", "MTP", "CTX", "GPU_MEM", "KV_DTYPE", "DET_TOPK",
@@ -178,8 +175,8 @@ def side_modules(layers: int) -> list[str]:
     """The side-layer linears `flash prepare hybrid` converts (checkpoint.layout.SIDE_LAYER)."""
     out = []
     for i in range(layers):
-        p = f"{bd.P}layers.{i}."
-        if bd.is_qsa(i):
+        p = f"{model.P}layers.{i}."
+        if model.is_qsa(i):
             out += [p + f"self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj", "indexer.index_qk_proj")]
         else:
             out += [p + f"linear_attn.{m}" for m in ("in_proj_qkv", "in_proj_z", "out_proj")]
@@ -198,7 +195,7 @@ def write_hybrid(d: Path, layers: int) -> dict:
         raise SystemExit(f"not side layers by flash's own rule: {bad[:3]}")
     cfg = json.loads((src / "config.json").read_text())
     hq = json.loads((src / "hf_quant_config.json").read_text())
-    summary = quantcfg.edit(cfg, hq, modules, [f"{bd.P}layers.{i}.mlp.experts" for i in range(layers)])
+    summary = quantcfg.edit(cfg, hq, modules, [f"{model.P}layers.{i}.mlp.experts" for i in range(layers)])
     problems = quantcfg.problems(cfg, hq, modules)
     if problems:
         raise SystemExit(f"the hybrid config fails flash's own gate: {problems[:3]}")
@@ -216,7 +213,7 @@ def write_hybrid(d: Path, layers: int) -> dict:
 def prepare(args) -> int:
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)  # bench_decode's disk check reads the parent
-    rc = bd.prepare(argparse.Namespace(dir=str(d), quant="nvfp4", ple_rows=args.ple_rows, layers=LAYERS))
+    rc = model.prepare(argparse.Namespace(dir=str(d), quant="nvfp4", ple_rows=args.ple_rows, layers=LAYERS))
     if rc:
         return rc
     summary = write_hybrid(d, LAYERS)
@@ -309,12 +306,12 @@ def run(args) -> int:
     d = Path(args.dir).resolve()
     meta = json.loads((d / "meta.json").read_text())
     configs = _configs(args.configs)
-    grid = cells(bd._levels(args.levels), bd._levels(args.long_levels) if args.long_levels else [], args.long_prompt)
-    sink = bd._sink(args.out)
+    grid = cells(client.parse_levels(args.levels), client.parse_levels(args.long_levels) if args.long_levels else [], args.long_prompt)
+    sink = client.jsonl_sink(args.out)
     logs = Path(args.logs or Path(args.out).parent)
     logs.mkdir(parents=True, exist_ok=True)
     base = {"layers": meta.get("layers", LAYERS), "quant": meta.get("quant"), "ple_rows": meta.get("ple_rows"),
-            "commit": bd._commit(), "design": "blocks"}
+            "commit": schedule.tree_measured(), "design": "blocks"}
     t0 = time.monotonic()
     deadline = t0 + args.deadline
     boot_s: dict[str, float] = {}
@@ -350,10 +347,10 @@ def run(args) -> int:
                       "gpu_mib": _gpu_mib(), "argv": spec["argv"], "env": spec["env"],
                       "deviations": spec["deviations"], "settings": spec["settings"], **_log_facts(srv.log), **base})
                 k0 = time.monotonic()
-                settle = bd.PLE_SETTLE_S if name != "stock" and CONFIGS[name]["kind"] != "nvidia" else 0.0
+                settle = client.PLE_SETTLE_S if name != "stock" and CONFIGS[name]["kind"] != "nvidia" else 0.0
                 extra = {**base, "cycle": cycle}
                 for conc, plen in grid:  # the first batch of each shape pays one-time costs: untimed
-                    bd.warm(srv.url, name, conc, args.warmup_tokens, sink, extra | {"prompt_tokens": plen}, settle, plen)
+                    client.warm(srv.url, name, conc, args.warmup_tokens, sink, extra | {"prompt_tokens": plen}, settle, plen)
                 # each config sees the same prompts in the same order within a cycle
                 rng = random.Random(1000 + cycle)
                 for rep in range(args.repeats):
@@ -361,7 +358,7 @@ def run(args) -> int:
                     for conc, plen in grid[turn:] + grid[:turn]:
                         if left() < 5:
                             break
-                        bd.measure_one(srv.url, name, conc, args.tokens, cycle * args.repeats + rep, rng, sink,
+                        client.measure_one(srv.url, name, conc, args.tokens, cycle * args.repeats + rep, rng, sink,
                                        extra | {"prompt_tokens": plen, "round": rep}, settle, plen)
                 block_s.append(time.monotonic() - k0)
                 ran += 1
@@ -406,7 +403,7 @@ def verdict(ratios: list[float], resamples: int = 20_000, seed: int = 0) -> dict
     row = {"pairs": len(ratios), "geomean": round(g, 3)}
     if len(ratios) < 2:
         return row | {"verdict": "open", "why": "one pair: no interval"}
-    lo, hi = (math.exp(q) for q in np.quantile(bd._boot_means(logs, resamples, seed), [0.025, 0.975]))
+    lo, hi = (math.exp(q) for q in np.quantile(stats.boot_means(logs, resamples, seed), [0.025, 0.975]))
     row["ci95"] = [round(lo, 3), round(hi, 3)]
     row["verdict"] = "met" if g >= GOAL and lo >= FLOOR else "missed" if hi < GOAL else "open"
     return row
