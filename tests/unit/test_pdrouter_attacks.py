@@ -369,11 +369,11 @@ def test_ipv6_binds_serve_and_a_bad_host_is_exit_2(tmp_path, fakes):
 
 # -- load -----------------------------------------------------------------------------------------------
 def test_two_hundred_clients_five_rounds_no_errors(tmp_path):
-    """tools/bench_pd_router.py at the issue's load, one run: 0 errors through the router and direct.
+    """lab/bench_pd_router.py at the issue's load, one run: 0 errors through the router and direct.
     The 1.1x p99 target is the benchmark's (benchmarks/pd-router/README.md); on a shared 2-core
     machine a unit test can only hold a loose bound."""
     out = tmp_path / "bench.json"
-    res = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_pd_router.py"), "--clients", "200",
+    res = subprocess.run([sys.executable, "-m", "lab.bench_pd_router", "--clients", "200",
                           "--rounds", "5", "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
     data = json.loads(out.read_text())

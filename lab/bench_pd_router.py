@@ -35,8 +35,7 @@ WORDS = 10
 
 def serve_fakes() -> None:
     """--fakes: the prefill and decode fakes in this process until stdin closes."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from fakes.pd import FakeServer
+    from tests.fakes.pd import FakeServer  # run from the repository root (python3 -m lab.bench_pd_router)
 
     p = FakeServer("prefill", KEY).start()
     d = FakeServer("decode", KEY).start()  # no peer: direct requests carry complete params of their own
@@ -146,8 +145,8 @@ def main() -> int:
         return 0
     import tempfile
 
-    fk = subprocess.Popen([sys.executable, __file__, "--fakes"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          text=True, cwd=ROOT)
+    fk = subprocess.Popen([sys.executable, "-m", "lab.bench_pd_router", "--fakes"], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True, cwd=ROOT)
     fakes = json.loads(fk.stdout.readline())
     log = Path(tempfile.mkdtemp(prefix="bench-pd-")) / "router.log"
     router, url = start_router(fakes, log)
@@ -171,7 +170,7 @@ def main() -> int:
     out["ratio_p99"] = out["router"]["p99"] / out["direct"]["p99"]
     out["setup"] = {"clients": ns.clients, "rounds": ns.rounds, "tokens_per_stream": WORDS,
                     "cores": os.cpu_count(), "loadavg_before": os.getloadavg()[0], "machine": platform.machine(), "python": platform.python_version(),
-                    "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+                    "command": " ".join(["python3 -m lab.bench_pd_router", *sys.argv[1:]])}
     print(f"{'':8} {'requests':>8} {'errors':>6} {'p50 s':>8} {'p90 s':>8} {'p99 s':>8} {'max s':>8} {'wall s':>7}")
     for k in ("direct", "router"):
         s = out[k]

@@ -4,7 +4,7 @@ stand-in servers (tests/standin) and print what it does with what `pd` needs (is
 docs/MULTINODE.md "Why our own router"). Install it anywhere first, e.g.
 
     python3 -m venv /tmp/vr && /tmp/vr/bin/pip install vllm-router==0.1.17
-    .venv/bin/python tools/probe_vllm_router.py /tmp/vr/bin/vllm-router
+    .venv/bin/python -m lab.probe_vllm_router /tmp/vr/bin/vllm-router
 
 Loopback only; every process it starts is stopped before it returns.
 """
@@ -23,8 +23,6 @@ from pathlib import Path
 
 import requests
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "standin")]
 KEY = "sk-probe-0123456789"
 BODY = {"model": "m", "prompt": "hi", "max_tokens": 4}
 
@@ -71,7 +69,7 @@ def main() -> int:
         print(__doc__, file=sys.stderr)
         return 2
     binary = sys.argv[1]
-    from fakes.pd import pair
+    from tests.fakes.pd import pair  # run from the repository root (python3 -m lab.probe_vllm_router)
 
     version = subprocess.run([str(Path(binary).with_name("python")), "-c",
                               "import importlib.metadata as m; print(m.version('vllm-router'))"],
@@ -131,7 +129,7 @@ def main() -> int:
         d.stop()
 
     # 3. the Anthropic Messages API against two NixlConnector stand-ins
-    from harness import StandIn
+    from tests.standin.harness import StandIn
 
     kvc = '{"kv_connector":"NixlConnector","kv_role":"%s"}'
     side = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.9.8.7", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5600"}
