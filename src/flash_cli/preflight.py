@@ -42,7 +42,8 @@ def weights(s: Settings, hf_cache: Path, snapshot: Path | None) -> list[Problem]
         return [Problem(WeightsMissing, f"{model} snapshot {snapshot.name[:12]} is incomplete: missing {shown}",
                         "resume the download: flash download (then flash verify)")]
     out: list[Problem] = []
-    if mode == "hybrid-mtp" and not model.startswith("RadixArk/"):
+    out += layout_problems(s, snapshot)
+    if mode == "hybrid-mtp" and not model.startswith("RadixArk/") and not out:
         out.append(Problem(ConfigError, f"MODE=hybrid-mtp needs the RadixArk checkpoint, not {model}",
                            "use MODE=hybrid, or MODEL=RadixArk/Qwen3.8-Flash-Next-NVFP4 (profile 'context')"))
     if mode != "nvfp4" and hfcache.quant_method(snapshot) == "compressed-tensors":
@@ -63,6 +64,29 @@ def weights(s: Settings, hf_cache: Path, snapshot: Path | None) -> list[Problem]
             what = "graft" if mode == "hybrid-mtp" else "hybrid"
             out.append(Problem(WeightsMissing, f"the {mode} layout {hfcache.variant_dir(snapshot, mode).name} is {state}",
                                f"prepare it: flash setup (or flash prepare {what}); a stale layout is repaired"))
+    return out
+
+
+def layout_problems(s: Settings, snapshot: Path | None) -> list[Problem]:
+    """What the checkpoint's layout (checkpoint/known.py, read from its index) rules out: a MODE
+    it cannot be prepared for, and patch 1 on a PLE table format it does not decode."""
+    from .checkpoint import known
+    from .spec import ple_patch_off
+
+    lay = known.layout_of(s["MODEL"], snapshot)
+    if lay is None:
+        return []
+    out = []
+    if s["MODE"] not in lay.modes:
+        out.append(Problem(ConfigError, f"MODE={s['MODE']} does not apply to {s['MODEL']} ({lay.what}): "
+                           + lay.refused.get(s["MODE"], f"not a layout MODE={s['MODE']} is built from"),
+                           f"MODE accepts {' | '.join(lay.modes)} for this checkpoint"))
+    if not lay.ple_from_disk and not ple_patch_off(s):
+        out.append(Problem(ConfigError, f"patch 1 cannot serve {s['MODEL']}'s PLE table from disk: it is {lay.ple_format}, "
+                           "and patch 1 decodes FP8/BF16/F16 row tables only (flash_vllm.ple.discovery)",
+                           "serve it with vLLM's own table storage: CONTAINER_ENV=VLLM_PLE_MMAP=0 (the table then "
+                           "sits in memory; whether this base's stock loader reads an NVFP4 table is not "
+                           "established: docs/CHECKPOINTS.md)"))
     return out
 
 

@@ -27,6 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     s = recipe.load(args.recipe, use_profile=not args.no_profile).settings
     snap = _snapshot(s)
+    from ..checkpoint import known
+
+    known.check_mode(s["MODEL"], STEPS[args.what].mode, snap)
     out = STEPS[args.what].prepare(snap, s, dry_run=args.dry_run, force=args.force)
     if args.json:
         print_json(out)
@@ -99,7 +102,11 @@ class VariantStep:
         return snap is not None and hfcache.variant_state(snap, self.mode) == "ready"
 
     def run_step(self, settings, dry_run: bool) -> dict:
-        out = self.prepare(_snapshot(settings), settings, dry_run=dry_run)
+        from ..checkpoint import known
+
+        snap = _snapshot(settings)
+        known.check_mode(settings["MODEL"], self.mode, snap)
+        out = self.prepare(snap, settings, dry_run=dry_run)
         self.report(out)
         return out
 
