@@ -243,7 +243,7 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
     one_request = lay.bytes_for_requests(1, s["CTX"])
 
     host: dict[str, Any] = {"unified_memory": hw.unified}
-    table = geom.ple_table_bytes
+    table = w.on_disk.get("ple_table") or geom.ple_table_bytes  # the checkpoint's own (NVFP4 in the QAD export)
     page_cache = None
     if hw.unified and hw.host_total:
         page_cache = hw.host_total - claim - hw.host_reserve - hw.vllm_baseline
@@ -319,12 +319,20 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
     return plan
 
 
+def _hybrid_possible(s) -> bool:
+    from ..checkpoint import known
+
+    lay = known.for_model(s["MODEL"])
+    return s["MODE"] == "nvfp4" and (lay is None or "hybrid" in lay.modes)
+
+
 def findings(plan: dict, s, hw: Hardware, live_checks: bool = True) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     b, tokens, conc = plan["budget"], plan["kv_cache_tokens"], plan["max_concurrency"]
     if b["kv_cache_gib"] <= 0:
         out.append(("fail", f"cannot fit: weights {b['weights_gib']} GiB + runtime {round(b['non_kv_gib'] - b['weights_gib'], 2)} GiB "
-                            f"exceed the GPU_MEM={s['GPU_MEM']} budget of {b['requested_gib']} GiB; raise GPU_MEM or use MODE=hybrid"))
+                            f"exceed the GPU_MEM={s['GPU_MEM']} budget of {b['requested_gib']} GiB; raise GPU_MEM"
+                            + (" or use MODE=hybrid" if _hybrid_possible(s) else "")))
     elif conc < 1:
         out.append(("fail", f"cannot fit one CTX={s['CTX']} request: it needs {plan['one_request_at_ctx_gib']} GiB of KV, the pool "
                             f"has {b['kv_cache_gib']} GiB (~{tokens:,} tokens); vLLM refuses to start. Lower CTX, raise GPU_MEM "
