@@ -81,12 +81,18 @@ def layout_problems(s: Settings, snapshot: Path | None) -> list[Problem]:
         out.append(Problem(ConfigError, f"MODE={s['MODE']} does not apply to {s['MODEL']} ({lay.what}): "
                            + lay.refused.get(s["MODE"], f"not a layout MODE={s['MODE']} is built from"),
                            f"MODE accepts {' | '.join(lay.modes)} for this checkpoint"))
+    stock = lay.stock_table_from is None or s["BASE"] in releases.upstream_from(lay.stock_table_from)
     if not lay.ple_from_disk and not ple_patch_off(s):
         out.append(Problem(ConfigError, f"patch 1 cannot serve {s['MODEL']}'s PLE table from disk: it is {lay.ple_format}, "
                            "and patch 1 decodes FP8/BF16/F16 row tables only (flash_vllm.ple.discovery)",
-                           "serve it with vLLM's own table storage: CONTAINER_ENV=VLLM_PLE_MMAP=0 (the table then "
-                           "sits in memory; whether this base's stock loader reads an NVFP4 table is not "
-                           "established: docs/CHECKPOINTS.md)"))
+                           "serve it with vLLM's own NVFP4 table: CONTAINER_ENV=VLLM_PLE_MMAP=0 (the table then sits "
+                           "in memory, 26.8 GiB at full size; flash plan shows the fit)" if stock else
+                           f"no serving path on BASE={s['BASE']}: vLLM reads this table format from "
+                           f"{lay.stock_table_from} on (use BASE={releases.CURRENT})"))
+    elif not lay.ple_from_disk and not stock:
+        out.append(Problem(ConfigError, f"vLLM on BASE={s['BASE']} cannot load {s['MODEL']}'s PLE table ({lay.ple_format}): "
+                           f"its loader reads that format from {lay.stock_table_from} on",
+                           f"use BASE={releases.CURRENT} (the nvidia profile's base)"))
     return out
 
 

@@ -125,6 +125,12 @@ def test_serve_preflight_refuses_a_hybrid_mode_and_patch_1_on_an_nvfp4_table(sna
     assert "VLLM_PLE_MMAP=0" in on[0].hint
     off = _settings(MODEL=ckpt.QAD, HF_CACHE=cache, MODE="nvfp4", CONTAINER_ENV="VLLM_PLE_MMAP=0")
     assert preflight.layout_problems(off, snaps["qad"]) == []
+    # vLLM reads NVFP4 tables from 0.33.0 on (Qwen4ExpPLENvFp4EmbeddingMethod): older bases have no path
+    old = _settings(MODEL=ckpt.QAD, HF_CACHE=cache, MODE="nvfp4", CONTAINER_ENV="VLLM_PLE_MMAP=0", BASE="v0.32")
+    (p,) = preflight.layout_problems(old, snaps["qad"])
+    assert "BASE=v0.32 cannot load" in p.message and "0.33.0" in p.message and "BASE=v0.33" in p.hint
+    on_old = preflight.layout_problems(_settings(MODEL=ckpt.QAD, HF_CACHE=cache, BASE="v0.29"), snaps["qad"])
+    assert len(on_old) == 1 and "no serving path on BASE=v0.29" in on_old[0].hint
     # the published layouts keep patch 1 and every mode they had
     nv = _settings(MODEL=ckpt.NVIDIA, HF_CACHE=cache, MODE="nvfp4")
     assert preflight.layout_problems(nv, snaps["nvidia"]) == []

@@ -40,6 +40,8 @@ class Layout:
     # patch 1 reads the table from disk (PLE_MMAP) only in the table formats it decodes
     ple_from_disk: bool
     ple_format: str
+    # the first vLLM release whose own loader reads the table format (patch 1 off); None: every base
+    stock_table_from: str | None = None
 
 
 SERVING_FILES = ("*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json",
@@ -58,7 +60,10 @@ LAYOUTS = {
                        None, ("nvfp4", "hybrid", "hybrid-mtp"), {}, True, "FP8 + BF16 scale"),
     "qad": Layout("qad", "ModelOpt QAD export (NVFP4 experts, MXFP8 side layers, NVFP4 PLE table)",
                   SERVING_FILES, ("nvfp4",), {"hybrid": _HYBRID_QAD, "hybrid-mtp": _GRAFT_ONLY_RADIXARK},
-                  False, "NVFP4: U8 codes + F8_E4M3 per-16 scales + F32 weight_scale_2"),
+                  False, "NVFP4: U8 codes + F8_E4M3 per-16 scales + F32 weight_scale_2",
+                  # vllm/models/qwen4_exp/common/ngram_embedding.py Qwen4ExpPLENvFp4EmbeddingMethod:
+                  # in the 0.33.0 wheel, in none of 0.29.0-0.32.0
+                  stock_table_from="0.33.0"),
 }
 
 # repo (case-insensitive) → layout; an unlisted repo is `detect()`ed once it is on disk

@@ -148,8 +148,8 @@ def ple_table_placement(s, snapshot: Path | None) -> tuple[bool, str]:
 
     lay = known.layout_of(s["MODEL"], snapshot)
     if lay is not None and not lay.ple_from_disk:
-        return True, (f"PLE table: {lay.ple_format}; patch 1 cannot decode it, so it is planned in memory as "
-                      "vLLM's own storage would hold it (serving needs CONTAINER_ENV=VLLM_PLE_MMAP=0)")
+        return True, (f"PLE table: {lay.ple_format}; patch 1 cannot decode it, so it is planned in memory where "
+                      "vLLM's own NVFP4 table method keeps it (serving needs CONTAINER_ENV=VLLM_PLE_MMAP=0)")
     if ple_patch_off(s):
         return True, "PLE table: patch 1 is off (CONTAINER_ENV), so vLLM holds the table in memory"
     return False, PLE_TABLE_NOTE
