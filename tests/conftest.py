@@ -47,6 +47,24 @@ def pytest_runtest_makereport(item, call):
         rep.longrepr = f"skipped inside a selected GPU tier (FLASH_REQUIRE_GPU=1): {reason}"
 
 
+# Folders that hold only GPU tests: a whole module skipped at import there (e.g. a module-level
+# `pytest.importorskip("torch")`) never reaches pytest_runtest_makereport, so it is caught here.
+GPU_TEST_DIRS = ("gpu", "gpu_e2e")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """In a selected GPU tier, a GPU test module that skips as a whole is a collection error: the
+    tier would otherwise stay green with none of that module's tests run."""
+    outcome = yield
+    rep = outcome.get_result()
+    if (rep.skipped and os.environ.get("FLASH_REQUIRE_GPU") == "1" and isinstance(collector, pytest.Module)
+            and collector.path.parent.name in GPU_TEST_DIRS):
+        reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+        rep.outcome = "failed"
+        rep.longrepr = f"{collector.path.name} skipped as a whole inside a selected GPU tier (FLASH_REQUIRE_GPU=1): {reason}"
+
+
 def pytest_terminal_summary(terminalreporter):
     """Every skip reason, grouped and counted, at the end of each tier's output."""
     reasons: dict[str, int] = {}

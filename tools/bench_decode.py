@@ -2,7 +2,7 @@
 """Decode tok/s at the real model's shape (issue 12): stock vs PIECEWISE + eager PLE gather vs
 FULL + hoisted PLE gather, at concurrency 1/4/8 with MTP=2, on vLLM with `--load-format dummy`.
 
-Steps (docs/benchmarks/decode-h200/README.md has the exact sequence for the H200):
+Steps (benchmarks/decode-h200/README.md has the exact sequence for the H200):
 
   prepare DIR [--quant nvfp4|fp8] [--ple-rows full|N]
       DIR/model: the real config.json (every text_config field of

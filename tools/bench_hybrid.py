@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark: full-scale fp8 hybrid preparation vs its I/O floor, side by side on the same files.
 
-    tools/bench_hybrid.py [--dir DIR] [--reps 2] [--layout radixark] [--out docs/benchmarks/hybrid-prep.json]
+    tools/bench_hybrid.py [--dir DIR] [--reps 2] [--layout radixark] [--out benchmarks/hybrid-prep/hybrid-prep.json]
 
 Builds a full-size replica of the checkpoint (real names, shapes, dtypes, file sizes) under
 DIR: sparse files, except that the 312 side-layer tensors get real random BF16 data (zeros

@@ -69,6 +69,7 @@ CONFIGS: dict[str, dict] = {
     "default": {"kind": "recipe", "profile": "default", "words": []},
     "default-mtp4": {"kind": "recipe", "profile": "default", "words": ["MTP=4"]},
     "speed": {"kind": "recipe", "profile": "speed", "words": []},
+    "shared": {"kind": "recipe", "profile": "shared", "words": []},  # long prefills chunked (bench_latency)
     "nvidia": {"kind": "stock", "profile": "nvidia", "words": []},
     "nvidia-flash": {"kind": "recipe", "profile": "nvidia", "words": []},
     "default-no10": {"kind": "recipe", "profile": "default", "words": ["DRAFT_VOCAB=0"]},

@@ -2,7 +2,7 @@
 """Per-step kernel timings for issue 12: patch 10's reduced draft head and patch 8's QSA block
 top-k, each against what stock vLLM runs in its place, plus the device's copy bandwidth.
 
-Usage (a CUDA machine with vLLM 0.30+ and `src/` importable; docs/benchmarks/decode-h200/KERNELS.md):
+Usage (a CUDA machine with vLLM 0.30+ and `src/` importable; benchmarks/decode-h200/KERNELS.md):
     python tools/bench_step_kernels.py [--out FILE.jsonl] [--quick]
     python tools/bench_step_kernels.py --cpu-smoke [--out FILE.jsonl]   # tiny shapes, CPU torch
 

@@ -21,6 +21,9 @@
 #   recipe48 tools/bench_recipe.py run: all 48 layers, NVFP4 experts, the servers `flash serve`
 #            renders (RECIPE_CONFIGS, default stock,default,nvidia) in blocks of whole servers until
 #            the budget's end; RECIPE_ARGS adds options (e.g. --repeats 3)
+#   latency48 tools/bench_latency.py run on the same dirs: prefix-cache hits and TTFT for shared
+#            prefixes of 1k-16k tokens, ITL of a stream while a 32k-token prefill runs
+#            (LATENCY_CONFIGS, default stock,default,shared; LATENCY_ARGS adds options)
 #            (both: DECODE_REPEATS, default 3; DECODE_TOKENS per request, 256; DECODE_SECONDS each
 #            may take, its boot included, 420; DECODE_CONFIGS, default stock,eager,hoisted: fewer
 #            servers give the rest more pairs in the same seconds; hoisted-dedup256 is opt-in)
@@ -45,6 +48,7 @@ ROWS=${FLASH_SESSION_PLE_ROWS:-32000000}  # the reduced PLE table (4.8 GiB; real
 DECODE_REPEATS=${DECODE_REPEATS:-3} DECODE_TOKENS=${DECODE_TOKENS:-256} DECODE_SECONDS=${DECODE_SECONDS:-420}
 DECODE_CONFIGS=${DECODE_CONFIGS:-stock,eager,hoisted}
 RECIPE_CONFIGS=${RECIPE_CONFIGS:-stock,default,nvidia} RECIPE_ARGS=${RECIPE_ARGS:-}
+LATENCY_CONFIGS=${LATENCY_CONFIGS:-stock,default,shared} LATENCY_ARGS=${LATENCY_ARGS:-}
 
 JIT_DIRS=${FLASH_SESSION_JIT_DIRS:-.triton/cache .cache/flashinfer .cache/vllm}  # relative to $HOME
 JIT_MAX_MIB=${FLASH_SESSION_JIT_MAX_MIB:-45}  # 3 returned parts of 15 MiB beside gs.tar.gz
@@ -71,7 +75,7 @@ jit_pack() {
 left() { echo $(( $(cat "$GS/end") - $(date +%s) )); }
 
 # seconds each phase needs to be started at all (kernels: the bench's 120 s cap + the GPU tests)
-need() { case "$1" in e2e) echo 420 ;; decode8) echo 300 ;; kernels) echo 160 ;; decode4) echo 280 ;; recipe48) echo 600 ;; *) echo 0 ;; esac; }
+need() { case "$1" in e2e) echo 420 ;; decode8) echo 300 ;; kernels) echo 160 ;; decode4) echo 280 ;; recipe48) echo 600 ;; latency48) echo 500 ;; *) echo 0 ;; esac; }
 
 # the e2e tier's deadline: what the budget leaves once the phases asked after it have what they
 # need (run37: a fixed 900 s cut 14 wave servers short while 644 s went to later phases), at most
@@ -120,13 +124,13 @@ run_phases() {
     ) >"$GS/prepare.log" 2>&1 &
     prep=$! ;;
   esac
-  case ",${PHASES}," in *,recipe48,*)  # the 48-layer dirs (model/, model-hybrid/, the table)
+  case ",${PHASES}," in *,recipe48,*|*,latency48,*)  # the 48-layer dirs (model/, model-hybrid/, the table)
     ( nice -n 5 python3 tools/bench_recipe.py prepare "$BENCH/L48" --ple-rows "$ROWS" ) >"$GS/prepare48.log" 2>&1 &
     prep48=$! ;;
   esac
 
   local p bench_ready=""
-  for p in e2e decode8 kernels decode4 recipe48; do
+  for p in e2e decode8 kernels decode4 recipe48 latency48; do
     case ",${PHASES}," in *",$p,"*) ;; *) log "skip $p (not asked)" ;; esac
   done
   for p in ${PHASES//,/ }; do  # in the order asked
@@ -136,7 +140,7 @@ run_phases() {
           FLASH_E2E_DEADLINE="$(e2e_deadline)" tests/run gpu-e2e -- -k "${E2E_K:-not diag}"
         # the JIT caches the boots built, packed now: a session cut short after e2e still has them
         jit_pack "$GS/jit-cache.tar.gz" ;;
-      decode8|kernels|decode4|recipe48)
+      decode8|kernels|decode4|recipe48|latency48)
         if [ -z "$bench_ready" ]; then
           bench_ready=1
           if [ -n "$prep" ]; then wait "$prep"; log "prepare rc=$? ($(tail -c 300 "$GS/prepare.log" | tr '\n' ' '))"; fi
@@ -153,10 +157,15 @@ print(fleet.plugin_site(fleet.Context(work=pathlib.Path('$GS/work'), out=pathlib
                      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu" ;;
           decode4) decode_phase 4 "$(need decode4)" 18610 ;;
           recipe48)
-            if [ -n "$prep48" ]; then wait "$prep48"; log "prepare48 rc=$? ($(tail -c 300 "$GS/prepare48.log" | tr '\n' ' '))"; fi
+            if [ -n "$prep48" ]; then wait "$prep48"; rc48=$?; prep48=""; log "prepare48 rc=$rc48 ($(tail -c 300 "$GS/prepare48.log" | tr '\n' ' '))"; fi
             # shellcheck disable=SC2086 - RECIPE_ARGS is a list of options
             phase recipe48 "$(need recipe48)" python3 tools/bench_recipe.py run "$BENCH/L48" --configs "$RECIPE_CONFIGS" \
               --out "$GS/decode/raw48.jsonl" --logs "$GS/decode" --deadline $(( $(left) - 90 )) $RECIPE_ARGS ;;
+          latency48)
+            if [ -n "$prep48" ]; then wait "$prep48"; rc48=$?; prep48=""; log "prepare48 rc=$rc48 ($(tail -c 300 "$GS/prepare48.log" | tr '\n' ' '))"; fi
+            # shellcheck disable=SC2086 - LATENCY_ARGS is a list of options
+            phase latency48 "$(need latency48)" timeout $(( $(left) - 60 )) python3 tools/bench_latency.py run "$BENCH/L48" \
+              --configs "$LATENCY_CONFIGS" --out "$GS/decode/latency48.jsonl" --logs "$GS/decode" $LATENCY_ARGS ;;
         esac ;;
     esac
   done
@@ -189,8 +198,8 @@ case "${1:-}" in
     COMMIT=${2:?start COMMIT BUDGET_S [PHASES]}; BUDGET=${3:?start COMMIT BUDGET_S [PHASES]}
     PHASES=${4:-e2e,decode8,kernels,decode4}
     for p in ${PHASES//,/ }; do
-      case "$p" in e2e|decode8|kernels|decode4|recipe48|none) ;;
-        *) echo "gpu_session: unknown phase '$p' (e2e, decode8, kernels, decode4, recipe48, or none)" >&2; exit 2 ;; esac
+      case "$p" in e2e|decode8|kernels|decode4|recipe48|latency48|none) ;;
+        *) echo "gpu_session: unknown phase '$p' (e2e, decode8, kernels, decode4, recipe48, latency48, or none)" >&2; exit 2 ;; esac
     done
     for v in DECODE_REPEATS DECODE_TOKENS DECODE_SECONDS; do
       case "${!v}" in ''|*[!0-9]*|0*) echo "gpu_session: $v='${!v}': give a positive whole number" >&2; exit 2 ;; esac
@@ -210,6 +219,9 @@ case "${1:-}" in
     case ",${PHASES}," in *,recipe48,*)  # a typo here would cost the session's boots: checked first
       python3 "$(dirname "$0")/bench_recipe.py" configs "$RECIPE_CONFIGS" >/dev/null || exit 2 ;;
     esac
+    case ",${PHASES}," in *,latency48,*)
+      python3 "$(dirname "$0")/bench_recipe.py" configs "$LATENCY_CONFIGS" >/dev/null || exit 2 ;;
+    esac
     [ -f "$ENV_SH" ] || { echo "gpu_session: $ENV_SH missing: install the payload first (docs/GPU-E2E.md)" >&2; exit 3; }
     rm -rf "$GS" "$REPO"; mkdir -p "$GS" "$REPO"
     if [ -f "$JIT_CARRIED" ]; then  # a previous session's JIT caches (see the top)
@@ -219,7 +231,7 @@ case "${1:-}" in
     tar --exclude=./.payload --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C "$REPO"
     echo $(( $(date +%s) + BUDGET )) >"$GS/end"
     export COMMIT PHASES
-    setsid bash -c "$(declare -f log left need e2e_deadline jit_pack phase decode_phase run_phases); GS=$GS REPO=$REPO ENV_SH=$ENV_SH BENCH=$BENCH ROWS=$ROWS JIT_DIRS='$JIT_DIRS' JIT_MAX_MIB=$JIT_MAX_MIB JIT_CARRIED=$JIT_CARRIED DECODE_REPEATS=$DECODE_REPEATS DECODE_TOKENS=$DECODE_TOKENS DECODE_SECONDS=$DECODE_SECONDS DECODE_CONFIGS=$DECODE_CONFIGS RECIPE_CONFIGS=$RECIPE_CONFIGS RECIPE_ARGS='$RECIPE_ARGS' run_phases" \
+    setsid bash -c "$(declare -f log left need e2e_deadline jit_pack phase decode_phase run_phases); GS=$GS REPO=$REPO ENV_SH=$ENV_SH BENCH=$BENCH ROWS=$ROWS JIT_DIRS='$JIT_DIRS' JIT_MAX_MIB=$JIT_MAX_MIB JIT_CARRIED=$JIT_CARRIED DECODE_REPEATS=$DECODE_REPEATS DECODE_TOKENS=$DECODE_TOKENS DECODE_SECONDS=$DECODE_SECONDS DECODE_CONFIGS=$DECODE_CONFIGS RECIPE_CONFIGS=$RECIPE_CONFIGS RECIPE_ARGS='$RECIPE_ARGS' LATENCY_CONFIGS=$LATENCY_CONFIGS LATENCY_ARGS='$LATENCY_ARGS' run_phases" \
       </dev/null >"$GS/driver.log" 2>&1 &
     log "launched (pid $!, budget ${BUDGET}s, phases $PHASES, commit $COMMIT)"
     ;;
@@ -232,7 +244,7 @@ case "${1:-}" in
       # brings back what was done
       n=$(( n + 1 )); [ $(( n % 3 )) -eq 0 ] && collect
       echo "--- $(date -u +%H:%M:%S): $(tail -n 1 "$GS/phases.log" 2>/dev/null)"
-      tail -n 3 "$GS"/e2e.log "$GS"/decode8.log "$GS"/decode4.log "$GS"/recipe48.log 2>/dev/null | cut -c1-220
+      tail -n 3 "$GS"/e2e.log "$GS"/decode8.log "$GS"/decode4.log "$GS"/recipe48.log "$GS"/latency48.log 2>/dev/null | cut -c1-220
     done
     collect
     # the newest JIT pack (after e2e, then at the end), once, in parts the device tool returns

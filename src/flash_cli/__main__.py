@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Sequence
 
-from .errors import FlashError
+from .errors import INTERRUPTED_EXIT, FlashError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -33,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return err.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED_EXIT
     except BrokenPipeError:  # `flash … | head`: the reader left, nothing to report
         sys.stderr.close()
         return 0

@@ -1,10 +1,16 @@
-"""Typed errors. Each maps to an exit code and a one-line hint in exactly one place (main)."""
+"""Typed errors. Each maps to an exit code and a one-line hint in exactly one place (main).
+This module is the exit-code map: docs/ARCHITECTURE.md's list is generated from it
+(tools/gen_errors_doc.py; each class's first docstring line is its meaning there)."""
 
 from __future__ import annotations
 
+INTERRUPTED_EXIT = 130  # Ctrl-C, as a shell reports a SIGINT death (128 + 2)
+
 
 class FlashError(Exception):
-    """Base class: `str(err)` is the one-line message, `hint` what to do next."""
+    """An error with no more specific class.
+
+    `str(err)` is the one-line message, `hint` what to do next."""
 
     exit_code = 1
 
@@ -24,30 +30,44 @@ class ConfigError(UsageError):
 
 
 class DockerUnavailable(FlashError):
+    """The Docker Engine cannot be reached, or failed a request (its own errors map here too)."""
+
     exit_code = 3
 
 
 class ImageMissing(FlashError):
+    """The image the recipe needs is not built or pulled."""
+
     exit_code = 4
 
 
 class WeightsMissing(FlashError):
+    """The checkpoint (or the prepared variant) is not in the HF cache, or incomplete."""
+
     exit_code = 5
 
 
 class ContainerMissing(FlashError):
+    """No flash container to act on."""
+
     exit_code = 6
 
 
 class ContainerDied(FlashError):
+    """The server container exited (its exit code and last log lines are printed)."""
+
     exit_code = 7
 
 
 class NotReady(FlashError):
+    """The server did not become ready in time."""
+
     exit_code = 8
 
 
 class PortInUse(FlashError):
+    """The API port is taken by something else."""
+
     exit_code = 9
 
 

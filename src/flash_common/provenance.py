@@ -1,4 +1,4 @@
-"""The tree a recorded result was taken at (docs/benchmarks/PROVENANCE.md): what the gpu-e2e
+"""The tree a recorded result was taken at (benchmarks/PROVENANCE.md): what the gpu-e2e
 tier's results.json and the decode matrix's raw rows name. Standard library only."""
 
 from __future__ import annotations

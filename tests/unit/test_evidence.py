@@ -1,4 +1,4 @@
-"""Results in docs/benchmarks name the commit they were taken at, and stale ones say so
+"""Results in benchmarks/ name the commit they were taken at, and stale ones say so
 (issue 14). The table in PROVENANCE.md is checked against this branch's git history."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "docs" / "benchmarks"
+BENCH = ROOT / "benchmarks"
 NOT_RESULTS = {"README.md", "PROVENANCE.md"}
 
 
@@ -30,7 +30,7 @@ def git(*args) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def history():
     if git("rev-parse", "--git-dir").returncode != 0:
-        pytest.fail("docs/benchmarks provenance needs a git checkout (the commits are checked against history)")
+        pytest.fail("benchmarks/ provenance needs a git checkout (the commits are checked against history)")
 
 
 def test_every_results_file_has_a_row():
