@@ -34,6 +34,40 @@ class DockerUnavailable(FlashError):
 
     exit_code = 3
 
+    HINT = "is dockerd running (systemctl status docker), and is your user in the docker group?"
+
+    @classmethod
+    def unreachable(cls, host: str, exc: BaseException) -> "DockerUnavailable":
+        """The one message for an Engine that cannot be reached, whichever client found out:
+        docker-py wraps the socket's OSError two or three levels deep (requests, urllib3), so
+        name that cause instead of printing the wrappers' tuple reprs."""
+        return cls(f"Docker Engine unreachable at {host}: {root_cause(exc)}", hint=cls.HINT)
+
+
+def os_cause(exc: BaseException) -> OSError | None:
+    """The innermost OSError with a reason (e.g. FileNotFoundError: No such file or directory),
+    searching the exception's cause/context chain and the exceptions carried in its args."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.strerror:
+            return e
+        todo += [a for a in e.args if isinstance(a, BaseException)]
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return None
+
+
+def root_cause(exc: BaseException) -> str:
+    """What to tell the user: the OSError's reason, else the exception's first line."""
+    found = os_cause(exc)
+    if found is not None:
+        return found.strerror
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+
 
 class ImageMissing(FlashError):
     """The image the recipe needs is not built or pulled."""

@@ -479,7 +479,7 @@ def render(ctx: Context, server: Server, index: int, solo: bool = False) -> dict
             "words": words, "argv": argv, "spec_env": spec_env, "harness_env": harness,
             "url": f"http://127.0.0.1:{port}", "port": port, "model": r.settings["SERVED_MODEL_NAME"],
             "unmapped_mounts": [f"{m.kind}:{m.target}" for m in unmapped],
-            "preflight": [str(p) for p in preflight.recipe(r.settings)], "warnings": list(spec.warnings)}
+            "preflight": [str(p) for p in preflight.recipe(spec)], "warnings": list(spec.warnings)}
 
 
 def plugin_site(ctx: Context) -> Path:

@@ -116,6 +116,11 @@ def test_prepare_steps_that_do_not_apply_are_refused_naming_why(snaps, capsys, w
     assert not hfcache.variant_dir(snaps["qad"], "hybrid").exists()
 
 
+def test_prepare_hybrid_on_a_directory_reads_the_layout_from_its_index(snaps, capsys, tmp_path):
+    rc = main(["prepare", "hybrid", "--source", str(snaps["qad"]), "--dest", str(tmp_path / "out"), "--dry-run"])
+    assert rc == 2 and "MXFP8" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
 def test_serve_preflight_refuses_a_hybrid_mode_and_patch_1_on_an_nvfp4_table(snaps):
     cache = snaps["qad"].parents[3]
     hyb = preflight.weights(_settings(MODEL=ckpt.QAD, HF_CACHE=cache, MODE="hybrid"), cache, snaps["qad"])
@@ -129,6 +134,7 @@ def test_serve_preflight_refuses_a_hybrid_mode_and_patch_1_on_an_nvfp4_table(sna
     old = _settings(MODEL=ckpt.QAD, HF_CACHE=cache, MODE="nvfp4", CONTAINER_ENV="VLLM_PLE_MMAP=0", BASE="v0.32")
     (p,) = preflight.layout_problems(old, snaps["qad"])
     assert "BASE=v0.32 cannot load" in p.message and "0.33.0" in p.message and "BASE=v0.33" in p.hint
+    assert [q.message for q in preflight.weights(old, cache, snaps["qad"])] == [p.message]  # not the fp8 table's
     on_old = preflight.layout_problems(_settings(MODEL=ckpt.QAD, HF_CACHE=cache, BASE="v0.29"), snaps["qad"])
     assert len(on_old) == 1 and "no serving path on BASE=v0.29" in on_old[0].hint
     # the published layouts keep patch 1 and every mode they had

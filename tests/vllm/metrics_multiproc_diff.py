@@ -5,7 +5,7 @@ metric definitions and our PLE counters (no GPU, no model: the real classes on C
 Run it with a vLLM release importable (the vllm tier's venvs):
 
     PYTHONPATH=$FLASH_TEST_CACHE/vllm/site-0.31.0:$FLASH_TEST_CACHE/vllm/shim:src \\
-      $FLASH_TEST_CACHE/vllm/venv-torch-2.13.0/bin/python tools/metrics_multiproc_diff.py [--json OUT]
+      $FLASH_TEST_CACHE/vllm/venv-torch-2.13.0/bin/python tests/vllm/metrics_multiproc_diff.py [--json OUT]
 
 It builds the exposition twice, each in fresh processes, exactly as vLLM's API server serves it:
   single:  the API process registers vLLM's PrometheusStatLogger (as AsyncLLM does) and serves

@@ -3,7 +3,7 @@
 (no GPU, no model: the release's own classes on CPU, in fresh processes each time).
 
     PYTHONPATH=$FLASH_TEST_CACHE/vllm/shim:src:$FLASH_TEST_CACHE/vllm/site-0.31.0 \\
-      $FLASH_TEST_CACHE/vllm/venv-torch-2.13.0/bin/python tools/metrics_bridge_diff.py [--json OUT]
+      $FLASH_TEST_CACHE/vllm/venv-torch-2.13.0/bin/python tests/vllm/metrics_bridge_diff.py [--json OUT]
 
 The API process does what `vllm serve` does: vLLM's own `load_general_plugins()` finds our entry
 point and runs `flash_vllm.register()` (patches + the bridge hook), then `PrometheusStatLogger`

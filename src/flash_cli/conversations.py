@@ -1,27 +1,18 @@
-#!/usr/bin/env python3
-"""Live per-conversation view of the server's request log (standard library only).
+"""The request log as conversations (`flash conversations`): pure text in, text out.
 
-    tools/vllm_watch.py                     # follows `docker logs -f` of the flash container
-    tools/vllm_watch.py --name other -n 500
-    flash logs -f | tools/vllm_watch.py -   # or any saved log: tools/vllm_watch.py server.log
-
-Needs the server started with LOG_REQUESTS=1 (vLLM then logs every prompt and output: private
-data, and the log grows without bound, which is why it is off by default). Requests are threaded
-into conversations by their longest common prefix of chat turns (>= 2 identical turns: same
-conversation); each conversation gets a colour and only its new turns are printed.
+vLLM logs each prompt and output when the server runs with LOG_REQUESTS=1. Requests are
+threaded into conversations by their longest common prefix of ChatML turns (two identical
+turns: the same conversation); each conversation gets a colour and only its new turns print.
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
 import hashlib
 import re
-import subprocess
-import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Iterable, TextIO
+from typing import TextIO
 
 MAX_THREADS = 4096
 COLOURS = ("36", "33", "35", "32", "34", "31", "96", "93")
@@ -160,40 +151,3 @@ class Watcher:
 
     def write(self, text: str) -> None:
         print(text, file=self.out, flush=True)
-
-
-def source(args: argparse.Namespace) -> Iterable[str]:
-    if args.file == "-":
-        return sys.stdin
-    if args.file:
-        return open(args.file, encoding="utf-8", errors="replace")
-    argv = ["docker", "logs", "-n", str(args.lines), *([] if args.no_follow else ["-f"]), args.name]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
-    return proc.stdout
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("file", nargs="?", help="a log file, or - for stdin (default: docker logs of --name)")
-    ap.add_argument("--name", default="qwen38-flash", help="container name (default qwen38-flash)")
-    ap.add_argument("-n", "--lines", type=int, default=200, help="start this many lines back (default 200)")
-    ap.add_argument("--no-follow", action="store_true", help="print what is there and exit")
-    ap.add_argument("--no-stats", action="store_true", help="hide the engine stats lines")
-    ap.add_argument("--no-color", action="store_true", help="plain text (default on a TTY: colours)")
-    args = ap.parse_args(argv)
-    w = Watcher(sys.stdout, colour=sys.stdout.isatty() and not args.no_color, show_stats=not args.no_stats)
-    try:
-        for line in source(args):
-            w.feed(line.rstrip("\n"))
-    except KeyboardInterrupt:
-        return 130
-    except FileNotFoundError as exc:
-        print(f"vllm_watch: {exc.filename}: not found", file=sys.stderr)
-        return 2
-    if w.requests == 0:
-        print("vllm_watch: no request lines seen; serve with LOG_REQUESTS=1 to log prompts and outputs", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""tools/vllm_watch.py on a real request log: the stand-in with vLLM's request logging on."""
+"""`flash conversations` on a real request log: the stand-in with vLLM's request logging on."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import requests
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "standin"))
-sys.path.insert(0, str(ROOT / "tools"))
 from harness import StandIn  # noqa: E402
-import vllm_watch  # noqa: E402
+
+from flash_cli import conversations  # noqa: E402
+from flash_cli.commands.conversations import lines  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,7 +41,7 @@ def test_two_interleaved_conversations_are_threaded_apart(tmp_path):
         log = "\n".join(s.lines)
     assert "details: prompt:" in log and "(streaming complete)" in log
     out = io.StringIO()
-    w = vllm_watch.Watcher(out, colour=False)
+    w = conversations.Watcher(out, colour=False)
     for line in log.splitlines():
         w.feed(line)
     text = out.getvalue().splitlines()
@@ -53,15 +54,28 @@ def test_two_interleaved_conversations_are_threaded_apart(tmp_path):
 
 
 def test_markers_and_segments_are_printable():
-    out = vllm_watch.printable("<think>plan</think>ok <tool_call>{\"name\": \"f\"}</tool_call>\x07")
+    out = conversations.printable("<think>plan</think>ok <tool_call>{\"name\": \"f\"}</tool_call>\x07")
     assert "[reasoning: plan]" in out and "[tool_call: {\"name\": \"f\"}]" in out and "\\x07" in out
 
 
-def test_cli_reads_a_file_and_warns_without_request_lines(tmp_path):
+def flash(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flash_cli", "conversations", *args], capture_output=True, text=True,
+                          input=stdin, timeout=20, cwd=ROOT)
+
+
+def test_cli_reads_a_file_or_stdin_and_warns_without_request_lines(tmp_path):
     f = tmp_path / "log.txt"
     f.write_text("INFO something unrelated\n")
-    res = subprocess.run([sys.executable, str(ROOT / "tools" / "vllm_watch.py"), str(f)], capture_output=True, text=True, timeout=20)
+    res = flash(str(f))
     assert res.returncode == 0 and "LOG_REQUESTS=1" in res.stderr
-    res = subprocess.run([sys.executable, str(ROOT / "tools" / "vllm_watch.py"), str(tmp_path / "nope")],
-                         capture_output=True, text=True, timeout=20)
-    assert res.returncode == 2
+    res = flash(str(tmp_path / "nope"))
+    assert res.returncode == 2 and f"log file '{tmp_path / 'nope'}' not found" in res.stderr
+    prompt = "<|im_start|>user\nHello there?<|im_end|>\n<|im_start|>assistant\n"
+    line = f"INFO Request chatcmpl-1 details: prompt: {prompt!r}, prompt_token_ids: [1], params"
+    res = flash("-", "--no-color", stdin=line + "\n")
+    assert res.returncode == 0 and res.stdout == "[#1 user] Hello there?\n" and res.stderr == ""
+
+
+def test_docker_chunks_become_whole_lines():
+    assert list(lines(["a\nb", "c\n", "", "d\ne"])) == ["a", "bc", "d", "e"]
+    assert list(lines(["x\n"])) == ["x"]
