@@ -43,7 +43,8 @@ def weights(s: Settings, hf_cache: Path, snapshot: Path | None) -> list[Problem]
         return [Problem(WeightsMissing, f"{model} snapshot {snapshot.name[:12]} is incomplete: missing {shown}",
                         "resume the download: flash download (then flash verify)")]
     out: list[Problem] = []
-    if mode == "hybrid-mtp" and not model.startswith("RadixArk/"):
+    out += layout_problems(s, snapshot)
+    if mode == "hybrid-mtp" and not model.startswith("RadixArk/") and not out:
         out.append(Problem(ConfigError, f"MODE=hybrid-mtp needs the RadixArk checkpoint, not {model}",
                            "use MODE=hybrid, or MODEL=RadixArk/Qwen3.8-Flash-Next-NVFP4 (profile 'context')"))
     if mode != "nvfp4" and hfcache.quant_method(snapshot) == "compressed-tensors":
@@ -51,7 +52,11 @@ def weights(s: Settings, hf_cache: Path, snapshot: Path | None) -> list[Problem]
                            "serve it as published: flash serve published"))
     from .spec import ple_patch_off
 
-    if ple_patch_off(s) and not releases.has(s["BASE"], "ple_fp8_modelopt") and hfcache.quant_method(snapshot) == "modelopt":
+    from .checkpoint import known
+
+    fp8_table = getattr(known.layout_of(model, snapshot), "ple_from_disk", True)  # layout_problems says the rest
+    if ple_patch_off(s) and fp8_table and not releases.has(s["BASE"], "ple_fp8_modelopt") \
+            and hfcache.quant_method(snapshot) == "modelopt":
         fixed = ", ".join(sorted(releases.where("ple_fp8_modelopt", True)))
         out.append(Problem(ConfigError, f"patch 1 is off (CONTAINER_ENV) and vLLM on BASE={s['BASE']} cannot load {model}'s "
                            "fp8 PLE table without it: its fp8 method is gated on Fp8Config, so a ModelOpt checkpoint gets "
@@ -64,6 +69,35 @@ def weights(s: Settings, hf_cache: Path, snapshot: Path | None) -> list[Problem]
             what = "graft" if mode == "hybrid-mtp" else "hybrid"
             out.append(Problem(WeightsMissing, f"the {mode} layout {hfcache.variant_dir(snapshot, mode).name} is {state}",
                                f"prepare it: flash setup (or flash prepare {what}); a stale layout is repaired"))
+    return out
+
+
+def layout_problems(s: Settings, snapshot: Path | None) -> list[Problem]:
+    """What the checkpoint's layout (checkpoint/known.py, read from its index) rules out: a MODE
+    it cannot be prepared for, and patch 1 on a PLE table format it does not decode."""
+    from .checkpoint import known
+    from .spec import ple_patch_off
+
+    lay = known.layout_of(s["MODEL"], snapshot)
+    if lay is None:
+        return []
+    out = []
+    if s["MODE"] not in lay.modes:
+        out.append(Problem(ConfigError, f"MODE={s['MODE']} does not apply to {s['MODEL']} ({lay.what}): "
+                           + lay.refused.get(s["MODE"], f"not a layout MODE={s['MODE']} is built from"),
+                           f"MODE accepts {' | '.join(lay.modes)} for this checkpoint"))
+    stock = lay.stock_table_from is None or s["BASE"] in releases.upstream_from(lay.stock_table_from)
+    if not lay.ple_from_disk and not ple_patch_off(s):
+        out.append(Problem(ConfigError, f"patch 1 cannot serve {s['MODEL']}'s PLE table from disk: it is {lay.ple_format}, "
+                           "and patch 1 decodes FP8/BF16/F16 row tables only (flash_vllm.ple.discovery)",
+                           "serve it with vLLM's own NVFP4 table: CONTAINER_ENV=VLLM_PLE_MMAP=0 (the table then sits "
+                           "in memory, 26.8 GiB at full size; flash plan shows the fit)" if stock else
+                           f"no serving path on BASE={s['BASE']}: vLLM reads this table format from "
+                           f"{lay.stock_table_from} on (use BASE={releases.CURRENT})"))
+    elif not lay.ple_from_disk and not stock:
+        out.append(Problem(ConfigError, f"vLLM on BASE={s['BASE']} cannot load {s['MODEL']}'s PLE table ({lay.ple_format}): "
+                           f"its loader reads that format from {lay.stock_table_from} on",
+                           f"use BASE={releases.CURRENT} (the nvidia profile's base)"))
     return out
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def tree_commit(root: Path, short: bool = False, unknown: str = "unknown") -> str:
-    """FLASH_E2E_COMMIT when set (tools/gpu_session.sh sets it: the device's copy of the tree has
+    """FLASH_E2E_COMMIT when set (lab/gpu_session.sh sets it: the device's copy of the tree has
     no .git), else git's HEAD in `root`, else `unknown`."""
     if os.environ.get("FLASH_E2E_COMMIT"):
         return os.environ["FLASH_E2E_COMMIT"]

@@ -333,7 +333,7 @@ def _scenarios() -> dict[str, Scenario]:
                               ("pw_nomtp", ("hx0-eager-pw", "hx0-hoist-pw"), "eager vs hoisted gather, both PIECEWISE, MTP=0"),
                               ("full", ("hx-stock-full", "hx-hoist-full"),
                                "stock vLLM (patch 1 off) vs hoisted, both FULL_AND_PIECEWISE, MTP=2")):
-        sc.append(Scenario(f"hoist_exact_{tag}", (a, b), f"greedy token ids (tools/bench_decode.py greedy: EOS inside, "
+        sc.append(Scenario(f"hoist_exact_{tag}", (a, b), f"greedy token ids (lab/bench_decode.py greedy: EOS inside, "
                            f"a 3,000-token prompt in {HX_CHUNK}-token chunks, the same again as a prefix hit, a shared "
                            f"prefix), {what}: identical", lambda ctx, a=a, b=b: check_greedy_pair(ctx, a, b),
                            na=_na_hoisted))
@@ -923,8 +923,8 @@ def _greedy(ctx: Context, name: str) -> Path:
     out = ctx.work / "artefacts" / f"greedy-{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     # ids below 1,024 only: the tiny vocabulary's plain tokens (the added ones sit above)
-    proc = subprocess.run([ctx.python, str(ROOT / "tools" / "bench_decode.py"), "greedy", p.spec["url"], "--eos", str(eos),
-                           "--vocab", "1024", "--out", str(out)], capture_output=True, text=True, timeout=400,
+    proc = subprocess.run([ctx.python, "-m", "lab.bench_decode", "greedy", p.spec["url"], "--eos", str(eos),
+                           "--vocab", "1024", "--out", str(out)], capture_output=True, text=True, timeout=400, cwd=ROOT,
                           env={**ctx.base_env, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), ctx.base_env.get("PYTHONPATH", "")])})
     keep(ctx, f"greedy-{name}.log", proc.stdout + proc.stderr)
     assert proc.returncode == 0, f"greedy on {name}: exit {proc.returncode}: {(proc.stdout + proc.stderr)[-1200:]}"

@@ -1,4 +1,4 @@
-"""tools/bench_latency.py (issue 33, item 2) against a stand-in `vllm` module that serves real HTTP:
+"""lab/bench_latency.py (issue 33, item 2) against a stand-in `vllm` module that serves real HTTP:
 a prefix cache that hits only from a block boundary (as Mamba's align mode caches whole blocks), and
 one engine loop where a long prefill holds the step, so a decoding stream's gaps grow while it runs.
 The harness must read the hits from vLLM's own counters and time the gaps inside the prefill's window."""
@@ -6,14 +6,12 @@ The harness must read the hits from vLLM's own counters and time the gaps inside
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
+from lab import bench_latency as bl
+from lab import bench_recipe as br
 
-import bench_latency as bl  # noqa: E402
-import bench_recipe as br  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 FAKE_MAIN = r'''
 import json, os, sys, threading, time

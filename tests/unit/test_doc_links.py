@@ -1,5 +1,5 @@
-"""Every relative link in the documentation resolves (issue 37): README.md, docs/ and the results
-tree's Markdown. A link to another Markdown file's #anchor must name one of its headings, spelled
+"""Every relative link in the documentation resolves (issue 37): README.md, docs/, the results
+tree's Markdown and lab/README.md. A link to another Markdown file's #anchor must name one of its headings, spelled
 as GitHub spells the anchor. Links with a scheme (https:, mailto:) are not followed: this tier has
 no network."""
 
@@ -27,6 +27,7 @@ def doc_files() -> list[Path]:
     files = [ROOT / "README.md"]
     for tree in ("docs", "benchmarks"):
         files += sorted((ROOT / tree).rglob("*.md"))
+    files.append(ROOT / "lab" / "README.md")
     return files
 
 

@@ -1,7 +1,7 @@
 """Patch 7 (fp8 KV on QSA), host side and the source rewrite, without vLLM.
 
 The in-release proof is tests/vllm/release/check_qsa_fp8_kv.py (real 0.29-0.33 classes); the
-kernel on a GPU: tools/prove_qsa_fp8_kv_gpu.py (benchmarks/qsa-fp8-kv-h200/README.md).
+kernel on a GPU: lab/prove_qsa_fp8_kv_gpu.py (benchmarks/qsa-fp8-kv-h200/README.md).
 """
 
 from __future__ import annotations

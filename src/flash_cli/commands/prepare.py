@@ -30,14 +30,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..checkpoint import known
+
     if args.source or args.dest:
         if args.what != "hybrid" or not args.source:
             raise UsageError(f"--source/--dest: {'prepare hybrid only' if args.what != 'hybrid' else '--dest needs --source'}",
                              hint="flash prepare hybrid --source DIR [--dest DIR]")
+        known.check_mode(str(args.source), "hybrid", args.source)  # the layout read from DIR's index
         out = _prepare_hybrid_dir(args.source, args.dest, dry_run=args.dry_run)
     else:
         s = recipe.load(args.recipe, use_profile=not args.no_profile).settings
-        out = STEPS[args.what].prepare(_snapshot(s), s, dry_run=args.dry_run, force=args.force)
+        snap = _snapshot(s)
+        known.check_mode(s["MODEL"], STEPS[args.what].mode, snap)
+        out = STEPS[args.what].prepare(snap, s, dry_run=args.dry_run, force=args.force)
     if args.json:
         print_json(out)
     else:
@@ -123,7 +128,11 @@ class VariantStep:
         return snap is not None and hfcache.variant_state(snap, self.mode) == "ready"
 
     def run_step(self, settings, dry_run: bool) -> dict:
-        out = self.prepare(_snapshot(settings), settings, dry_run=dry_run)
+        from ..checkpoint import known
+
+        snap = _snapshot(settings)
+        known.check_mode(settings["MODEL"], self.mode, snap)
+        out = self.prepare(snap, settings, dry_run=dry_run)
         self.report(out)
         return out
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark: full-scale fp8 hybrid preparation vs its I/O floor, side by side on the same files.
 
-    tools/bench_hybrid.py [--dir DIR] [--reps 2] [--layout radixark] [--out benchmarks/hybrid-prep/hybrid-prep.json]
+    python3 -m lab.bench_hybrid [--dir DIR] [--reps 2] [--layout radixark] [--out benchmarks/hybrid-prep/hybrid-prep.json]
 
 Builds a full-size replica of the checkpoint (real names, shapes, dtypes, file sizes) under
 DIR: sparse files, except that the 312 side-layer tensors get real random BF16 data (zeros
@@ -34,13 +34,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "tests"))
+from flash_cli import hfcache
+from flash_cli.checkpoint import fp8, hybrid, stwriter
+from tests.fakes import ckpt
 
-from fakes import ckpt  # noqa: E402
-from flash_cli import hfcache  # noqa: E402
-from flash_cli.checkpoint import fp8, hybrid, stwriter  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def drop_source_cache(plan: hybrid.Plan) -> None:
@@ -176,9 +174,8 @@ def prep(snapshot: Path) -> dict:
     dst = hfcache.variant_dir(snapshot, "hybrid")
     if dst.exists():
         shutil.rmtree(dst)
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     r = subprocess.run([sys.executable, "-c", PREP_CHILD, str(snapshot), str(dst)], capture_output=True, text=True,
-                       env=env, check=True)
+                       check=True)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -251,7 +248,7 @@ def main() -> int:
     result = {
         "date_utc": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()),
         "fp8_kernel": f"numba {kern.numba.__version__} (fp8_kernel.py, fused)" if kern else "numpy (no numba)",
-        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]) or "tools/bench_hybrid.py",
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]) or "lab/bench_hybrid.py",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
         "layout": a.layout, "tensors": len(plan.targets), "files": [f.name for f in plan.files],

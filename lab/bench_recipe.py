@@ -18,8 +18,10 @@ The reference servers:
   all (`VLLM_PLUGINS=""`: no patch runs) and the PLE table on the GPU (`--engram-config
   {"cpu_offload":false}`): what a user gets from vLLM 0.33 with the recipe's serving flags;
 - `nvidia`: NVIDIA's official one-Spark recipe (NVIDIA/local-ai-inference-recipes,
-  models/qwen/qwen3.8-flash-next/dgx-spark/linux/vllm/nvfp4/recipe.yaml) on stock vLLM 0.33:
-  every flag and variable that stock vLLM knows, the B12x image's own left out (NVIDIA_DROPPED).
+  models/qwen/qwen3.8-flash-next/dgx-spark/linux/vllm/nvfp4/recipe.yaml) on stock vLLM 0.33: the
+  `nvidia` profile (profiles/nvidia.env: every flag and variable that our base takes) rendered
+  as `stock` renders `published`; what only the B12x image has is named there (NVIDIA_DROPPED);
+- `nvidia-flash`: the same profile as a flash server (our plugin, the table read from disk).
 
 Two of these servers do not fit one H200 at once (the body is ~70 GiB), so whole servers
 alternate in blocks: boot, an untimed warm-up at every cell, REPEATS rounds over the cells, stop;
@@ -39,6 +41,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -46,57 +49,51 @@ import sys
 import time
 from pathlib import Path
 
+from lab.decode import client, model, schedule, stats  # the shape, the writer, the client
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "tools"))
 
-import bench_decode as bd  # noqa: E402 (the shape, the writer, the client)
-
-LAYERS = bd.LAYERS
+LAYERS = model.LAYERS
 SHORT_PROMPT = 64
 # past the QSA budget (indexer_budget 2,048 tokens = 512 blocks of 4): patch 8's top-k runs its
 # selection only there, so the ablation without it means something only at this length
 LONG_PROMPT = 6144
 
-# name -> how it is rendered. kind: recipe (flash's RunSpec), stock (RunSpec of `published`,
-# no plugin, table on the GPU), nvidia (NVIDIA's argv on stock vLLM)
+# name -> how it is rendered. kind: recipe (flash's RunSpec), stock (a profile's RunSpec without our
+# plugin, table on the GPU: `published` = stock vLLM with the recipe's serving flags, `nvidia` =
+# NVIDIA's one-Spark recipe on stock vLLM)
 CONFIGS: dict[str, dict] = {
     "stock": {"kind": "stock", "profile": "published", "words": []},
     "default": {"kind": "recipe", "profile": "default", "words": []},
     "default-mtp4": {"kind": "recipe", "profile": "default", "words": ["MTP=4"]},
     "speed": {"kind": "recipe", "profile": "speed", "words": []},
     "shared": {"kind": "recipe", "profile": "shared", "words": []},  # long prefills chunked (bench_latency)
-    "nvidia": {"kind": "nvidia"},
+    "nvidia": {"kind": "stock", "profile": "nvidia", "words": []},
+    "nvidia-flash": {"kind": "recipe", "profile": "nvidia", "words": []},
     "default-no10": {"kind": "recipe", "profile": "default", "words": ["DRAFT_VOCAB=0"]},
     "default-no8": {"kind": "recipe", "profile": "default", "words": ["DET_TOPK=0"]},
 }
 
-# NVIDIA's recipe.yaml (commit dedcf6bc of NVIDIA/local-ai-inference-recipes), its `serve` block
-NVIDIA_ENV = {"CUTE_DSL_ARCH": "sm_121a", "SAFETENSORS_FAST_GPU": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-              "VLLM_SSM_CONV_STATE_LAYOUT": "DS", "VLLM_USE_AOT_COMPILE": "1", "VLLM_USE_MEGA_AOT_ARTIFACT": "1",
-              "VLLM_USE_V2_MODEL_RUNNER": "1", "B12X_POLICY_MODE": "auto", "VLLM_MXFP8_LM_HEAD": "1",
-              "VLLM_B12X_MOE_FP4_LAYER_MAX_INPUT_SCALE": "w13", "VLLM_PLE_TABLE_MEMORY": "disk"}
-NVIDIA_ARGS = ["--tensor-parallel-size", "1", "--pipeline-parallel-size", "1", "--mamba-cache-mode", "align",
-               "--enable-prefix-caching", "--enable-chunked-prefill", "--dtype", "bfloat16", "--kv-cache-dtype", "fp8",
-               "--quantization", "modelopt_mixed", "--block-size", "16", "--load-format", "b12x",
-               "--max-model-len", "262144", "--max-num-seqs", "8", "--max-num-batched-tokens", "4096",
-               "--speculative-config", '{"method":"mtp","num_speculative_tokens":4}',
-               "--gdn-decode-kernel", "b12x", "--linear-backend", "b12x", "--moe-backend", "b12x",
-               "--no-enable-flashinfer-autotune", "--mm-encoder-tp-mode", "data", "--reasoning-parser", "qwen3",
-               "--tool-call-parser", "qwen3_xml", "--enable-auto-tool-choice",
-               "--compilation-config", '{"pass_config":{"fuse_act_quant":true}}', "--gpu-memory-utilization", "0.8"]
-# what stock vLLM 0.33 cannot take from NVIDIA's recipe (read from the 0.33.0 wheel): left out, said so
-NVIDIA_DROPPED = {
-    "--load-format b12x": "the B12x image's loader (here: --load-format dummy, as every server)",
-    "--gdn-decode-kernel b12x": "not a vLLM 0.33 flag: the B12x image's GDN decode kernel",
-    "--linear-backend b12x": "vLLM 0.33 knows b12x but its kernels are SM12x (GB10) only; the H200 is sm_90: vLLM's choice",
-    "--moe-backend b12x": "vLLM 0.33 knows b12x but its kernels are SM12x (GB10) only; the H200 is sm_90: vLLM's choice",
-    "VLLM_PLE_TABLE_MEMORY=disk": "the B12x image's disk-served PLE table (not in vLLM 0.33: the table on the GPU here)",
-    "VLLM_MXFP8_LM_HEAD=1": "the B12x image's MXFP8 lm_head (not in vLLM 0.33)",
-    "B12X_POLICY_MODE=auto": "the B12x image's kernel policy",
-    "VLLM_B12X_MOE_FP4_LAYER_MAX_INPUT_SCALE=w13": "the B12x image's MoE input scale",
-    "CUTE_DSL_ARCH=sm_121a": "GB10's architecture (the H200 is sm_90)",
-}
+# NVIDIA's one-Spark recipe is profiles/nvidia.env (its settings on our base): `nvidia` renders it
+# as stock renders `published` (no plugin, table on the GPU), `nvidia-flash` as a flash server. What
+# only the B12x image has is named there, one `# b12x: ITEM: why` line each (NVIDIA_DROPPED).
+NVIDIA_PROFILE = ROOT / "profiles" / "nvidia.env"
+_B12X = re.compile(r"^#\s*b12x:\s*(?P<item>.+?):\s+(?P<why>.+)$")
+
+
+def nvidia_dropped(path: Path = NVIDIA_PROFILE) -> dict[str, str]:
+    """{recipe item: why it is left out} from the profile's `# b12x:` lines."""
+    out = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        m = _B12X.match(line.strip())
+        if m:
+            out[m.group("item")] = m.group("why")
+    if not out:
+        raise SystemExit(f"{path}: no '# b12x: ITEM: why' lines (what NVIDIA's recipe has that our base does not)")
+    return out
+
+
+NVIDIA_DROPPED = nvidia_dropped()
 OFFLINE_ARGS = ["--gdn-prefill-backend", "triton"]
 OFFLINE_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1"}
 
@@ -124,48 +121,28 @@ def render(name: str, d: Path, port: int, python: str = "python3") -> dict:
     c = CONFIGS[name]
     ple = {"VLLM_PLE_MMAP_DIR": str(d / "ple")}
     vllm = [python, "-m", "vllm.entrypoints.cli.main", "serve"]
-    if c["kind"] == "nvidia":
-        args, env, dropped = [], {}, []
-        i = 0
-        while i < len(NVIDIA_ARGS):
-            flag = NVIDIA_ARGS[i]
-            val = NVIDIA_ARGS[i + 1] if i + 1 < len(NVIDIA_ARGS) and not NVIDIA_ARGS[i + 1].startswith("--") else None
-            word = f"{flag} {val}" if val is not None else flag
-            if word in NVIDIA_DROPPED:
-                dropped.append(word)
-            else:
-                args += [flag] + ([val] if val is not None else [])
-            i += 2 if val is not None else 1
-        for k, v in NVIDIA_ENV.items():
-            (dropped.append(f"{k}={v}") if f"{k}={v}" in NVIDIA_DROPPED else env.__setitem__(k, v))
-        args = _opt(args, "--load-format", "dummy")
-        argv = vllm + [str(d / "model"), "--served-model-name", "bench", "--host", "127.0.0.1",
-                       "--port", str(port), *args, "--engram-config", '{"cpu_offload":false}', *OFFLINE_ARGS]
-        env |= {"VLLM_PLUGINS": "", **OFFLINE_ENV}
-        return {"name": name, "argv": argv, "env": env, "settings": None,
-                "deviations": [f"dropped {w}: {NVIDIA_DROPPED[w]}" for w in dropped]
-                + ["--engram-config {\"cpu_offload\":false}: the table on the GPU (stock cannot serve it from disk)",
-                   "--gdn-prefill-backend triton, VLLM_USE_FLASHINFER_SAMPLER=0: offline (no FlashInfer cubins)",
-                   "checkpoint: the published nvidia layout (NVIDIA's local-inference-lab export is not here)"]}
     r, spec = _spec(c["profile"], c["words"])
     cmd = list(spec.command)
     if cmd[:2] != ["vllm", "serve"]:
         raise ValueError(f"{name}: the RunSpec's command starts {cmd[:2]}, not vllm serve")
-    model = d / ("model-hybrid" if r.settings["MODE"] == "hybrid" else "model")
+    mdir = d / ("model-hybrid" if r.settings["MODE"] == "hybrid" else "model")
     args = cmd[3:]
     for flag, value in (("--load-format", "dummy"), ("--host", "127.0.0.1"), ("--port", str(port)),
                         ("--served-model-name", "bench")):
         args = _opt(args, flag, value)
     env = {k: v for k, v in spec.env.items() if k != "HF_HOME"} | OFFLINE_ENV | ple
-    devs = [f"model {model.name}/ (MODE={r.settings['MODE']}), --load-format dummy, --host/--port, --served-model-name bench",
+    devs = [f"model {mdir.name}/ (MODE={r.settings['MODE']}), --load-format dummy, --host/--port, --served-model-name bench",
             "--gdn-prefill-backend triton, VLLM_USE_FLASHINFER_SAMPLER=0: offline (no FlashInfer cubins)"]
     if c["kind"] == "stock":
-        argv = [*vllm, str(model), *args, "--engram-config", '{"cpu_offload":false}', *OFFLINE_ARGS]
+        argv = [*vllm, str(mdir), *args, "--engram-config", '{"cpu_offload":false}', *OFFLINE_ARGS]
         env["VLLM_PLUGINS"] = ""
         devs += ["VLLM_PLUGINS='': flash's plugin not loaded (no patch)",
                  "--engram-config {\"cpu_offload\":false}: the table on the GPU"]
+        if c["profile"] == "nvidia":
+            devs += [f"dropped {w}: {why}" for w, why in NVIDIA_DROPPED.items()]
+            devs.append("checkpoint: the published nvidia layout (the recipe's local-inference-lab QAD export is not here)")
     else:
-        argv = [python, "-m", "flash_vllm.launch", *vllm, str(model), *args, *OFFLINE_ARGS]
+        argv = [python, "-m", "flash_vllm.launch", *vllm, str(mdir), *args, *OFFLINE_ARGS]
         devs.append(f"VLLM_PLE_MMAP_DIR={ple['VLLM_PLE_MMAP_DIR']}: the bench's table")
     return {"name": name, "argv": argv, "env": env, "deviations": devs,
             "settings": {k: str(r.settings[k]) for k in ("MODE", "MTP", "CTX", "GPU_MEM", "KV_DTYPE", "DET_TOPK",
@@ -178,8 +155,8 @@ def side_modules(layers: int) -> list[str]:
     """The side-layer linears `flash prepare hybrid` converts (checkpoint.layout.SIDE_LAYER)."""
     out = []
     for i in range(layers):
-        p = f"{bd.P}layers.{i}."
-        if bd.is_qsa(i):
+        p = f"{model.P}layers.{i}."
+        if model.is_qsa(i):
             out += [p + f"self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj", "indexer.index_qk_proj")]
         else:
             out += [p + f"linear_attn.{m}" for m in ("in_proj_qkv", "in_proj_z", "out_proj")]
@@ -198,7 +175,7 @@ def write_hybrid(d: Path, layers: int) -> dict:
         raise SystemExit(f"not side layers by flash's own rule: {bad[:3]}")
     cfg = json.loads((src / "config.json").read_text())
     hq = json.loads((src / "hf_quant_config.json").read_text())
-    summary = quantcfg.edit(cfg, hq, modules, [f"{bd.P}layers.{i}.mlp.experts" for i in range(layers)])
+    summary = quantcfg.edit(cfg, hq, modules, [f"{model.P}layers.{i}.mlp.experts" for i in range(layers)])
     problems = quantcfg.problems(cfg, hq, modules)
     if problems:
         raise SystemExit(f"the hybrid config fails flash's own gate: {problems[:3]}")
@@ -216,7 +193,7 @@ def write_hybrid(d: Path, layers: int) -> dict:
 def prepare(args) -> int:
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)  # bench_decode's disk check reads the parent
-    rc = bd.prepare(argparse.Namespace(dir=str(d), quant="nvfp4", ple_rows=args.ple_rows, layers=LAYERS))
+    rc = model.prepare(argparse.Namespace(dir=str(d), quant="nvfp4", ple_rows=args.ple_rows, layers=LAYERS))
     if rc:
         return rc
     summary = write_hybrid(d, LAYERS)
@@ -309,12 +286,12 @@ def run(args) -> int:
     d = Path(args.dir).resolve()
     meta = json.loads((d / "meta.json").read_text())
     configs = _configs(args.configs)
-    grid = cells(bd._levels(args.levels), bd._levels(args.long_levels) if args.long_levels else [], args.long_prompt)
-    sink = bd._sink(args.out)
+    grid = cells(client.parse_levels(args.levels), client.parse_levels(args.long_levels) if args.long_levels else [], args.long_prompt)
+    sink = client.jsonl_sink(args.out)
     logs = Path(args.logs or Path(args.out).parent)
     logs.mkdir(parents=True, exist_ok=True)
     base = {"layers": meta.get("layers", LAYERS), "quant": meta.get("quant"), "ple_rows": meta.get("ple_rows"),
-            "commit": bd._commit(), "design": "blocks"}
+            "commit": schedule.tree_measured(), "design": "blocks"}
     t0 = time.monotonic()
     deadline = t0 + args.deadline
     boot_s: dict[str, float] = {}
@@ -350,10 +327,10 @@ def run(args) -> int:
                       "gpu_mib": _gpu_mib(), "argv": spec["argv"], "env": spec["env"],
                       "deviations": spec["deviations"], "settings": spec["settings"], **_log_facts(srv.log), **base})
                 k0 = time.monotonic()
-                settle = bd.PLE_SETTLE_S if name != "stock" and CONFIGS[name]["kind"] != "nvidia" else 0.0
+                settle = client.PLE_SETTLE_S if CONFIGS[name]["kind"] == "recipe" else 0.0
                 extra = {**base, "cycle": cycle}
                 for conc, plen in grid:  # the first batch of each shape pays one-time costs: untimed
-                    bd.warm(srv.url, name, conc, args.warmup_tokens, sink, extra | {"prompt_tokens": plen}, settle, plen)
+                    client.warm(srv.url, name, conc, args.warmup_tokens, sink, extra | {"prompt_tokens": plen}, settle, plen)
                 # each config sees the same prompts in the same order within a cycle
                 rng = random.Random(1000 + cycle)
                 for rep in range(args.repeats):
@@ -361,7 +338,7 @@ def run(args) -> int:
                     for conc, plen in grid[turn:] + grid[:turn]:
                         if left() < 5:
                             break
-                        bd.measure_one(srv.url, name, conc, args.tokens, cycle * args.repeats + rep, rng, sink,
+                        client.measure_one(srv.url, name, conc, args.tokens, cycle * args.repeats + rep, rng, sink,
                                        extra | {"prompt_tokens": plen, "round": rep}, settle, plen)
                 block_s.append(time.monotonic() - k0)
                 ran += 1
@@ -406,7 +383,7 @@ def verdict(ratios: list[float], resamples: int = 20_000, seed: int = 0) -> dict
     row = {"pairs": len(ratios), "geomean": round(g, 3)}
     if len(ratios) < 2:
         return row | {"verdict": "open", "why": "one pair: no interval"}
-    lo, hi = (math.exp(q) for q in np.quantile(bd._boot_means(logs, resamples, seed), [0.025, 0.975]))
+    lo, hi = (math.exp(q) for q in np.quantile(stats.boot_means(logs, resamples, seed), [0.025, 0.975]))
     row["ci95"] = [round(lo, 3), round(hi, 3)]
     row["verdict"] = "met" if g >= GOAL and lo >= FLOOR else "missed" if hi < GOAL else "open"
     return row

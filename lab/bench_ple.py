@@ -26,7 +26,7 @@ one object on the last line:
   {"decode48": {"ours_ms", "serial_ms", "anchor_ms", "disk_bound_ms", ...}, "decode192": {...},
    "prefill131k": {"ours_ms", "anchor_ms", "disk_bound_ms", ...}, "warm48_us", "machine": {...}}
 
-Example: python tools/bench_ple.py --gib 16 --json
+Example: python3 -m lab.bench_ple --gib 16 --json
 """
 
 from __future__ import annotations
@@ -44,13 +44,11 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from flash_vllm.ple.config import PLEConfig  # noqa: E402
-from flash_vllm.ple.synth import write_checkpoint  # noqa: E402
-from flash_vllm.ple.table import PAGE, PLETable  # noqa: E402
+from flash_vllm.ple.config import PLEConfig
+from flash_vllm.ple.synth import write_checkpoint
+from flash_vllm.ple.table import PAGE, PLETable
 
 ROW = 160
 NSHARDS = 128
@@ -625,7 +623,7 @@ def main(argv=None):
         "gpu": gpu, "table_gib": a.gib, "table_rows": table.num_rows, "io": table.io,
         "prefetch": table._prefetcher.mode, "workers": a.workers,
     }
-    result["command"] = " ".join([os.path.basename(sys.executable), "tools/bench_ple.py", *(argv or sys.argv[1:])])
+    result["command"] = " ".join([os.path.basename(sys.executable), "lab/bench_ple.py", *(argv or sys.argv[1:])])
     table.close()
     wn.close()
     tnp.close()

@@ -3,8 +3,8 @@
 top-k, each against what stock vLLM runs in its place, plus the device's copy bandwidth.
 
 Usage (a CUDA machine with vLLM 0.30+ and `src/` importable; benchmarks/decode-h200/KERNELS.md):
-    python tools/bench_step_kernels.py [--out FILE.jsonl] [--quick]
-    python tools/bench_step_kernels.py --cpu-smoke [--out FILE.jsonl]   # tiny shapes, CPU torch
+    python3 -m lab.bench_step_kernels [--out FILE.jsonl] [--quick]
+    python3 -m lab.bench_step_kernels --cpu-smoke [--out FILE.jsonl]   # tiny shapes, CPU torch
 
 What runs (the real model's shapes, bf16 head, fp32 indexer scores):
 - draft head, T = 1, 4, 8 (one draft step at batch 1/4/8: vLLM's MTP proposer calls compute_logits
@@ -55,15 +55,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, TextIO
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "src") not in sys.path:
-    sys.path.append(str(ROOT / "src"))  # after PYTHONPATH: a caller's src/ wins
+from flash_vllm.ple.config import GRAPH_MAX_ROWS  # stdlib only: the Stager's graph limit
 
-from flash_vllm.ple.config import GRAPH_MAX_ROWS  # noqa: E402 (stdlib only: the Stager's graph limit)
+ROOT = Path(__file__).resolve().parents[1]
 
 EXIT_CHECK_FAILED, EXIT_USAGE, EXIT_NO_CUDA = 1, 2, 3
 
-# The real model (docs: shared/reference/model-and-checkpoints.md) and an MTP=2 decode step.
+# The real model (its published config.json; lab/decode/model.py spells it out) and an MTP=2 decode step.
 HIDDEN, VOCAB, DRAFT_IDS = 2560, 248320, 65536
 TOKEN_TOPK, COMPRESS_RATIO = 2048, 4          # indexer_budget, indexer_compress_ratio -> 512 blocks
 DECODE_QUERY_LEN = 3                          # 1 verified + 2 draft positions per request
@@ -545,7 +543,7 @@ def bench_bandwidth(torch, sink: Sink, plan: Plan) -> None:
 
 # --- 4. patch 1's Stager: the dedup side against the short path -----------------------------
 
-STAGE_HEADS = 16  # n-gram heads per token (model-and-checkpoints.md): rows per decode token
+STAGE_HEADS = 16  # n-gram heads per token (8 per n-gram size, 2 sizes: the published config): rows per decode token
 STAGE_IMPLS = {"dedup256": 256, "nodedup": GRAPH_MAX_ROWS + 1}  # dedup_min: run6's, and today's default (every decode batch below it)
 
 

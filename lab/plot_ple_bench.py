@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Plot tools/bench_ple.py results: cold gather time per strategy and batch size, one panel per run.
+"""Plot lab/bench_ple.py results: cold gather time per strategy and batch size, one panel per run.
 
-Usage: python tools/plot_ple_bench.py OUT.png RESULT.json [RESULT.json ...]
+Usage: python3 -m lab.plot_ple_bench OUT.png RESULT.json [RESULT.json ...]
 Needs matplotlib (not a project dependency: `pip install matplotlib` in any venv).
 """
 

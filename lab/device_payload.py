@@ -124,23 +124,9 @@ APPROX_FREEZE = "device-image-freeze.approx.txt"
 REAL_FREEZE = "device-image-freeze.txt"
 
 
-def shared_gpu_e2e(name: str) -> Path | None:
-    """A file of shared/gpu-e2e/: the checkout's shared/ first (the device tool carries it), then
-    ../shared (worktrees), then /work/shared."""
-    for base in (ROOT / "shared", ROOT.parent / "shared", ROOT.parent.parent / "shared", Path("/work/shared")):
-        p = base / "gpu-e2e" / name
-        if p.is_file():
-            return p
-    return None
-
-
 def default_freeze() -> Path | None:
-    """The device image's freeze for pack without a list: a real one (`pip list --format=freeze`
-    taken on the device: shared/gpu-e2e/device-image-freeze.txt, else tools/payload/'s, taken in
-    the session of 25174b3) before the approximation in tools/payload/."""
-    p = shared_gpu_e2e(REAL_FREEZE)
-    if p:
-        return p
+    """The device image's freeze for pack without a list: the real one (`pip list --format=freeze`
+    taken on the device in the session of 25174b3) before the approximation, both in lab/payload/."""
     for name in (REAL_FREEZE, APPROX_FREEZE):
         p = PAYLOAD_DIR / name
         if p.is_file():
@@ -149,12 +135,11 @@ def default_freeze() -> Path | None:
 
 
 def default_list(release: str) -> Path | None:
-    """The list file for a release: shared/gpu-e2e/ first, then the one kept here
-    (tools/payload/vllm-RELEASE-wheels.txt: the exact set a passing device run installed, so a
-    re-pack on a fresh checkout carries the same wheels instead of whatever PyPI resolves today)."""
-    name = f"vllm-{release}-wheels.txt"
-    kept = PAYLOAD_DIR / name
-    return shared_gpu_e2e(name) or (kept if kept.is_file() else None)
+    """The wheel list kept for a release (lab/payload/vllm-RELEASE-wheels.txt: the exact set a
+    passing device run installed, so a re-pack on a fresh checkout carries the same wheels instead
+    of whatever PyPI resolves today); None: pack resolves the release."""
+    kept = PAYLOAD_DIR / f"vllm-{release}-wheels.txt"
+    return kept if kept.is_file() else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -659,7 +644,7 @@ def env_lines(prefix: Path) -> dict[str, str]:
 
 def write_env_sh(prefix: Path) -> Path:
     e = env_lines(prefix)
-    text = ("# written by tools/device_payload.py install: source this before `vllm serve`\n"
+    text = ("# written by lab/device_payload.py install: source this before `vllm serve`\n"
             f'export PYTHONPATH="{e["PYTHONPATH"]}${{PYTHONPATH:+:$PYTHONPATH}}"\n'
             f'export PATH="{e["PATH_PREPEND"]}:$PATH"\n'
             "# no FlashInfer sampler cubins offline\n"
@@ -821,7 +806,7 @@ def cmd_pack(a) -> int:
             python = device_python(a.python)
             _err(f"no wheel list for {a.release}: resolving vllm=={a.release} with {python} -m pip, "
                  + (f"minus {len(exclude)} image packages of {freeze}" if freeze
-                    else "no --image-freeze and no tools/payload/" + APPROX_FREEZE + ": nothing excluded"))
+                    else "no --image-freeze and no lab/payload/" + APPROX_FREEZE + ": nothing excluded"))
             names = resolve_release(a.release, exclude, python)
             source = "pip resolver" + (f" minus {freeze.name}" if freeze else "")
     extra = add_extra(names, a.release, a.extra_list)
@@ -847,7 +832,7 @@ def cmd_pack(a) -> int:
 
 def add_extra(names: list[str], release: str, explicit: str | None) -> Path | None:
     """Append (in place, once each) the release's extra wheels: what real boots on the device found
-    missing beyond the shared list (`explicit`, else tools/payload/vllm-RELEASE-extra.txt when
+    missing beyond the kept list (`explicit`, else lab/payload/vllm-RELEASE-extra.txt when
     present). Returns the file read, or None."""
     extra = Path(explicit) if explicit else PAYLOAD_DIR / f"vllm-{release}-extra.txt"
     if not extra.is_file():
@@ -871,7 +856,7 @@ def cmd_image_freeze(a) -> int:
     header = [
         "APPROXIMATE device image freeze: derived here, NOT measured on the device. Replace it with the",
         "device's real `python3 -m pip list --format=freeze` when a session can run one.",
-        f"Derived {time.strftime('%Y-%m-%d', time.gmtime())} by `tools/device_payload.py image-freeze "
+        f"Derived {time.strftime('%Y-%m-%d', time.gmtime())} by `lab/device_payload.py image-freeze "
         f"--release {a.release}`: {' '.join(pip_v)} under CPython {py_v} resolved",
         f"vllm=={a.release} for cp{PY_VERSION.replace('.', '')} manylinux_2_5..2_{RESOLVE_GLIBC_MAX} x86_64 "
         f"(`pip install --dry-run --report`, nothing installed): {len(resolved)} packages,",
@@ -918,7 +903,7 @@ def cmd_install(a) -> int:
     problem = parsers_problem(prefix)
     if problem:
         raise PayloadError(f"installed, but the recipe's parsers (reasoning qwen3, tool qwen3_coder) do not load "
-                           f"from {prefix}: {problem} (add the missing wheel to tools/payload/vllm-"
+                           f"from {prefix}: {problem} (add the missing wheel to lab/payload/vllm-"
                            f"{m['release']}-extra.txt and pack again)", 4)
     print("  parsers    qwen3 (reasoning), qwen3_coder (tool): load")
     return 0
@@ -942,34 +927,34 @@ def cmd_status(a) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="device_payload.py", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python3 -m lab.device_payload", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pack", help="download, tar and split a release's wheels (here)")
     p.add_argument("--release", required=True, help="vLLM release, e.g. 0.33.0")
-    p.add_argument("--list", help="file of exact wheel filenames (default: shared/gpu-e2e/vllm-RELEASE-wheels.txt, "
-                                  "else tools/payload/vllm-RELEASE-wheels.txt; without one, pip resolves vllm==RELEASE)")
+    p.add_argument("--list", help="file of exact wheel filenames (default: lab/payload/vllm-RELEASE-wheels.txt; "
+                                  "without one, pip resolves vllm==RELEASE)")
     p.add_argument("--image-freeze", help="without a list: the device's `pip list --format=freeze`, whose "
-                                          "exact name==version pairs are left out (default: shared/gpu-e2e/"
-                                          f"{REAL_FREEZE}, else tools/payload/{REAL_FREEZE} (measured), else "
-                                          f"tools/payload/{APPROX_FREEZE})")
+                                          "exact name==version pairs are left out (default: "
+                                          f"lab/payload/{REAL_FREEZE} (measured), else "
+                                          f"lab/payload/{APPROX_FREEZE})")
     p.add_argument("--python", help=f"a CPython {PY_VERSION} to run pip's resolver under (default: this one, "
                                     f"python{PY_VERSION} on PATH, or ~/.pyenv/versions/{PY_VERSION}*)")
     p.add_argument("--out", help="output dir (default .payload/vllm-RELEASE)")
     p.add_argument("--part-size-mib", type=float, default=None,
                    help=f"default: what fits one device call ({CALL_LIMIT // MIB} MiB) beside this checkout's "
                         f"tree, less {CARRY_HEADROOM // MIB} MiB headroom")
-    p.add_argument("--extra-list", help="more wheel filenames (default: tools/payload/vllm-RELEASE-extra.txt when present)")
+    p.add_argument("--extra-list", help="more wheel filenames (default: lab/payload/vllm-RELEASE-extra.txt when present)")
     p.add_argument("--cache", default=str(DEFAULT_CACHE), help="wheel download cache")
     p.set_defaults(func=cmd_pack)
     p = sub.add_parser("image-freeze", help="approximate the device image's freeze: a release's resolution "
                                             "minus the wheels the device lacked (here)")
     p.add_argument("--release", required=True, help="the release whose lacking list was measured, e.g. 0.33.0")
-    p.add_argument("--list", help="wheels the device lacked (default: shared/gpu-e2e/vllm-RELEASE-wheels.txt)")
-    p.add_argument("--extra-list", help="more lacking wheels (default: tools/payload/vllm-RELEASE-extra.txt when present)")
+    p.add_argument("--list", help="wheels the device lacked (default: lab/payload/vllm-RELEASE-wheels.txt)")
+    p.add_argument("--extra-list", help="more lacking wheels (default: lab/payload/vllm-RELEASE-extra.txt when present)")
     p.add_argument("--python", help=f"a CPython {PY_VERSION} to run pip's resolver under")
     p.add_argument("--note", action="append", default=[], help="a header comment line to add (repeatable)")
-    p.add_argument("--out", help=f"output file, '-' for stdout (default tools/payload/{APPROX_FREEZE})")
+    p.add_argument("--out", help=f"output file, '-' for stdout (default lab/payload/{APPROX_FREEZE})")
     p.set_defaults(func=cmd_image_freeze)
     for name, func, hlp in (("receive", cmd_receive, "verify a carried part and move it into the store (remote)"),
                             ("install", cmd_install, "assemble, verify and install a complete payload (remote)"),

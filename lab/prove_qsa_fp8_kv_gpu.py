@@ -2,7 +2,7 @@
 """Patch 7 on real hardware: the rewritten QSA split-K Triton kernel with an e4m3 cache.
 
 Usage (a CUDA machine with torch + triton; vLLM itself is not needed):
-    python tools/prove_qsa_fp8_kv_gpu.py OPS_0.29 OPS_0.30 OPS_0.31 [--json OUT.json]
+    python3 -m lab.prove_qsa_fp8_kv_gpu OPS_0.29 OPS_0.30 OPS_0.31 [--json OUT.json]
 where OPS_X is that release's vllm/models/qwen4_exp/nvidia/ops/qsa.py. The three files are loaded
 as modules over a stub `vllm` package holding only what they import (real triton, a platform
 object, a copy of TritonWarmupTensor's compile-only metadata). Patch 7's `fp8_ops()` rewrites
@@ -30,7 +30,6 @@ import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests" / "vllm" / "release")]
 
 
 def stub_vllm():
@@ -115,7 +114,7 @@ def cpu_bounds() -> int:
     inputs as the GPU run): |ref over e4m3 cache - ref over bf16 cache| <= bound."""
     import torch
 
-    import qsa_ref as ref
+    from tests.vllm.release import qsa_ref as ref
 
     bad = 0
     for rows, topk, scale, amp, _ in CASES:
@@ -158,7 +157,7 @@ def main() -> int:
     from triton.testing import do_bench
 
     stub_vllm()
-    import qsa_ref as ref
+    from tests.vllm.release import qsa_ref as ref
     from flash_vllm.patches.qsa_fp8_kv import fp8_ops
 
     o29, o30, o31 = load(args.ops029, "ops029"), load(args.ops030, "ops030"), load(args.ops031, "ops031")

@@ -3,25 +3,25 @@
 # (the device tool kills a call's processes when it returns, except a new process session, which
 # lives until the machine goes back). Later calls only watch and bring back what is done.
 #
-#   tools/gpu_session.sh start COMMIT BUDGET_S [PHASES]   copy this tree to /var/tmp/flash-repo,
+#   lab/gpu_session.sh start COMMIT BUDGET_S [PHASES]   copy this tree to /var/tmp/flash-repo,
 #                                 launch the phases (setsid), return at once
-#   tools/gpu_session.sh watch SECONDS   progress every 20 s; copies the results so far to $OUT
+#   lab/gpu_session.sh watch SECONDS   progress every 20 s; copies the results so far to $OUT
 #                                 (every minute, and at the end); returns after SECONDS or once
 #                                 every phase ended
 #
-# Needs the vLLM payload installed (tools/device_payload.py install, docs/GPU-E2E.md). Phases, run
+# Needs the vLLM payload installed (python3 -m lab.device_payload install, lab/README.md). Phases, run
 # in the order PHASES lists them (`none`: only restore the JIT caches), each skipped when the budget
 # left is shorter than it needs (said in phases.log):
 #   e2e      tests/run gpu-e2e, every scenario but diag_ple_ids (E2E_K overrides the -k): a/b/c-default
 #            alone first (kv_plan), then the others with fixed KV pools in waves of
 #            FLASH_E2E_BOOT_WAVE (default 4); its deadline is what the phases after it leave (e2e_deadline)
-#   decode8  tools/bench_decode.py matrix, 8 of the 48 layers (real per-layer shapes, dummy weights)
-#   kernels  tools/bench_step_kernels.py (draft head, QSA top-k, copy bandwidth, PLE staging) + tests/gpu
+#   decode8  lab/bench_decode.py matrix, 8 of the 48 layers (real per-layer shapes, dummy weights)
+#   kernels  lab/bench_step_kernels.py (draft head, QSA top-k, copy bandwidth, PLE staging) + tests/gpu
 #   decode4  the same matrix at 4 layers (two layer counts: the line read at 48 layers)
-#   recipe48 tools/bench_recipe.py run: all 48 layers, NVFP4 experts, the servers `flash serve`
+#   recipe48 lab/bench_recipe.py run: all 48 layers, NVFP4 experts, the servers `flash serve`
 #            renders (RECIPE_CONFIGS, default stock,default,nvidia) in blocks of whole servers until
 #            the budget's end; RECIPE_ARGS adds options (e.g. --repeats 3)
-#   latency48 tools/bench_latency.py run on the same dirs: prefix-cache hits and TTFT for shared
+#   latency48 lab/bench_latency.py run on the same dirs: prefix-cache hits and TTFT for shared
 #            prefixes of 1k-16k tokens, ITL of a stream while a 32k-token prefill runs
 #            (LATENCY_CONFIGS, default stock,default,shared; LATENCY_ARGS adds options)
 #            (both: DECODE_REPEATS, default 3; DECODE_TOKENS per request, 256; DECODE_SECONDS each
@@ -55,6 +55,10 @@ JIT_MAX_MIB=${FLASH_SESSION_JIT_MAX_MIB:-45}  # 3 returned parts of 15 MiB besid
 REL=$(basename "$(dirname "$ENV_SH")"); REL=${REL#flash-vllm-}  # the payload's release, e.g. 0.29.0
 # carried into the checkout; one per release (another Triton's kernels would only be dead weight)
 JIT_CARRIED=${FLASH_SESSION_JIT_TAR:-.payload/jit-cache-$REL.tar.gz}
+
+# the tree this script belongs to (lab/..): `start` checks its settings with the tree's own modules,
+# importable without a project venv once its src/ is on PYTHONPATH
+TREE=$(cd "$(dirname "$0")/.." && pwd)
 
 log() { echo "$(date -u +%H:%M:%S) $*" | tee -a "$GS/phases.log"; }
 
@@ -103,9 +107,9 @@ phase() {
   log "end $name rc=$?"
 }
 
-# layers, seconds it needs, first port: tools/bench_decode.py's matrix on that layer count
+# layers, seconds it needs, first port: lab/bench_decode.py's matrix on that layer count
 decode_phase() {
-  phase "decode$1" "$2" python3 tools/bench_decode.py matrix "$BENCH/L$1" --port "$3" \
+  phase "decode$1" "$2" python3 -m lab.bench_decode matrix "$BENCH/L$1" --port "$3" \
     --out "$GS/decode/raw.jsonl" --logs "$GS/decode" --repeats "$DECODE_REPEATS" --tokens "$DECODE_TOKENS" --configs "$DECODE_CONFIGS" \
     --deadline $(( $(left) - 20 < DECODE_SECONDS ? $(left) - 20 : DECODE_SECONDS ))
 }
@@ -113,19 +117,21 @@ decode_phase() {
 run_phases() {
   cd "$REPO" || exit 1
   set -a; . "$ENV_SH"; set +a
+  # the device has no project venv: the lab modules import flash_* from this tree's src/
+  export PYTHONPATH="$REPO/src${PYTHONPATH:+:$PYTHONPATH}"
   export PYTHONUNBUFFERED=1 FLASH_E2E_VLLM_ENV="$ENV_SH" FLASH_E2E_COMMIT="$COMMIT"
   # bench model dirs: written beside the e2e boots (disk and CPU only); one table for both counts;
   # only when a decode phase is asked (the table is 4.8 GiB)
   local prep="" prep48=""
   case ",${PHASES}," in *,decode8,*|*,decode4,*)
     ( mkdir -p "$BENCH/L4" && ln -sfn "$BENCH/L8/ple" "$BENCH/L4/ple" &&
-      nice -n 5 python3 tools/bench_decode.py prepare "$BENCH/L8" --quant fp8 --ple-rows "$ROWS" --layers 8 &&
-      nice -n 5 python3 tools/bench_decode.py prepare "$BENCH/L4" --quant fp8 --ple-rows "$ROWS" --layers 4
+      nice -n 5 python3 -m lab.bench_decode prepare "$BENCH/L8" --quant fp8 --ple-rows "$ROWS" --layers 8 &&
+      nice -n 5 python3 -m lab.bench_decode prepare "$BENCH/L4" --quant fp8 --ple-rows "$ROWS" --layers 4
     ) >"$GS/prepare.log" 2>&1 &
     prep=$! ;;
   esac
   case ",${PHASES}," in *,recipe48,*|*,latency48,*)  # the 48-layer dirs (model/, model-hybrid/, the table)
-    ( nice -n 5 python3 tools/bench_recipe.py prepare "$BENCH/L48" --ple-rows "$ROWS" ) >"$GS/prepare48.log" 2>&1 &
+    ( nice -n 5 python3 -m lab.bench_recipe prepare "$BENCH/L48" --ple-rows "$ROWS" ) >"$GS/prepare48.log" 2>&1 &
     prep48=$! ;;
   esac
 
@@ -146,25 +152,25 @@ run_phases() {
           if [ -n "$prep" ]; then wait "$prep"; log "prepare rc=$? ($(tail -c 300 "$GS/prepare.log" | tr '\n' ' '))"; fi
           # the plugin as vLLM finds it (an entry point): the dist-info the e2e tier writes
           local site
-          site=$(python3 -c "import sys, pathlib; sys.path[:0] = ['tests/gpu_e2e', 'tests', 'src']; import fleet
+          site=$(PYTHONPATH="tests/gpu_e2e:tests:$PYTHONPATH" python3 -c "import pathlib; import fleet
 print(fleet.plugin_site(fleet.Context(work=pathlib.Path('$GS/work'), out=pathlib.Path('$GS'), python='', base_env={}, snaps={})))")
-          export PYTHONPATH="$site:$REPO/src:$PYTHONPATH"
+          export PYTHONPATH="$site:$PYTHONPATH"
           mkdir -p "$GS/decode" "$GS/kernels"
         fi
         case "$p" in
           decode8) decode_phase 8 "$(need decode8)" 18600 ;;
-          kernels) phase kernels "$(need kernels)" bash -c "timeout 120 python3 tools/bench_step_kernels.py --out '$GS/kernels/kernels.jsonl';
+          kernels) phase kernels "$(need kernels)" bash -c "timeout 120 python3 -m lab.bench_step_kernels --out '$GS/kernels/kernels.jsonl';
                      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu" ;;
           decode4) decode_phase 4 "$(need decode4)" 18610 ;;
           recipe48)
             if [ -n "$prep48" ]; then wait "$prep48"; rc48=$?; prep48=""; log "prepare48 rc=$rc48 ($(tail -c 300 "$GS/prepare48.log" | tr '\n' ' '))"; fi
             # shellcheck disable=SC2086 - RECIPE_ARGS is a list of options
-            phase recipe48 "$(need recipe48)" python3 tools/bench_recipe.py run "$BENCH/L48" --configs "$RECIPE_CONFIGS" \
+            phase recipe48 "$(need recipe48)" python3 -m lab.bench_recipe run "$BENCH/L48" --configs "$RECIPE_CONFIGS" \
               --out "$GS/decode/raw48.jsonl" --logs "$GS/decode" --deadline $(( $(left) - 90 )) $RECIPE_ARGS ;;
           latency48)
             if [ -n "$prep48" ]; then wait "$prep48"; rc48=$?; prep48=""; log "prepare48 rc=$rc48 ($(tail -c 300 "$GS/prepare48.log" | tr '\n' ' '))"; fi
             # shellcheck disable=SC2086 - LATENCY_ARGS is a list of options
-            phase latency48 "$(need latency48)" timeout $(( $(left) - 60 )) python3 tools/bench_latency.py run "$BENCH/L48" \
+            phase latency48 "$(need latency48)" timeout $(( $(left) - 60 )) python3 -m lab.bench_latency run "$BENCH/L48" \
               --configs "$LATENCY_CONFIGS" --out "$GS/decode/latency48.jsonl" --logs "$GS/decode" $LATENCY_ARGS ;;
         esac ;;
     esac
@@ -205,7 +211,7 @@ case "${1:-}" in
       case "${!v}" in ''|*[!0-9]*|0*) echo "gpu_session: $v='${!v}': give a positive whole number" >&2; exit 2 ;; esac
     done
     # the servers the matrix knows, from the matrix itself (stdlib only: the device's python3)
-    known=$(python3 "$(dirname "$0")/bench_decode.py" configs) || { echo "gpu_session: tools/bench_decode.py configs failed" >&2; exit 3; }
+    known=$(cd "$TREE" && PYTHONPATH="$TREE/src${PYTHONPATH:+:$PYTHONPATH}" python3 -m lab.bench_decode configs) || { echo "gpu_session: lab/bench_decode.py configs failed" >&2; exit 3; }
     names=${known//,/, } seen=,
     for c in ${DECODE_CONFIGS//,/ } ''; do  # the trailing '' catches an empty list
       case ",$c,:,$known," in
@@ -217,12 +223,12 @@ case "${1:-}" in
       esac
     done
     case ",${PHASES}," in *,recipe48,*)  # a typo here would cost the session's boots: checked first
-      python3 "$(dirname "$0")/bench_recipe.py" configs "$RECIPE_CONFIGS" >/dev/null || exit 2 ;;
+      (cd "$TREE" && PYTHONPATH="$TREE/src${PYTHONPATH:+:$PYTHONPATH}" python3 -m lab.bench_recipe configs "$RECIPE_CONFIGS") >/dev/null || exit 2 ;;
     esac
     case ",${PHASES}," in *,latency48,*)
-      python3 "$(dirname "$0")/bench_recipe.py" configs "$LATENCY_CONFIGS" >/dev/null || exit 2 ;;
+      (cd "$TREE" && PYTHONPATH="$TREE/src${PYTHONPATH:+:$PYTHONPATH}" python3 -m lab.bench_recipe configs "$LATENCY_CONFIGS") >/dev/null || exit 2 ;;
     esac
-    [ -f "$ENV_SH" ] || { echo "gpu_session: $ENV_SH missing: install the payload first (docs/GPU-E2E.md)" >&2; exit 3; }
+    [ -f "$ENV_SH" ] || { echo "gpu_session: $ENV_SH missing: install the payload first (lab/README.md)" >&2; exit 3; }
     rm -rf "$GS" "$REPO"; mkdir -p "$GS" "$REPO"
     if [ -f "$JIT_CARRIED" ]; then  # a previous session's JIT caches (see the top)
       if tar xzf "$JIT_CARRIED" -C "$HOME"; then log "jit caches restored from $JIT_CARRIED ($(du -k "$JIT_CARRIED" | cut -f1) KiB)"
@@ -257,6 +263,6 @@ case "${1:-}" in
     [ -f "$GS/done" ] && echo "=== all phases ended"
     ;;
   *)
-    echo "usage: tools/gpu_session.sh start COMMIT BUDGET_S [PHASES] | watch SECONDS" >&2
+    echo "usage: lab/gpu_session.sh start COMMIT BUDGET_S [PHASES] | watch SECONDS" >&2
     exit 2 ;;
 esac

@@ -10,7 +10,7 @@
   more than one token per chunk when MTP accepts). The goal: p99 with `shared` <= 2x its idle p99.
 
 Servers are bench_recipe's (the RunSpec `flash serve` renders, same substitutions, same model
-directory from `bench_recipe.py prepare`), run one at a time in blocks.
+directory from `python3 -m lab.bench_recipe prepare`), run one at a time in blocks.
 
   run DIR --out RAW.jsonl [--configs stock,default,shared] [--prefixes 1024,2048,…] [--repeats N]
   report RAW.jsonl… [--json J]   per config: hits and TTFT by prefix length; ITL idle vs under prefill
@@ -27,12 +27,8 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "tools"))
-
-import bench_decode as bd  # noqa: E402 (the metrics reader, the commit)
-import bench_recipe as br  # noqa: E402 (the servers)
+from lab import bench_recipe as br  # the servers
+from lab.decode import client, schedule  # the metrics reader, the writer, the commit
 
 PREFIXES = (1024, 2048, 4096, 8192, 16384)
 TAIL = 32            # distinct tokens after the shared prefix
@@ -50,7 +46,7 @@ def _ids(rng: random.Random, n: int) -> list[int]:
 
 def _counters(url: str) -> dict[str, float]:
     """The prefix-cache counters, summed over labels (the `_total` spelling or the bare one)."""
-    got = bd._metric(url, tuple(f"{n}_total" for n in HITS) + HITS)
+    got = client.read_counters(url, tuple(f"{n}_total" for n in HITS) + HITS)
     return {n: got.get(f"{n}_total", got.get(n, 0.0)) or 0.0 for n in HITS}
 
 
@@ -146,11 +142,11 @@ def run(args) -> int:
     d = Path(args.dir).resolve()
     meta = json.loads((d / "meta.json").read_text())
     configs = br._configs(args.configs)
-    prefixes = bd._levels(args.prefixes)
-    sink = bd._sink(args.out)
+    prefixes = client.parse_levels(args.prefixes)
+    sink = client.jsonl_sink(args.out)
     logs = Path(args.logs or Path(args.out).parent)
     logs.mkdir(parents=True, exist_ok=True)
-    base = {"layers": meta.get("layers", br.LAYERS), "quant": meta.get("quant"), "commit": bd._commit()}
+    base = {"layers": meta.get("layers", br.LAYERS), "quant": meta.get("quant"), "commit": schedule.tree_measured()}
     for name in configs:
         spec = br.render(name, d, args.port, sys.executable)
         srv = br.Server(spec, logs / f"latency-{name}.log")
