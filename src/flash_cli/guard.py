@@ -109,12 +109,19 @@ def guard_args(s, name: str) -> list[str]:
     return argv
 
 
-def guard_spec(s, name: str, image: str, restart: str) -> RunSpec:
+def engine_socket(env: dict[str, str]) -> str:
+    """The host path of the Engine socket the server was started through (DOCKER_HOST unix://…,
+    e.g. rootless Docker), which the guard must stop it through."""
+    host = env.get("DOCKER_HOST") or ""
+    return host[len("unix://"):] if host.startswith("unix://") else SOCKET
+
+
+def guard_spec(s, name: str, image: str, restart: str, socket: str = SOCKET) -> RunSpec:
     """The sidecar beside the server NAME: its image, host network (its /metrics on loopback only),
     no GPU, a tiny shm, the server's restart policy (after a reboot they come back together)."""
     labels = {GUARD_LABEL: name, f"{LABEL}.image": image, f"{LABEL}.role": "guard",
               f"{LABEL}.guard-port": str(s["GUARD_PORT"])}
-    mounts = [Mount("bind", SOCKET, SOCKET),  # stop = the Engine API's stop, so unless-stopped stays stopped
+    mounts = [Mount("bind", SOCKET, socket),  # stop = the Engine API's stop, so unless-stopped stays stopped
               Mount("bind", CGROUP_TARGET, "/sys/fs/cgroup", read_only=True)]
     return RunSpec(
         name=guard_name(name), image=image, entrypoint=["python3"], command=guard_args(s, name)[1:],

@@ -248,7 +248,10 @@ def run(args: argparse.Namespace, engine: Engine, clock=time.monotonic, sleep=ti
     g = Guard(args.threshold, args.hold)
     snap = Snapshot(args.name, args.source, args.threshold, args.hold)
     if args.metrics:
-        serve_metrics(snap, args.metrics)
+        try:
+            serve_metrics(snap, args.metrics)
+        except (OSError, ValueError) as exc:  # a second server's guard on the same port: guard anyway
+            say(f"no /metrics on {args.metrics} ({exc}); watching without them (set GUARD_PORT per server)")
     event("watching", name=args.name, source=args.source, threshold=args.threshold, hold=args.hold,
           interval=args.interval, grace=args.grace)
     say(f"watching {args.name}: stop it when PSI full avg10 ({args.source}) stays above {args.threshold:g}% "

@@ -126,5 +126,6 @@ def flash(built_image, hf_cache, tmp_path, docker_client):
     name = f"flash-test-{uuid.uuid4().hex[:8]}"
     f = Flash(tmp_path, hf_cache, free_port(), name)
     yield f
-    for c in docker_client.containers.list(all=True, filters={"label": f"org.flash.name={name}"}):
-        c.remove(force=True)
+    for label in ("name", "guard"):  # the server, and its memory guard sidecar
+        for c in docker_client.containers.list(all=True, filters={"label": f"org.flash.{label}={name}"}):
+            c.remove(force=True)

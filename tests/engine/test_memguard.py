@@ -160,3 +160,27 @@ def test_guard_stops_a_container_under_real_memory_pressure_and_nothing_else(doc
     finally:
         for c in made:
             c.remove(force=True)
+
+
+def test_serve_starts_the_guard_beside_the_server_and_rm_removes_it(flash, docker_client):
+    """The sidecar `flash serve` starts from the RunSpec, in the server's own image (flash_common
+    installed by the Dockerfile's installer), armed on the server; status shows it; rm takes it."""
+    res = flash("serve", "published", "--start-check", "2", f"GUARD_PORT={free_port()}")
+    assert res.returncode == 0, res.stderr
+    assert f"memory guard {flash.name}-guard" in res.stderr
+    g = docker_client.containers.get(f"{flash.name}-guard")
+    assert g.labels["org.flash.guard"] == flash.name and "org.flash.name" not in g.labels
+    assert g.attrs["Config"]["Image"] == "flash-vllm:enginetest"
+    assert wait_for(lambda: "armed on" in g.logs().decode(), 30), g.logs().decode()
+    st = json.loads(flash("status", "--json").stdout)
+    assert st["guard"]["state"] == "running" and st["guard"]["last_event"]["event"] == "armed"
+    assert not st["guard"]["stopped_server"]
+    # GUARD=0 takes it away on the next serve
+    res = flash("serve", "published", "--start-check", "1", "GUARD=0", "--force")
+    assert res.returncode == 0 and "removed the memory guard sidecar" in res.stderr, res.stderr
+    assert not docker_client.containers.list(all=True, filters={"label": f"org.flash.guard={flash.name}"})
+    res = flash("serve", "published", "--start-check", "1", "--force", f"GUARD_PORT={free_port()}")
+    assert res.returncode == 0, res.stderr
+    res = flash("rm")
+    assert res.returncode == 0 and f"removed its memory guard {flash.name}-guard" in res.stdout, res.stdout
+    assert not docker_client.containers.list(all=True, filters={"label": f"org.flash.guard={flash.name}"})

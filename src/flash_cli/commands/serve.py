@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     spec = plan(r, snapshot.name if snapshot else PLACEHOLDER)
     summary = (f"MODE={s['MODE']} BASE={s['BASE']} IMAGE={spec.image} NAME={s['NAME']} {s['BIND']}:{s['PORT']} "
                f"CTX={s['CTX']} YARN={int(s['YARN'])} MTP={s['MTP']} GPU_MEM={s['GPU_MEM']:.2f} KV_DTYPE={s['KV_DTYPE']}")
-    gspec = guard.guard_spec(s, spec.name, spec.image, spec.restart) if s["GUARD"] else None
+    gspec = guard.guard_spec(s, spec.name, spec.image, spec.restart, guard.engine_socket(dict(os.environ))) if s["GUARD"] else None
     check = guard.memory_checker(s)
     if args.dry_run:
         mem = check()
