@@ -14,6 +14,7 @@ says so; it never skips.
 from __future__ import annotations
 
 import glob
+import os
 import json
 import time
 import urllib.request
@@ -170,7 +171,7 @@ def test_serve_starts_the_guard_beside_the_server_and_rm_removes_it(flash, docke
     assert f"memory guard {flash.name}-guard" in res.stderr
     g = docker_client.containers.get(f"{flash.name}-guard")
     assert g.labels["org.flash.guard"] == flash.name and "org.flash.name" not in g.labels
-    assert g.attrs["Config"]["Image"] == "flash-vllm:enginetest"
+    assert g.attrs["Config"]["Image"] == os.environ.get("FLASH_TEST_IMAGE", "flash-vllm:enginetest")  # the server's
     assert wait_for(lambda: "armed on" in g.logs().decode(), 30), g.logs().decode()
     st = json.loads(flash("status", "--json").stdout)
     assert st["guard"]["state"] == "running" and st["guard"]["last_event"]["event"] == "armed"
