@@ -59,3 +59,20 @@ def test_export_cli_writes_the_file(tmp_path, capsys):
     assert doc["services"]["server"]["labels"]["org.flash.profile"] == "published"
     assert "<SNAPSHOT>" in doc["services"]["server"]["command"][2]  # no weights here: said on stderr
     assert "is not in" in capsys.readouterr().err
+
+
+def test_sparkrun_recipe_moves_the_model_under_sparkruns_mount_and_templates_its_flags():
+    import shlex
+
+    from flash_cli import profiles, sparkrun
+
+    s, spec = spec_for(MODE="hybrid", BIND="0.0.0.0")
+    doc = sparkrun.recipe(spec, s, profiles.load("default"))
+    assert doc["model_revision"] == "abc123" and doc["runtime"] == "vllm" and doc["mode"] == "solo"
+    assert doc["env"]["HF_HOME"] == "/cache/huggingface" and "FLASH_API_KEY_FILE" not in doc["env"]
+    argv = shlex.split(doc["command"])
+    assert argv[2] == "/cache/huggingface/hub/models--nvidia--Qwen3.8-Flash-Next-NVFP4/snapshots/abc123-fp8hybrid"
+    for flag, key in sparkrun.PLACEHOLDERS.items():
+        assert argv[argv.index(flag) + 1] == "{" + key + "}"
+    assert doc["defaults"]["gpu_memory_utilization"] == "0.80" and doc["defaults"]["port"] == 8000
+    assert yaml.safe_load(sparkrun.recipe_text(spec, s, profiles.load("default"))) == doc
