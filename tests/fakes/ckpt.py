@@ -1,7 +1,7 @@
 """Layout-faithful synthetic checkpoints of Qwen3.8-Flash-Next in a real HF cache layout.
 
-Two flavours of the same generator (names, dtypes, shape formulas and file layouts from
-/work/shared/reference/model-and-checkpoints.md §1–§3):
+Two flavours of the same generator (names, dtypes, shape formulas and file layouts as the
+published checkpoints' config.json, safetensors indexes and headers give them):
 - `TINY` dims with real random data (numerical checks; written with the `safetensors` library),
 - `REAL` dims as sparse files (real names, shapes, dtypes, header bytes and file sizes; data
   are holes, so 135 GB cost no disk) for the scale tier.

@@ -1,11 +1,10 @@
-"""tools/bench_recipe.py: every server is the RunSpec `flash serve` renders, changed only where the
+"""lab/bench_recipe.py: every server is the RunSpec `flash serve` renders, changed only where the
 bench says so; the blocks run against a stand-in `vllm` module (real HTTP, streamed completions,
 Prometheus counters) and the report pairs each config with stock in the same cycle."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,10 +12,9 @@ import pytest
 from flash_cli import recipe
 from flash_cli.commands import serve
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
+from lab import bench_recipe as br
 
-import bench_recipe as br  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 # the flags the bench substitutes in a RunSpec's argv (docstring: each one said in `deviations`)
 SUBSTITUTED = {"--load-format", "--host", "--port", "--served-model-name"}

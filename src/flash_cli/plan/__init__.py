@@ -159,7 +159,7 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
         except (OSError, ValueError) as exc:
             assumptions.append(f"config.json unreadable ({exc}); geometry of the published checkpoint")
     else:
-        assumptions.append("geometry of the published checkpoint (model-and-checkpoints.md §1); no snapshot on disk")
+        assumptions.append("geometry of the published checkpoint (its config.json's text_config, built into plan/geometry.py); no snapshot on disk")
 
     base, mtp, mode = s["BASE"], s["MTP"], s["MODE"]
     vision = _vision_loaded(s["EXTRA"])

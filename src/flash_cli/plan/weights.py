@@ -22,7 +22,7 @@ GIB = 1024**3
 DRAFT_VOCAB_ROWS = 65_536  # the shipped draft vocabulary (DRAFT_VOCAB=1)
 
 # Routed experts: NVFP4 = 4-bit values (2 per byte) + F8_E4M3 scale per 16 + F32 weight_scale_2 and
-# input_scale per projection (model-and-checkpoints.md §3.1).
+# input_scale per projection (the published checkpoints' safetensors headers).
 _SIDE = re.compile(r"layers\.\d+\.(linear_attn\.(in_proj_qkv|in_proj_z|out_proj)|self_attn\.(q_proj|k_proj|v_proj|o_proj)"
                    r"|self_attn\.indexer\.index_qk_proj|mlp\.shared_expert\.(gate_proj|up_proj|down_proj))\.weight(_scale|_scale_inv)?$")
 # weight_scale: the FP8_PB_WO hybrid (variant format 2); weight_scale_inv: format-1 variants still on disk
@@ -104,7 +104,7 @@ def geometry_estimate(g: Geometry, *, checkpoint: str, mode: str, mtp: int, draf
             comps["mtp_experts"] = g.num_experts * per_expert * 2
             notes.append("MTP experts: bf16" + (" (RadixArk checkpoint)" if checkpoint == "radixark"
                                                 else f" (assumed for an unknown checkpoint: the largest case)"))
-        # dense part of the drafter (29 tensors): 4.86 GiB total - 4.69 GiB experts (seed 004)
+        # dense part of the drafter (29 tensors): 4.86 GiB total - 4.69 GiB experts (Minachist/Qwen3.8-Flash-Next-INT4-Mixed-AutoRound's model card)
         comps["mtp_dense"] = int(0.17 * GIB)
         if draft_vocab:
             comps["draft_head_copy"] = DRAFT_VOCAB_ROWS * h * 2
