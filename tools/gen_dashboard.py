@@ -102,6 +102,19 @@ PANELS = [
          "Allocations that had to free memory themselves: on a full unified pool this burns the CPU "
          "the PLE gather needs."),
     ]),
+    ("Memory guard (flash_common.memguard)", [
+        ("PSI full avg10 vs the guard's line", "percent", "timeseries", [
+            ("max by (name) (flash_guard_psi_full_avg10)", "full avg10 {{name}}"),
+            ("max by (name) (flash_guard_threshold_percent)", "GUARD_PSI_FULL {{name}}")],
+         "What the guard reads every 2 s (host: /proc/pressure/memory, container: the server's cgroup). Held "
+         "above the line for GUARD_HOLD seconds, the server is stopped gracefully (docker stop)."),
+        ("Guard: time above the line, stops", "short", "timeseries", [
+            ("max by (name) (flash_guard_above_seconds)", "seconds above {{name}}"),
+            ("max by (name) (flash_guard_hold_seconds)", "GUARD_HOLD {{name}}"),
+            ("sum by (name) (flash_guard_stops_total)", "stops {{name}}")],
+         "A stop's reason is the `reason` label of flash_guard_last_stop_timestamp_seconds (and `flash "
+         "status`, and `docker logs NAME-guard`); the FlashGuardStoppedServer alert fires on a stop."),
+    ]),
 ]
 
 

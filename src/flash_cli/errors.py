@@ -121,3 +121,9 @@ class ContextMismatch(FlashError):
     """The server came up with another max model len than its recipe asks for (a silent fallback)."""
 
     exit_code = 11
+
+
+class MemoryLow(FlashError):
+    """Not enough available memory for what the plan says the recipe claims (the memory guard)."""
+
+    exit_code = 12

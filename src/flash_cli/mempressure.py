@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from flash_common.memguard import parse_psi  # one PSI parser: the watchdog in the image uses it too
+
 GIB = 1024**3
 
 
@@ -33,25 +35,6 @@ def _read(root: Path, rel: str) -> str | None:
         return (root / rel).read_text()
     except OSError:
         return None
-
-
-def parse_psi(text: str) -> dict[str, dict[str, float]]:
-    """`some avg10=0.12 avg60=… avg300=… total=…` lines → {"some": {...}, "full": {...}}."""
-    out: dict[str, dict[str, float]] = {}
-    for line in text.splitlines():
-        kind, *pairs = line.split()
-        vals = {}
-        for pair in pairs:
-            k, _, v = pair.partition("=")
-            try:
-                vals[k] = float(v)
-            except ValueError:
-                raise ValueError(f"not a PSI line: {line!r}") from None
-        if kind in ("some", "full"):
-            out[kind] = vals
-    if "some" not in out:
-        raise ValueError(f"no 'some' line in {text[:80]!r}")
-    return out
 
 
 def read_meminfo(path: str | Path = "/proc/meminfo") -> dict[str, int]:

@@ -39,6 +39,7 @@ NODE_EXPORTER_FLAGS = ("--collector.pressure", f"--collector.vmstat.fields={VMST
 DEFAULT_VLLM = "127.0.0.1:18300"
 DEFAULT_NODE = "127.0.0.1:19100"
 DEFAULT_PROM = "127.0.0.1:19090"
+DEFAULT_GUARD = "127.0.0.1:19101"
 
 
 def helper(name: str, image: str, command: list[str], *, labels: dict[str, str], url: str,
@@ -74,19 +75,22 @@ def _swap(text: str, old: str, new: str, what: str) -> str:
     return text.replace(old, new)
 
 
-def render_prometheus(vllm: str, node: str, prom: str, interval: str | None = None) -> str:
+def render_prometheus(vllm: str, node: str, prom: str, interval: str | None = None,
+                      guard: str = DEFAULT_GUARD) -> str:
     text = (OBS / "prometheus.yml").read_text(encoding="utf-8")
     text = _swap(text, f'"{DEFAULT_VLLM}"', f'"{vllm}"', "prometheus.yml vllm target")
     text = _swap(text, f'"{DEFAULT_NODE}"', f'"{node}"', "prometheus.yml node target")
     text = _swap(text, f'"{DEFAULT_PROM}"', f'"{prom}"', "prometheus.yml self target")
+    text = _swap(text, f'"{DEFAULT_GUARD}"', f'"{guard}"', "prometheus.yml guard target")
     if interval:
         text = _swap(text, "scrape_interval: 10s", f"scrape_interval: {interval}", "scrape_interval")
         text = _swap(text, "evaluation_interval: 10s", f"evaluation_interval: {interval}", "evaluation_interval")
     return text
 
 
-def config_files(vllm: str, node: str, prom: str, interval: str | None = None) -> dict[str, str]:
-    files = {"prometheus/prometheus.yml": render_prometheus(vllm, node, prom, interval)}
+def config_files(vllm: str, node: str, prom: str, interval: str | None = None,
+                 guard: str = DEFAULT_GUARD) -> dict[str, str]:
+    files = {"prometheus/prometheus.yml": render_prometheus(vllm, node, prom, interval, guard)}
     for rule in sorted((OBS / "rules").glob("*.yml")):
         files[f"prometheus/rules/{rule.name}"] = rule.read_text(encoding="utf-8")
     ds = (OBS / "grafana/provisioning/datasources/flash.yml").read_text(encoding="utf-8")
@@ -154,7 +158,7 @@ def plan(settings, state_dir: Path, uid: int | None = None) -> MonitorPlan:
             mounts=[Mount("bind", "/host", "/", read_only=True, propagation="rslave")],
             labels=labels("node-exporter"), url=urls["node-exporter"], pid_mode="host", user="65534:65534"),
     }
-    files = config_files(vllm, node, prom)
+    files = config_files(vllm, node, prom, guard=f"{LOCAL}:{settings['GUARD_PORT'] or 19101}")
     return MonitorPlan(name, cdir, files, containers, urls, exposed, uid)
 
 

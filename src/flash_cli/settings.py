@@ -367,6 +367,27 @@ SETTINGS: tuple[Setting, ...] = (
     S("MEM_PRESSURE_WARN", "float", 10.0, "`flash doctor`/`status`: warn when /proc/pressure/memory `some` "
       "avg60 (percent of time tasks stalled on memory) is above this (direct reclaim, PLE pages evicted).",
       "flash doctor, flash status (warning threshold)", minimum=0, maximum=100),
+    # --- memory guard (issue 36; docs/GUARD.md) -------------------------------------------------
+    S("GUARD", "bool", True, "The memory watchdog: a sidecar container NAME-guard that stops the server "
+      "gracefully (docker stop, GUARD_GRACE) when PSI `full` avg10 stays above GUARD_PSI_FULL for GUARD_HOLD "
+      "seconds, before the kernel locks the box; the reason is in its log and `flash status`. One-box servers.",
+      "sidecar container NAME-guard (python3 -m flash_common.memguard, the server's image)"),
+    S("GUARD_SOURCE", "choice", "host", "Pressure the guard reads: host = /proc/pressure/memory (the whole box: "
+      "on a unified-memory Spark any process can squeeze the server's pool); container = the server's own cgroup "
+      "memory.pressure (a server under a memory limit).", "memguard --source", choices=("host", "container")),
+    S("GUARD_PSI_FULL", "float", 25.0, "PSI `full` avg10 (percent of the last 10 s in which every task stalled on "
+      "memory) above which the hold time runs. Below systemd-oomd's kill line (60% for 30 s), so the graceful stop "
+      "comes first.", "memguard --threshold", minimum=1, maximum=99),
+    S("GUARD_HOLD", "int", 20, "Seconds the pressure must stay above GUARD_PSI_FULL before the server is stopped.",
+      "memguard --hold", minimum=2, maximum=3600),
+    S("GUARD_GRACE", "int", 30, "Seconds Docker waits after SIGTERM before SIGKILL when the guard stops the server.",
+      "memguard --grace (docker stop -t)", minimum=1, maximum=600),
+    S("GUARD_PORT", "int", 19101, "The guard's Prometheus /metrics on 127.0.0.1:this port (0: none).",
+      "memguard --metrics", minimum=0, maximum=65535),
+    S("GUARD_MARGIN", "size", 4 * 1024**3, "`flash serve`: start only while MemAvailable is at least what `flash "
+      "plan` says the recipe claims plus this.", "flash serve (memory check before a start)"),
+    S("GUARD_WAIT", "int", 0, "`flash serve`: seconds to wait for that memory before refusing (0: refuse at once; "
+      "--wait-memory sets it).", "flash serve (memory check before a start)", minimum=0, maximum=86400),
     # --- two boxes: vLLM's own multi-node modes (issue 15; docs/MULTINODE.md) ------------------
     S("PARALLEL", "choice", "none", "Spread one deployment over the boxes in NODES with vLLM's own launch: "
       "tp2 = tensor parallel 2 (one rank per box, --nnodes/--node-rank/--master-addr, --headless worker); "

@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BASE = "flash-test-base:bookworm"
 STANDIN = "flash-standin:test"
-IMAGE = "flash-vllm:enginetest"
+IMAGE = os.environ.get("FLASH_TEST_IMAGE", "flash-vllm:enginetest")  # another tag: runs sharing one engine do not rebuild each other's
 SNAP = "5f0c6c1f4b7e2a9d8c3b1a0f9e8d7c6b5a4f3e2d"
 MODEL = "nvidia/Qwen3.8-Flash-Next-NVFP4"
 
@@ -150,5 +150,6 @@ def flash(built_image, hf_cache, tmp_path, docker_client):
     name = f"flash-test-{uuid.uuid4().hex[:8]}"
     f = Flash(tmp_path, hf_cache, free_port(), name)
     yield f
-    for c in docker_client.containers.list(all=True, filters={"label": f"org.flash.name={name}"}):
-        c.remove(force=True)
+    for label in ("name", "guard"):  # the server, and its memory guard sidecar
+        for c in docker_client.containers.list(all=True, filters={"label": f"org.flash.{label}={name}"}):
+            c.remove(force=True)

@@ -54,7 +54,7 @@ def test_promtool_check_config_and_rules():
     rules = sorted(str(p.relative_to(OBS)) for p in (OBS / "rules").glob("*.yml"))
     res = run(promtool, "check", "rules", *rules)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "SUCCESS: 14 rules found" in res.stdout and "SUCCESS: 6 rules found" in res.stdout
+    assert "SUCCESS: 14 rules found" in res.stdout and "SUCCESS: 7 rules found" in res.stdout
 
 
 def test_promtool_rule_unit_tests_with_series_fixtures():
@@ -92,12 +92,12 @@ def recording_rules() -> list[str]:
 
 def test_real_prometheus_scrapes_the_standin_and_every_query_returns_data(tmp_path):
     prometheus, node_exporter = need("prometheus"), need("prometheus-node-exporter")
-    prom_port, node_port = free_port(), free_port()
+    prom_port, node_port, guard_port = free_port(), free_port(), free_port()
     with StandIn("--speculative-config", '{"method":"mtp","num_speculative_tokens":2}', "--max-num-seqs", "2",
                  env={"VLLM_PLE_MMAP": "1", "STANDIN_DECODE_TPS": "200"}) as server:
         # the config Prometheus runs is the one `flash monitor` renders from the shipped files
         files = monitor.config_files(f"127.0.0.1:{server.port}", f"127.0.0.1:{node_port}",
-                                     f"127.0.0.1:{prom_port}", interval="1s")
+                                     f"127.0.0.1:{prom_port}", interval="1s", guard=f"127.0.0.1:{guard_port}")
         for rel, text in files.items():
             if rel.startswith("prometheus/"):
                 path = tmp_path / rel
@@ -107,6 +107,12 @@ def test_real_prometheus_scrapes_the_standin_and_every_query_returns_data(tmp_pa
                                  "--collector.disable-defaults", "--collector.meminfo", "--collector.vmstat",
                                  *monitor.NODE_EXPORTER_FLAGS],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # the memory guard as its sidecar runs it (source host: this machine's /proc/pressure/memory);
+        # no server to watch here, so its engine socket is absent and it only reports pressure
+        guard = subprocess.Popen([sys.executable, "-m", "flash_common.memguard", "--name", "obs", "--interval", "1",
+                                  "--docker", f"unix://{tmp_path / 'no-engine.sock'}",
+                                  "--metrics", f"127.0.0.1:{guard_port}"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         prom = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus/prometheus.yml'}",
                                  f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -149,9 +155,12 @@ def test_real_prometheus_scrapes_the_standin_and_every_query_returns_data(tmp_pa
             loader.join(30)
             prom.terminate()
             node.terminate()
+            guard.terminate()
+            guard.wait(20)
             prom.wait(20)
             node.wait(20)
     assert not empty, f"queries without data: {empty}"
-    assert {t["labels"]["job"]: t["health"] for t in targets} == {"vllm": "up", "node": "up", "prometheus": "up"}
+    assert {t["labels"]["job"]: t["health"] for t in targets} == {"vllm": "up", "node": "up", "prometheus": "up",
+                                                                            "flash-guard": "up"}
     health = {r["name"]: r["health"] for g in rules for r in g["rules"]}
-    assert len(health) == 20 and set(health.values()) == {"ok"}, health
+    assert len(health) == 21 and set(health.values()) == {"ok"}, health

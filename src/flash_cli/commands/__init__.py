@@ -34,6 +34,8 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "plan": ("plan", "predict the KV pool, concurrency and host headroom before a boot", ()),
     "patches": ("patches", "the vLLM patch matrix of an image (selfcheck inside it)", ()),
     "service": ("service", "run the recipe as a systemd service at boot (install|status|uninstall)", ()),
+    "eval": ("eval", "quality numbers with lm-evaluation-harness; --compare A B side by side", ()),
+    "export": ("export", "the recipe as one docker-compose.yml or a sparkrun recipe (compose|sparkrun)", ()),
 }
 
 

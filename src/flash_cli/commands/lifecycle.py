@@ -105,6 +105,13 @@ def rm(args: argparse.Namespace) -> int:
     if not args.dry_run:
         c.remove(force=True)
     print(f"{verb} container {what}, which was {st.status}")
+    from ..guard import find_sidecar
+
+    g = find_sidecar(c.client, r.settings["NAME"])
+    if g is not None:  # the memory guard belongs to the server: it goes with it
+        if not args.dry_run:
+            g.remove(force=True)
+        print(f"{verb} its memory guard {g.name}")
     if volumes:
         print(f"kept volumes: {', '.join(v for v in volumes if v)} (compile caches; docker volume rm to drop)")
     key = os.path.exists(running.state.api_key_path(c.name))

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from dataclasses import asdict
 
-from .. import preflight, recipe, running, state
+from .. import guard, preflight, recipe, running, state
 from ..errors import ContainerDied, UsageError
 from ..output import dim, say
-from ..render import docker_run_text
+from ..render import docker_run_text, to_docker_run
 from ..spec import LABEL, RunSpec, build
 from . import summary
 
@@ -31,6 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="defaults + environment only (what scripts/serve.sh uses)")
     p.add_argument("--start-check", type=float, default=8.0, metavar="S",
                    help="seconds to watch for an early death (default 8)")
+    p.add_argument("--wait-memory", type=int, nargs="?", const=600, default=None, metavar="S",
+                   help="wait up to S s (default 600) for the memory the plan needs instead of refusing (GUARD_WAIT)")
     p.set_defaults(func=run)
 
 
@@ -124,6 +127,13 @@ def run(args: argparse.Namespace) -> int:
     spec = plan(r, snapshot.name if snapshot else PLACEHOLDER)
     summary = (f"MODE={s['MODE']} BASE={s['BASE']} IMAGE={spec.image} NAME={s['NAME']} {s['BIND']}:{s['PORT']} "
                f"CTX={s['CTX']} YARN={int(s['YARN'])} MTP={s['MTP']} GPU_MEM={s['GPU_MEM']:.2f} KV_DTYPE={s['KV_DTYPE']}")
+    gspec = guard.guard_spec(s, spec.name, spec.image, spec.restart, guard.engine_socket(dict(os.environ))) if s["GUARD"] else None
+    check = guard.memory_checker(s)
+    if args.dry_run:
+        mem = check()
+        say(f"  {'·' if mem.ok else '! would refuse:'} {mem.text}")
+        if gspec is not None:
+            say("  · memory guard sidecar: " + " ".join(shlex.quote(a) for a in to_docker_run(gspec)))
     if present(args, r, snapshot, spec, summary, spec.warnings, lambda: asdict(spec), lambda: docker_run_text(spec)):
         return 0
     from .. import engine
@@ -139,6 +149,12 @@ def run(args: argparse.Namespace) -> int:
     held = existing is not None and engine.state(existing).status == "running"
     for p in preflight.port(s, held_by_us=held):
         p.raise_()
+    if held:  # replacing it frees what it holds: MemAvailable now would count it twice
+        say("  · memory check skipped: the running server being replaced holds part of that memory")
+    else:
+        wait = s["GUARD_WAIT"] if args.wait_memory is None else args.wait_memory
+        mem = guard.wait_for_memory(check, wait, progress=lambda c, w: say(f"  … waiting for memory ({w:.0f} s): {c.text}"))
+        say(f"  · {mem.text}")
     if existing is not None:
         same = existing.labels.get(f"{LABEL}.settings") == spec.labels[f"{LABEL}.settings"] \
             and existing.labels.get(f"{LABEL}.image") == spec.image and existing.image.id == client.images.get(spec.image).id
@@ -175,6 +191,12 @@ def run(args: argparse.Namespace) -> int:
             f"{spec.name} died during start (exit code {st.exit_code}{', OOM-killed' if st.oom_killed else ''}); "
             "its last log lines are above; the container was removed",
             hint="a bad flag in EXTRA, a missing image feature, or memory? see: flash doctor")
+    if gspec is not None:
+        g = guard.start_sidecar(client, gspec)
+        say(f"  · memory guard {g.name}: stops {spec.name} when PSI full avg10 ({s['GUARD_SOURCE']}) stays above "
+            f"{s['GUARD_PSI_FULL']:g}% for {s['GUARD_HOLD']} s")
+    elif guard.remove_sidecar(client, s["NAME"]):
+        say("  · GUARD=0: removed the memory guard sidecar")
     print(f">> {spec.name} starting: {spec.api_url}/v1 (profile {r.profile.name}, image {spec.image})")
     say("   boots take 8-13 minutes on a Spark. next: flash wait, then flash test")
     return 0

@@ -166,6 +166,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def guard_reason(client, name: str) -> str | None:
+    """Why the memory guard stopped NAME, when its last event says it did."""
+    from .. import engine
+    from ..guard import find_sidecar, last_event
+
+    g = find_sidecar(client, name)
+    ev = last_event(engine.tail(g, 200)) if g is not None else None
+    return ev.get("reason") if ev and ev.get("event") in ("stopping", "stopped") else None
+
+
 # --- the unit's main process --------------------------------------------------------------------
 def failures_path(name: str) -> Path:
     return state.state_dir() / f"service-{name}.json"
@@ -217,7 +227,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         if delay:
             say(f"service: {failures} failed run(s) in a row; waiting {delay} s before starting (backoff)")
             time.sleep(delay)
-        words = serve_args([*args.recipe, "RESTART=no"])
+        # at boot the pool may still be settling: wait for the plan's memory (GUARD_WAIT, else 600 s)
+        flags = [] if r.settings.is_set("GUARD_WAIT") else ["--wait-memory"]
+        words = serve_args([*args.recipe, "RESTART=no", *flags])
         words.func(words)
         client = engine.connect()
         container = engine.require(client, name)
@@ -238,6 +250,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     except FlashError:
         write_failures(name, failures + 1)
         raise
+    stopped_by_guard = guard_reason(client, name)
+    if stopped_by_guard:  # deliberate: restarting into the same pressure would undo it
+        say(f"service: the memory guard stopped {name}: {stopped_by_guard}; not restarting (flash start, or "
+            "systemctl restart, once memory is free)")
+        return 0
     if st.exit_code in CLEAN_EXIT:
         say(f"service: {name} exited cleanly (code {st.exit_code}: flash stop); done")
         return 0

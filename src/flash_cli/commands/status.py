@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import time
 
 from .. import api, recipe, running
 from ..output import Report, print_json
@@ -97,6 +98,7 @@ def collect(name: str, mem_warn_pct: float = 10.0) -> dict:
     out["memory"] = mem.as_dict()
     out["memory_findings"] = [{"level": lv, "text": tx} for lv, tx in mempressure.findings(
         mem, warn_pct=mem_warn_pct, plan_page_cache=_planned_page_cache(labels), running=st.status == "running")]
+    out["guard"] = guard_status(container, name)
     out["api"] = "down"
     if st.status == "running":
         health = api.get(f"{ep.url}/health", timeout=2)
@@ -114,6 +116,27 @@ def collect(name: str, mem_warn_pct: float = 10.0) -> dict:
     else:
         out["last_lines"] = logs[-5:]
     return out
+
+
+def guard_status(server, name: str) -> dict | None:
+    """The memory guard beside the server: its state and its last event (a stop says why)."""
+    from .. import engine
+    from ..guard import GUARD_LABEL, last_event
+
+    reader = getattr(server, "reader", None)
+    try:
+        found = reader.containers(f"{GUARD_LABEL}={name}") if reader is not None else \
+            server.client.containers.list(all=True, filters={"label": f"{GUARD_LABEL}={name}"})
+    except Exception:  # noqa: BLE001 - the guard's state must not break status
+        return None
+    if not found:
+        return None
+    g = found[0]
+    st = engine.state(g)
+    ev = last_event(engine.tail(g, 200))
+    return {"name": g.name, "state": st.status, "last_event": ev,
+            "stopped_server": ev is not None and ev.get("event") in ("stopping", "stopped"),
+            "reason": ev.get("reason") if ev and ev.get("event") in ("stopping", "stopped") else None}
 
 
 def is_deployment(settings) -> bool:
@@ -195,6 +218,15 @@ def run(args: argparse.Namespace) -> int:
         {"ok": rep.ok, "warn": rep.warn, "fail": rep.fail}[info["context"]["level"]](info["context"]["text"])
     for f in info.get("memory_findings") or []:
         getattr(rep, f["level"])(f["text"])
+    g = info.get("guard")
+    if g is None:
+        rep.info("memory guard: none (GUARD=0, or started by an older flash)")
+    elif g["stopped_server"]:
+        when = g["last_event"].get("at")
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) if when else "?"
+        (rep.fail if info["state"] != "running" else rep.warn)(f"memory guard stopped the server at {stamp}: {g['reason']}")
+    else:
+        (rep.ok if g["state"] == "running" else rep.warn)(f"memory guard {g['name']} {g['state']}")
     for ln in info["patch_lines"]:
         rep.info(ln[-140:])
     if "requests_running" in info:
