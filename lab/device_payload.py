@@ -78,6 +78,8 @@ class PayloadError(Exception):
 
 
 def sha256_file(path: Path, bufsize: int = 4 * MIB) -> str:
+    # not flash_common.digest's: receive/install run from the bare carried tree, before src/ is on
+    # any path (the device's python3 has no flash installed)
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(bufsize):

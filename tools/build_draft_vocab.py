@@ -48,6 +48,8 @@ import unicodedata
 import zipfile
 from pathlib import Path
 
+from flash_common.digest import sha256_file
+
 TOOL_VERSION = "1"
 TEXT_EXT = {".json", ".jsonl", ".md", ".txt", ".py", ".log", ".rst"}
 MAX_FILE = 20 * 1024 * 1024
@@ -59,12 +61,6 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # --- tokenizers ---------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from flash_cli.checkpoint import stwriter
+from flash_common.digest import sha256_file
 
 DTYPE_BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1, "I64": 8, "F16": 2}
 
@@ -442,12 +443,6 @@ def _git_sha1(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def revision_for(model: str, flavour: str, dims: Dims) -> str:
@@ -493,7 +488,7 @@ def write_snapshot(cache: Path, flavour: str, dims: Dims = TINY, sparse: bool = 
                 head += f.read(int.from_bytes(head, "little"))
             blob = hashlib.sha256(head + str(size).encode()).hexdigest()
         else:
-            blob = _sha256_file(tmp)
+            blob = sha256_file(tmp)
         place(fname, tmp, blob)
         for n, _, _ in tensors:
             weight_map[n] = fname

@@ -27,6 +27,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlparse
 
+from flash_common.digest import sha256_file
+
 PAGE = 1000  # the Hub's page size for tree listings
 
 
@@ -48,12 +50,6 @@ class Repo:
     token: str | None = None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _git_sha1(path: Path) -> str:
@@ -84,7 +80,7 @@ class FakeHub:
                 continue
             size = p.stat().st_size
             lfs = p.suffix == ".safetensors" or size >= lfs_min
-            files[p.name] = RepoFileData(p.name, p.resolve(), size, lfs, _sha256(p) if lfs else None,
+            files[p.name] = RepoFileData(p.name, p.resolve(), size, lfs, sha256_file(p) if lfs else None,
                                          _git_sha1(p) if not lfs or size < (1 << 26) else "0" * 40)
         repo.commits[commit] = files
         if ref:
