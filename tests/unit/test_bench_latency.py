@@ -6,12 +6,11 @@ The harness must read the hits from vLLM's own counters and time the gaps inside
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from lab import bench_latency as bl
 from lab import bench_recipe as br
+from tests.fakes import vllm_cli
 
-ROOT = Path(__file__).resolve().parents[2]
 
 FAKE_MAIN = r'''
 import json, os, sys, threading, time
@@ -73,13 +72,7 @@ ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 
 
 def test_prefix_hits_and_gaps_under_a_prefill(tmp_path, monkeypatch, capsys):
-    site = tmp_path / "site"
-    main = site / "vllm" / "entrypoints" / "cli"
-    main.mkdir(parents=True)
-    for pkg in (site / "vllm", site / "vllm" / "entrypoints", main):
-        (pkg / "__init__.py").write_text("")
-    (main / "main.py").write_text(FAKE_MAIN)
-    monkeypatch.setenv("PYTHONPATH", f"{site}:{ROOT / 'src'}")
+    vllm_cli.install(tmp_path, monkeypatch, FAKE_MAIN)
     d = tmp_path / "b"
     assert br.main(["prepare", str(d), "--ple-rows", "100000"]) == 0
     out = tmp_path / "raw.jsonl"

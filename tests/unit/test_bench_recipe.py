@@ -13,8 +13,8 @@ from flash_cli import recipe
 from flash_cli.commands import serve
 
 from lab import bench_recipe as br
+from tests.fakes import vllm_cli
 
-ROOT = Path(__file__).resolve().parents[2]
 
 # the flags the bench substitutes in a RunSpec's argv (docstring: each one said in `deviations`)
 SUBSTITUTED = {"--load-format", "--host", "--port", "--served-model-name"}
@@ -183,13 +183,7 @@ ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 
 
 def test_blocks_alternate_whole_servers_and_pair_within_a_cycle(tmp_path, monkeypatch):
-    site = tmp_path / "site"
-    main = site / "vllm" / "entrypoints" / "cli"
-    main.mkdir(parents=True)
-    for pkg in (site / "vllm", site / "vllm" / "entrypoints", main):
-        (pkg / "__init__.py").write_text("")
-    (main / "main.py").write_text(FAKE_MAIN)
-    monkeypatch.setenv("PYTHONPATH", f"{site}:{ROOT / 'src'}")
+    vllm_cli.install(tmp_path, monkeypatch, FAKE_MAIN)
     d = tmp_path / "b"
     assert br.main(["prepare", str(d), "--ple-rows", "100000"]) == 0
     out = tmp_path / "raw.jsonl"
