@@ -184,7 +184,7 @@ def test_patchset_hash_is_stable():
 def test_draft_vocab_ids_validation(tmp_path):
     import numpy as np
 
-    from flash_vllm.patches.draft_vocab import DraftVocabError, load_ids, resolve_path
+    from flash_vllm.patches.p10_mtp_draft_vocab import DraftVocabError, load_ids, resolve_path
 
     p = tmp_path / "ids.npy"
     np.save(p, np.array([5, 1, 3], dtype=np.int32))
@@ -202,7 +202,7 @@ def test_draft_vocab_ids_validation(tmp_path):
 def test_effort_map_arg_matches_map():
     import json
 
-    from flash_vllm.patches.effort_alias import EFFORT_MAP, REASONING_EFFORT_MAP_ARG
+    from flash_vllm.patches.p12_effort_alias import EFFORT_MAP, REASONING_EFFORT_MAP_ARG
 
     assert json.loads(REASONING_EFFORT_MAP_ARG) == EFFORT_MAP == {"high": "xhigh", "max": "xhigh", "minimal": "low"}
 

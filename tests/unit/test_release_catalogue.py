@@ -55,7 +55,7 @@ def test_capabilities_and_ranges():
 
 
 def test_registry_refuses_a_release_a_patch_leaves_unclassified(monkeypatch):
-    from flash_vllm.patches import block_fp8_mtp
+    from flash_vllm.patches import p11_block_fp8_mtp as block_fp8_mtp
 
     p = block_fp8_mtp.PATCH
     assert p.expected_status("v0.33") == "upstream"

@@ -26,7 +26,7 @@ def _remap(layers: dict) -> dict:
 
     if hasattr(mtp, "_remap_quantized_layers"):  # 0.30+: upstream
         return mtp._remap_quantized_layers(layers, NUM_LAYERS)
-    from flash_vllm.patches.block_fp8_mtp import remap_quantized_layers
+    from flash_vllm.patches.p11_block_fp8_mtp import remap_quantized_layers
 
     return remap_quantized_layers(layers, NUM_LAYERS)
 

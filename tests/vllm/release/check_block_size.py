@@ -108,7 +108,7 @@ def test_boot_line_states_both_block_sizes(registered):
         wrapped = fn.__wrapped__ if hasattr(fn, "__wrapped__") else None
         assert wrapped is None
         # run the wrapper around a stand-in for the heavy upstream body
-        from flash_vllm.patches.block_size import _log_sizes
+        from flash_vllm.patches.p04_mamba_block_size import _log_sizes
 
         out = _log_sizes(lambda self, c: "kv")(None, cfg)
     finally:

@@ -33,7 +33,7 @@ def render(tokenizer, base, effort):
     if base == "v0.33":  # native: the run spec passes --reasoning-effort-map with our map
         from vllm.renderers.params import map_reasoning_effort
 
-        from flash_vllm.patches.effort_alias import EFFORT_MAP
+        from flash_vllm.patches.p12_effort_alias import EFFORT_MAP
 
         kwargs["reasoning_effort"] = map_reasoning_effort(effort, EFFORT_MAP)
     resolved = resolve_chat_template_kwargs(tokenizer, TEMPLATE, kwargs)

@@ -318,7 +318,7 @@ def test_rewritten_kernel_is_compiled_triton(base, qsa):
         return
     import triton
 
-    from flash_vllm.patches import qsa_fp8_kv as p7
+    from flash_vllm.patches import p07_qsa_fp8_kv as p7
 
     ops = importlib.import_module(OPS)
     disp = ops.qsa_sparse_paged_attention
@@ -354,7 +354,7 @@ def test_anchor_drift_is_refused(base, qsa):
     """A release whose kernel no longer carries an anchor fails check() loudly, naming it."""
     if base not in PORTED:
         return
-    from flash_vllm.patches import qsa_fp8_kv as p7
+    from flash_vllm.patches import p07_qsa_fp8_kv as p7
     from flash_vllm.registry import TargetMissing
 
     src = p7.function_source(importlib.import_module(OPS), p7.KERNEL)

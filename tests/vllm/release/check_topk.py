@@ -83,7 +83,7 @@ def test_exact_topk_is_identical_across_calls(registered, base):
 
 
 def test_det_mode_routes_to_the_exact_path(registered):
-    from flash_vllm.patches import _qsa_topk
+    from flash_vllm.patches.p05_qsa_exact_topk import hook as _qsa_topk
 
     assert _qsa_topk.mode({"VLLM_QSA_DET_TOPK": "1"}) == "det"
     assert _qsa_topk.mode({"VLLM_QSA_DET_TOPK": "1", "VLLM_QSA_EXACT_TOPK": "fill"}) == "fill"
@@ -92,7 +92,7 @@ def test_det_mode_routes_to_the_exact_path(registered):
 
 
 def test_fill_masks_never_written_columns():
-    from flash_vllm.patches._qsa_topk import fill_invisible
+    from flash_vllm.patches.p05_qsa_exact_topk.hook import fill_invisible
 
     logits = _logits()
     fill_invisible(logits, torch.tensor(VISIBLE, dtype=torch.int32), 1000)

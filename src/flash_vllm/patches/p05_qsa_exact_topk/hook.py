@@ -10,12 +10,12 @@ replaces that dispatch; the mode is read from the environment when the hook is i
   stock kernel runs (a diagnostic: does the stock kernel read past `visible`?).
 - otherwise `VLLM_QSA_DET_TOPK=1`: the same exact path (patch 8 routes here instead of building
   an external kernel; see docs/PATCHES.md).
-- `VLLM_QSA_DET_TOPK=radix`: patch 8 through `_qsa_radix.radix_block_topk`, a Triton radix select
-  over the visible columns only (deterministic, ties to the lowest column). Measured on the H200
+- `VLLM_QSA_DET_TOPK=radix`: patch 8 through `radix_block_topk` (patch 8's `radix.py`), a Triton
+  radix select over the visible columns only (deterministic, ties to the lowest column). Measured on the H200
   (run4): faster than `det` up to 32k context, 11x stock at 128k, so it stays opt-in.
 - `VLLM_QSA_DET_TOPK=repair` (the recipe's default): the stock kernel, then
-  `_qsa_radix.repair_block_topk` in place on its output: the same answer as `radix` for stock's cost
-  plus two reads of the visible columns (a radix select only where the stock selection fails the
+  `repair_block_topk` (patch 8's `radix.py`) in place on its output: the same answer as `radix` for
+  stock's cost plus two reads of the visible columns (a radix select only where the stock selection fails the
   kernel's certificate). Run44, graphs: 1.9-3.4x the stock kernel alone, against 10-40x for `1`.
 - neither: the stock kernel, untouched (the hook passes through).
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from ..registry import TRUE, Context, TargetMissing, expect_installed, expect_source, install
+from ...registry import TRUE, Context, TargetMissing, expect_installed, expect_source, install
 
 HOOK_NUMBER = 5  # the hook is installed once, under patch 5's mark, whichever patch asks first
 M029 = "vllm.models.qwen4_exp.nvidia.ops.qsa"
@@ -55,6 +55,15 @@ def mode(env: Mapping[str, str]) -> str | None:
     return None
 
 
+# The hook's body is picked by these, once, when it is installed: they change the traced code.
+TRACED = ("VLLM_QSA_EXACT_TOPK", "VLLM_QSA_DET_TOPK")
+
+
+def knobs(env: Mapping[str, str]) -> dict:
+    """The compile key's state for patches 5 and 8 (one hook; the mode picks its body)."""
+    return {"topk": mode(env) or "stock"}
+
+
 def det_enabled(env: Mapping[str, str]) -> bool:
     """Patch 8's gate: VLLM_QSA_DET_TOPK=1 (the exact path), =radix or =repair (the Triton kernels)."""
     return mode({"VLLM_QSA_DET_TOPK": env.get("VLLM_QSA_DET_TOPK", "")}) is not None  # det, radix or repair
@@ -64,9 +73,9 @@ def _kernel(hook_mode: str | None):
     """The Triton kernel a mode runs (radix: instead of the stock op; repair: after it), else None."""
     if hook_mode not in ("radix", "repair"):
         return None
-    from . import _qsa_radix  # Triton: only when asked for
+    from ..p08_qsa_det_topk import radix  # Triton: only when asked for
 
-    return _qsa_radix.radix_block_topk if hook_mode == "radix" else _qsa_radix.repair_block_topk
+    return radix.radix_block_topk if hook_mode == "radix" else radix.repair_block_topk
 
 
 def exact_block_topk(logits, visible_blocks, block_indices, block_topk: int, columns: int) -> None:

@@ -2,8 +2,8 @@
 
 from flash_common import releases
 
-from ..registry import Gate, Patch
-from . import _qsa_topk
+from ...registry import Gate, Patch
+from . import hook
 
 ALL = releases.since("0.29.0")
 
@@ -24,7 +24,9 @@ PATCH = Patch(
     targets=("vllm.models.qwen4_exp.nvidia.ops.qsa:qsa_select_paged_tokens (v0.29)",
              "vllm.models.qwen4_exp.nvidia.ops.qsa_indexer:_topk (v0.30+)"),
     applies_to=ALL,
-    check=_qsa_topk.check,
-    apply=_qsa_topk.install_hook,
-    verify=_qsa_topk.verify,
+    check=hook.check,
+    apply=hook.install_hook,
+    verify=hook.verify,
+    traced=hook.TRACED,
+    knobs=hook.knobs,
 )
