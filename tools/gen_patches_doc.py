@@ -27,7 +27,8 @@ ARG = re.compile(r"^ARG PATCHSET=\S*$", re.M)
 BASE_ARG = re.compile(r"^ARG BASE_IMAGE=\S*$", re.M)
 LINE_ARG = re.compile(r"^ARG FLASH_VLLM_BASE=\S*$", re.M)
 
-# What adding a vLLM release touches (counted on the dry run of tests/unit/test_release_catalogue.py).
+# What adding a vLLM release touches: tests/unit/test_release_files.py counts it on a copy of the
+# repository and holds the two numbers and the files named below equal to what it counts.
 ADDING = """\
 ## Adding a vLLM release
 
@@ -36,20 +37,26 @@ One catalogue entry, then the patches that really change:
 1. `tools/check_vllm_release.py X.Y.Z --propose` prints the `_release(...)` entry from the release's
    own wheel (torch pin, image, capabilities read from its source); review it and paste it into
    `src/flash_common/releases.py` (move `CURRENT` there too if it becomes the default).
-2. `tools/gen_patches_doc.py && tools/gen_settings_doc.py`: this page, the Dockerfiles' stamps and the
-   settings reference follow (patches declare ranges, so an open range takes the new release in;
-   a patch whose ranges leave it unclassified stops the registry from loading, naming the patch).
-3. `tools/check_vllm_release.py X.Y.Z` (and `tests/run vllm -- -k X.Y.Z`): every patch that applies
-   must still fit; only a patch that breaks needs code.
+2. Run every generator: `for g in tools/gen_*.py; do python3 "$g"; done`. This page, the
+   Dockerfiles' stamps and the settings reference follow (patches declare ranges, so an open range
+   takes the new release in; a patch whose ranges leave it unclassified stops the registry from
+   loading, naming the patch).
+3. `tests/run vllm`: the tier reads its release list from the catalogue, so it sets up and checks
+   the new release with the others (`tools/check_vllm_release.py X.Y.Z` checks it alone). Every
+   patch that applies must still fit; only a patch that breaks needs code. The release checks ask
+   the catalogue for capabilities, never for release names, so they follow too.
 
-Files a real addition touches: **5** — 1 edited by hand (`src/flash_common/releases.py`) and 4
-regenerated (`docs/PATCHES.md`, `docs/SETTINGS.md`, `Dockerfile`, `Dockerfile.v0.29`: the patch-set
-stamp covers the catalogue), plus the patches that really change (counted by adding a 0.34.0 entry
-to a copy of the tree and running the generators). Making it the current base too (`CURRENT`, still
-in that one file) also regenerates what names the current base: the 7 golden run specs
-(`FLASH_UPDATE_GOLDEN=1`, image tag and base label) and `docs/PLAN.md`'s profile table
-(`tools/gen_plan_doc.py`): 13 files, 1 by hand. Profiles say `# base: current` and follow. Before
-the catalogue it was about 30 files, found by grep.
+Files a real addition touches: **5**: `src/flash_common/releases.py` (by hand) and, regenerated,
+`docs/PATCHES.md`, `docs/SETTINGS.md`, `Dockerfile` and `Dockerfile.v0.29` (the patch-set stamp
+covers the catalogue); plus the patches that really change.
+
+Making it the current base too (`CURRENT`, in the same file) changes what names the current base:
+**21** files: the 5 above, `docs/PLAN.md` (its profile table) and the 15 golden run specs
+(`FLASH_UPDATE_GOLDEN=1`: image tag and base label). Profiles say `# base: current` and follow.
+
+`tests/unit/test_release_files.py` counts both on a copy of the repository (the catalogue entry,
+every generator, the golden tests) and fails when this section names other files or numbers.
+Before the catalogue it was about 30 files, found by grep.
 """
 
 
