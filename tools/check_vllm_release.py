@@ -249,7 +249,7 @@ def _qsa_fp8_native(read) -> bool:
 
 
 def _ple_storage(read, names) -> str | None:
-    """Patch 1's targets (ple_mmap.PINNED; ple_mmap_v029.STORAGE and IDS_OP), as names in the modules."""
+    """Patch 1's targets (p01_ple_mmap.PINNED; its v029.STORAGE and IDS_OP), as names in the modules."""
     ngram = read("vllm/models/qwen4_exp/nvidia/ngram_embedding.py") or ""
     if "Qwen4ExpPLEPinnedHostEmbedding" in ngram and "vllm/compilation/breakable_cudagraph.py" in names:
         return "storage"
@@ -283,6 +283,11 @@ PROBES = {
     "block_size_prefix_groups": lambda read, names: ((read("vllm/v1/engine/core.py") or "").split(
         "cache_config.block_size = min(", 1) + [""])[1].split()[:1] == ["participating"],
     "overhead_fitted": lambda read, names: False,  # a new release has not been calibrated on hardware
+    # the QSA block top-k that patches 5 and 8 hook (p05_qsa_exact_topk/hook.py's targets)
+    "qsa_topk_site": lambda read, names: (
+        "indexer" if "def _topk(" in (read("vllm/models/qwen4_exp/nvidia/ops/qsa_indexer.py") or "")
+        else "select-paged-tokens" if "def qsa_select_paged_tokens(" in (read("vllm/models/qwen4_exp/nvidia/ops/qsa.py")
+                                                                          or "") else None),
 }
 NOT_FROM_SOURCE = {"overhead_fitted": "not calibrated on this release",
                    "ring_state_bucket": "no source marker: copied from the newest catalogued release"}

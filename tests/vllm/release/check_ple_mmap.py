@@ -322,7 +322,17 @@ def _v029_dequant(v, layer, rows):
 
 
 def test_v029_flavour_matches_base(base, v029):
-    assert (v029 is not None) == (base == "v0.29") == (_flavour(base) == "splitting-op")
+    """Patch 1's flavour is the catalogue's, and the splitting-op one is what this release's source has."""
+    import importlib.util
+    from pathlib import Path
+
+    from flash_common import releases
+
+    splitting = releases.cap(base, "ple_storage") == "splitting-op"
+    assert (v029 is not None) == splitting == (_flavour(base) == "splitting-op")
+    layer = importlib.util.find_spec("vllm.models.qwen4_exp.nvidia.ple_layer")  # read, not imported
+    src = Path(layer.origin).read_text() if layer else ""
+    assert splitting == ("PLEVocabParallelEmbedding" in src and "qwen4_exp_compute_ple_ngram_ids" in src)
 
 
 def test_v029_apply_is_idempotent_and_lists_our_splitting_op(v029):

@@ -26,19 +26,29 @@ from __future__ import annotations
 
 from typing import Mapping
 
+from flash_common import releases
+
 from ...registry import TRUE, Context, TargetMissing, expect_installed, expect_source, install
 
 HOOK_NUMBER = 5  # the hook is installed once, under patch 5's mark, whichever patch asks first
 M029 = "vllm.models.qwen4_exp.nvidia.ops.qsa"
 M030 = "vllm.models.qwen4_exp.nvidia.ops.qsa_indexer"
 
-# Where the stock dispatch lives per base (0.29: inline; 0.30+: `_topk`).
-TARGET = {"v0.29": (M029, "qsa_select_paged_tokens")}
-TARGET_030 = (M030, "_topk")
+# Where the stock dispatch lives, by the catalogue's `qsa_topk_site` (0.29: inline; 0.30+: `_topk`).
+SITES = {"select-paged-tokens": (M029, "qsa_select_paged_tokens"), "indexer": (M030, "_topk")}
+PORTED = frozenset(b for b in releases.ORDER if releases.cap(b, "qsa_topk_site") in SITES)
+
+
+def inline(base: str) -> bool:
+    """The selection is inline in `qsa_select_paged_tokens` (the whole function is replaced)."""
+    return releases.cap(base, "qsa_topk_site") == "select-paged-tokens"
 
 
 def target(base: str) -> tuple[str, str]:
-    return TARGET.get(base, TARGET_030)
+    site = releases.cap(base, "qsa_topk_site")
+    if site not in SITES:
+        raise TargetMissing(f"no QSA top-k hook for {base} (catalogue: qsa_topk_site={site!r})")
+    return SITES[site]
 
 
 def mode(env: Mapping[str, str]) -> str | None:
@@ -117,7 +127,7 @@ def fill_invisible(logits, visible_blocks, columns: int) -> None:
 
 def check(ctx: Context) -> None:
     module, name = target(ctx.base.name)
-    if ctx.base.name == "v0.29":
+    if inline(ctx.base.name):
         expect_source(module, name, "torch.ops._C.persistent_topk", "qsa_mqa_paged(",
                       "expand_qsa_block_indices_cuda(",
                       "topk_op(logits, visible_blocks, blocks, topk_workspace, block_topk, columns)")
@@ -216,7 +226,7 @@ def _make_029(orig, hook_mode):
 def make_hook(orig, hook_mode: str | None, base: str):
     """The replacement `install_hook` puts in place of `orig` on `base` (0.29: the whole
     `qsa_select_paged_tokens`; 0.30+: `_topk`). tools/bench_step_kernels.py times the 0.30+ one."""
-    return (_make_029 if base == "v0.29" else _make_030)(orig, hook_mode)
+    return (_make_029 if inline(base) else _make_030)(orig, hook_mode)
 
 
 def install_hook(ctx: Context) -> None:

@@ -2,7 +2,7 @@
 `radix.py` (the default), or patch 5's exact path, or the radix select alone."""
 
 from ...registry import Gate, Patch
-from ..p05_qsa_exact_topk import ALL, hook
+from ..p05_qsa_exact_topk import ALL, NOT_PORTED, hook
 
 PATCH = Patch(
     number=8,
@@ -28,6 +28,7 @@ PATCH = Patch(
     gate=Gate("VLLM_QSA_DET_TOPK", "VLLM_QSA_DET_TOPK=repair (or =1, =radix)", hook.det_enabled),
     targets=("same hook as patch 5",),
     applies_to=ALL,
+    not_ported=NOT_PORTED,
     check=hook.check,
     apply=hook.install_hook,
     verify=hook.verify,
