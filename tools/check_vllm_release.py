@@ -271,7 +271,7 @@ PROBES = {
         read("vllm/config/speculative.py") or ""),
     "spec_eagle_block_drop_flag": lambda read, names: "disable_eagle_block_drop:" in (
         read("vllm/config/speculative.py") or ""),
-    # patch 1's hoisted mode hooks the V2 runner's model state (ple_hoist.PREPARE) on the storage flavour
+    # patch 1's hoisted mode hooks the V2 runner's model state (p01_ple_mmap/hoist.py PREPARE) on the storage flavour
     "ple_hoisted": lambda read, names: _ple_storage(read, names) == "storage" and "def prepare_inputs" in (
         read("vllm/models/qwen4_exp/nvidia/model_state.py") or ""),
     # 0.30+ resolve the PLE table's FP8 through ModelOpt's per-layer quant_algo; 0.29 only under Fp8Config
