@@ -23,8 +23,8 @@ tells patch states apart. The key is the sha256 of `signature()`:
 
 Everything else is left out on purpose (each patch's `untraced` says why for each other variable
 it reads): ports, paths, worker counts and I/O tuning do not change the traced code, and hashing
-them would recompile on every boot that moves them. The unit tier fails when a patch reads a
-variable that is in neither table.
+them would recompile on every boot that moves them. The unit tier fails when a patch's folder
+reads a variable its Patch declares neither traced nor untraced.
 
 Why a wrap of `compute_hash` and not `additional_config["flash"]` (which `compute_hash` also
 hashes): the wrap acts in the process that compiles, from that process's own applied patches,
