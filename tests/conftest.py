@@ -47,14 +47,52 @@ def pytest_runtest_makereport(item, call):
         rep.longrepr = f"skipped inside a selected GPU tier (FLASH_REQUIRE_GPU=1): {reason}"
 
 
-def pytest_terminal_summary(terminalreporter):
-    """Every skip reason, grouped and counted, at the end of each tier's output."""
-    reasons: dict[str, int] = {}
-    for rep in terminalreporter.stats.get("skipped", []):
+# Folders that hold only GPU tests: a whole module skipped at import there (e.g. a module-level
+# `pytest.importorskip("torch")`) never reaches pytest_runtest_makereport, so it is caught here.
+GPU_TEST_DIRS = ("gpu", "gpu_e2e")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """In a selected GPU tier, a GPU test module that skips as a whole is a collection error: the
+    tier would otherwise stay green with none of that module's tests run."""
+    outcome = yield
+    rep = outcome.get_result()
+    if (rep.skipped and os.environ.get("FLASH_REQUIRE_GPU") == "1" and isinstance(collector, pytest.Module)
+            and collector.path.parent.name in GPU_TEST_DIRS):
         reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
-        reason = reason.removeprefix("Skipped: ")
-        reasons[reason] = reasons.get(reason, 0) + 1
-    if reasons:
-        terminalreporter.section(f"skip reasons ({sum(reasons.values())} skipped)")
-        for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        rep.outcome = "failed"
+        rep.longrepr = f"{collector.path.name} skipped as a whole inside a selected GPU tier (FLASH_REQUIRE_GPU=1): {reason}"
+
+
+# marker → the tests/run tier it selects (a test with none of them is the unit tier's; the fuzz
+# tests are unit tests too, which `tests/run fuzz` runs with more cases)
+TIER_OF_MARK = {"docker": "engine", "obs": "obs", "vllm": "vllm", "scale": "scale", "gpu_e2e": "gpu-e2e",
+                "gpu": "gpu"}
+
+
+def tier_of(keywords) -> str:
+    return next((tier for mark, tier in TIER_OF_MARK.items() if mark in keywords), "unit")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each tier's skip reasons, grouped and counted, at the end of the run (tests/run runs the
+    tiers in one pytest session, so they are told apart by marker); a tier without skips says so."""
+    ran: dict[str, int] = {}
+    reasons: dict[str, dict[str, int]] = {}
+    for key in ("passed", "failed", "skipped", "xfailed", "xpassed", "error"):
+        for rep in terminalreporter.stats.get(key, []):
+            if getattr(rep, "when", "call") != "call" and key != "skipped":
+                continue
+            tier = tier_of(getattr(rep, "keywords", {}))
+            ran[tier] = ran.get(tier, 0) + 1
+            if key == "skipped":
+                reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+                reason = reason.removeprefix("Skipped: ")
+                tally = reasons.setdefault(tier, {})
+                tally[reason] = tally.get(reason, 0) + 1
+    for tier in sorted(ran):
+        tally = reasons.get(tier, {})
+        terminalreporter.section(f"{tier} tier: {sum(tally.values())} of {ran[tier]} skipped", sep="-")
+        for reason, n in sorted(tally.items(), key=lambda kv: -kv[1]):
             terminalreporter.write_line(f"{n:5d} x {reason}")

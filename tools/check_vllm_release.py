@@ -295,7 +295,6 @@ NOT_FROM_SOURCE = {"overhead_fitted": "not calibrated on this release",
 
 def propose_from(version: str, torch: str, read, names: set[str]) -> tuple[dict, str]:
     """(capabilities, the catalogue entry as Python) for a release, from its wheel's files."""
-    sys.path.insert(0, str(SRC))
     from flash_common import releases
 
     newest = releases.get(releases.NEWEST)
@@ -325,7 +324,6 @@ def propose(version: str) -> dict:
 
 
 def check(version: str) -> dict:
-    sys.path.insert(0, str(SRC))
     from flash_vllm import compat
 
     base = compat.base_for_release(version)

@@ -12,14 +12,13 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-# After PYTHONPATH's entries (sys.path[0] is tools/): a caller may put a copy of a package first
-# (the release-catalogue dry run in tests/unit/test_release_catalogue.py does).
-sys.path.insert(1 + len([p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]), str(ROOT / "src"))
+# the installed flash_* (the project venv); a PYTHONPATH copy comes first (the release-catalogue
+# dry run in tests/unit/test_release_catalogue.py puts one there)
+from flash_common import releases
+from flash_vllm import compile_key
+from flash_vllm.registry import DISABLE_ENV, catalogue, module_of, patchset_hash
 
-from flash_common import releases  # noqa: E402
-from flash_vllm import compile_key  # noqa: E402
-from flash_vllm.registry import DISABLE_ENV, catalogue, module_of, patchset_hash  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 OUT = ROOT / "docs" / "PATCHES.md"
 DOCKERFILES = tuple(ROOT / d for d in sorted({str(releases.cap(b, "dockerfile")) for b in releases.ORDER}))
@@ -51,7 +50,7 @@ Files a real addition touches: **5**: `src/flash_common/releases.py` (by hand) a
 covers the catalogue); plus the patches that really change.
 
 Making it the current base too (`CURRENT`, in the same file) changes what names the current base:
-**21** files: the 5 above, `docs/PLAN.md` (its profile table) and the 15 golden run specs
+**22** files: the 5 above, `docs/PLAN.md` (its profile table) and the 16 golden run specs
 (`FLASH_UPDATE_GOLDEN=1`: image tag and base label). Profiles say `# base: current` and follow.
 
 `tests/unit/test_release_files.py` counts both on a copy of the repository (the catalogue entry,

@@ -9,13 +9,12 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from flash_cli import profiles
+from flash_cli.plan import build, calibration as cal, fitting
+from flash_cli.plan.hardware import PRESETS
+from flash_cli.settings import resolve
 
-from flash_cli import profiles  # noqa: E402
-from flash_cli.plan import build, calibration as cal, fitting  # noqa: E402
-from flash_cli.plan.hardware import PRESETS  # noqa: E402
-from flash_cli.settings import resolve  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DOC = ROOT / "docs" / "PLAN.md"
 

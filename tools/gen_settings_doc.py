@@ -7,11 +7,10 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from flash_cli import profiles
+from flash_cli.settings import SETTINGS
 
-from flash_cli import profiles  # noqa: E402
-from flash_cli.settings import SETTINGS  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 OUT = ROOT / "docs" / "SETTINGS.md"
 

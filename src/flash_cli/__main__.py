@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Sequence
 
-from .errors import FlashError
+from .errors import INTERRUPTED_EXIT, DockerUnavailable, FlashError, os_cause
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -33,13 +33,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return err.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED_EXIT
     except BrokenPipeError:  # `flash … | head`: the reader left, nothing to report
         sys.stderr.close()
         return 0
     except Exception as err:  # noqa: BLE001 - the engine's own errors become one line, not a traceback
         if os.environ.get("FLASH_DEBUG") == "1" or not type(err).__module__.startswith(("docker.", "requests.", "urllib3.")):
             raise
+        if os_cause(err) is not None:  # the Engine went away mid-command: the same one line as connect's
+            from .engine import host
+
+            lost = DockerUnavailable.unreachable(host(), err)
+            print(f"Error: {lost}\nhint: {lost.hint}", file=sys.stderr)
+            return lost.exit_code
         print(f"Error: the Docker Engine failed: {type(err).__name__}: {str(err).splitlines()[0][:300]}", file=sys.stderr)
         print("hint: is dockerd overloaded or stuck? docker info; FLASH_DEBUG=1 shows the traceback", file=sys.stderr)
         return 3

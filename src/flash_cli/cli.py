@@ -7,7 +7,7 @@ import argparse
 from . import __version__
 from typing import Sequence
 
-from .commands import COMMANDS, TABLE, load, module_for
+from .commands import TABLE, load, module_for
 
 EPILOG = """\
 examples:
@@ -36,13 +36,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     word = next((a for a in argv if not a.startswith("-")), None) if argv is not None else None
     chosen = module_for(word)
-    tabled = {module for module, _, _ in TABLE.values()}
     for name, (module, help_text, aliases) in TABLE.items():
-        if (argv is None or module == chosen) and name not in sub.choices:
+        if name in sub.choices:  # registered with a sibling of its module (stop, start, rm)
+            continue
+        if argv is None or module == chosen:
             load(module).register(sub)
-        elif name not in sub.choices and module in COMMANDS:
+        else:
             sub.add_parser(name, help=help_text, aliases=list(aliases), add_help=False)
-    for module in COMMANDS:
-        if module not in tabled:
-            load(module).register(sub)
     return parser

@@ -6,6 +6,7 @@ few calls. docker-py is imported on first use (it costs ~150 ms of import time).
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
@@ -29,10 +30,12 @@ def connect(timeout: int = 300) -> "DockerClient":
         client.ping()
         return client
     except DockerException as exc:
-        raise DockerUnavailable(
-            f"cannot reach the Docker Engine: {str(exc).splitlines()[0][:200]}",
-            hint="is dockerd running (systemctl status docker), and is your user in the docker group?",
-        ) from None
+        raise DockerUnavailable.unreachable(host(), exc) from None
+
+
+def host() -> str:
+    """Where docker-py connects (its from_env default when DOCKER_HOST is unset)."""
+    return os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
 
 
 @dataclass

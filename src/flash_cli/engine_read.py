@@ -52,9 +52,7 @@ class Reader:
             resp = conn.getresponse()
             return resp.status, resp.read()
         except OSError as exc:
-            raise DockerUnavailable(
-                f"cannot reach the Docker Engine at {self.host}: {exc.strerror or exc}",
-                hint="is dockerd running (systemctl status docker), and is your user in the docker group?") from None
+            raise DockerUnavailable.unreachable(self.host, exc) from None
         finally:
             conn.close()
 

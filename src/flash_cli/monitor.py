@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import os
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import state
 from .profiles import REPO
-from .spec import LABEL
+from .render import to_docker_run
+from .spec import LABEL, Mount, RunSpec
 
 OBS = REPO / "observability"
 
@@ -40,44 +41,15 @@ DEFAULT_NODE = "127.0.0.1:19100"
 DEFAULT_PROM = "127.0.0.1:19090"
 
 
-@dataclass
-class ContainerPlan:
-    role: str
-    name: str
-    image: str
-    command: list[str]
-    environment: dict[str, str] = field(default_factory=dict)
-    volumes: dict[str, dict] = field(default_factory=dict)
-    labels: dict[str, str] = field(default_factory=dict)
-    pid_mode: str | None = None
-    user: str | None = None
-
-    def kwargs(self) -> dict:
-        """`client.containers.run(**kwargs)` (docker-py 7.x names)."""
-        kw = {"image": self.image, "command": self.command, "name": self.name, "detach": True,
-              "network_mode": "host", "environment": dict(self.environment), "volumes": dict(self.volumes),
-              "labels": dict(self.labels), "restart_policy": {"Name": "unless-stopped"},
-              "log_config": {"Type": "json-file", "Config": {"max-size": "20m", "max-file": "2"}}}
-        if self.pid_mode:
-            kw["pid_mode"] = self.pid_mode
-        if self.user:
-            kw["user"] = self.user
-        return kw
-
-    def docker_run(self) -> list[str]:
-        """The equivalent `docker run` argv (what --dry-run prints)."""
-        argv = ["docker", "run", "-d", "--name", self.name, "--network", "host", "--restart", "unless-stopped"]
-        if self.pid_mode:
-            argv += ["--pid", self.pid_mode]
-        if self.user:
-            argv += ["--user", self.user]
-        for k, v in self.labels.items():
-            argv += ["--label", f"{k}={v}"]
-        for k, v in self.environment.items():
-            argv += ["-e", f"{k}={v}"]
-        for src, m in self.volumes.items():
-            argv += ["-v", f"{src}:{m['bind']}:{m['mode']}"]
-        return argv + [self.image, *self.command]
+def helper(name: str, image: str, command: list[str], *, labels: dict[str, str], url: str,
+           env: dict[str, str] | None = None, mounts: list[Mount] = (), pid_mode: str = "",
+           user: str = "") -> RunSpec:
+    """One monitoring container as a RunSpec, rendered and run like the server's (render.py):
+    host network, restarted unless stopped, the image's own entrypoint and healthcheck."""
+    return RunSpec(name=name, image=image, entrypoint=[], command=list(command), env=dict(env or {}),
+                   labels=labels, mounts=list(mounts), network="host", ports={}, restart="unless-stopped",
+                   gpus=False, ipc="", shm_size=0, log_max_size="20m", log_max_files=2, cpuset=None,
+                   healthcheck={}, api_url=url, pid_mode=pid_mode, user=user)
 
 
 @dataclass
@@ -85,15 +57,15 @@ class MonitorPlan:
     name: str  # the server's NAME: the monitor stack belongs to it
     config_dir: Path
     files: dict[str, str]  # path relative to config_dir → content
-    containers: list[ContainerPlan]
+    containers: dict[str, RunSpec]  # role → its container
     urls: dict[str, str]
     exposed: bool = False  # Grafana listens beyond loopback (login required)
     uid: int = 0  # the invoking user: owner of the password file
 
     def as_dict(self) -> dict:
         return {"name": self.name, "config_dir": str(self.config_dir), "files": sorted(self.files),
-                "urls": self.urls, "containers": [{"role": c.role, "docker_run": c.docker_run(), "kwargs": c.kwargs()}
-                                                  for c in self.containers]}
+                "urls": self.urls, "containers": [{"role": role, "docker_run": to_docker_run(c), "spec": asdict(c)}
+                                                  for role, c in self.containers.items()]}
 
 
 def _swap(text: str, old: str, new: str, what: str) -> str:
@@ -149,37 +121,40 @@ def plan(settings, state_dir: Path, uid: int | None = None) -> MonitorPlan:
     ghost = LOCAL if gbind in ("0.0.0.0", "::") else gbind
     cdir = state_dir / f"monitor-{name}"
     labels = lambda role: {f"{LABEL}.monitor": name, f"{LABEL}.role": role}
-    containers = [
-        ContainerPlan("prometheus", f"{name}-prometheus", IMAGES["prometheus"],
-                      ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prometheus",
-                       "--storage.tsdb.retention.time=30d", f"--web.listen-address={prom}"],
-                      volumes={str(cdir / "prometheus"): {"bind": "/etc/prometheus", "mode": "ro"},
-                               f"{name}-prometheus-data": {"bind": "/prometheus", "mode": "rw"}},
-                      labels=labels("prometheus")),
-        ContainerPlan("grafana", f"{name}-grafana", IMAGES["grafana"], [],
-                      environment={"GF_SERVER_HTTP_ADDR": gbind, "GF_SERVER_HTTP_PORT": str(settings["MONITOR_GRAFANA_PORT"]),
-                                   "GF_PATHS_PROVISIONING": "/etc/grafana/provisioning",
-                                   # beyond loopback: nobody sees anything without logging in
-                                   **({"GF_AUTH_ANONYMOUS_ENABLED": "false", "GF_AUTH_DISABLE_LOGIN_FORM": "false",
-                                       "GF_USERS_ALLOW_SIGN_UP": "false"} if exposed else
-                                      {"GF_AUTH_ANONYMOUS_ENABLED": "true", "GF_AUTH_ANONYMOUS_ORG_ROLE": "Viewer"}),
-                                   "GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH": "/etc/grafana/dashboards/flash.json",
-                                   # the admin password is a file (never env or argv: docker inspect shows both)
-                                   "GF_SECURITY_ADMIN_PASSWORD__FILE": "/run/secrets/grafana-admin"},
-                      volumes={str(cdir / "grafana/provisioning"): {"bind": "/etc/grafana/provisioning", "mode": "ro"},
-                               str(cdir / "grafana/dashboards"): {"bind": "/etc/grafana/dashboards", "mode": "ro"},
-                               str(cdir / "grafana-admin"): {"bind": "/run/secrets/grafana-admin", "mode": "ro"},
-                               f"{name}-grafana-data": {"bind": "/var/lib/grafana", "mode": "rw"}},
-                      labels=labels("grafana"), user=None if uid == 0 else f"{uid}:0"),
-        ContainerPlan("node-exporter", f"{name}-node-exporter", IMAGES["node-exporter"],
-                      [f"--web.listen-address={node}", "--path.rootfs=/host",
-                       *NODE_EXPORTER_FLAGS],
-                      volumes={"/": {"bind": "/host", "mode": "ro,rslave"}}, labels=labels("node-exporter"),
-                      pid_mode="host", user="65534:65534"),
-    ]
-    files = config_files(vllm, node, prom)
+    ro = lambda source, target: Mount("bind", target, str(source), read_only=True)
     urls = {"grafana": f"http://{ghost}:{settings['MONITOR_GRAFANA_PORT']}/d/flash-qwen38",
             "prometheus": f"http://{prom}", "node-exporter": f"http://{node}/metrics", "scrapes": f"http://{vllm}/metrics"}
+    containers = {
+        "prometheus": helper(
+            f"{name}-prometheus", IMAGES["prometheus"],
+            ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prometheus",
+             "--storage.tsdb.retention.time=30d", f"--web.listen-address={prom}"],
+            mounts=[ro(cdir / "prometheus", "/etc/prometheus"), Mount("volume", "/prometheus", f"{name}-prometheus-data")],
+            labels=labels("prometheus"), url=urls["prometheus"]),
+        "grafana": helper(
+            f"{name}-grafana", IMAGES["grafana"], [],
+            env={"GF_SERVER_HTTP_ADDR": gbind, "GF_SERVER_HTTP_PORT": str(settings["MONITOR_GRAFANA_PORT"]),
+                 "GF_PATHS_PROVISIONING": "/etc/grafana/provisioning",
+                 # beyond loopback: nobody sees anything without logging in
+                 **({"GF_AUTH_ANONYMOUS_ENABLED": "false", "GF_AUTH_DISABLE_LOGIN_FORM": "false",
+                     "GF_USERS_ALLOW_SIGN_UP": "false"} if exposed else
+                    {"GF_AUTH_ANONYMOUS_ENABLED": "true", "GF_AUTH_ANONYMOUS_ORG_ROLE": "Viewer"}),
+                 "GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH": "/etc/grafana/dashboards/flash.json",
+                 # the admin password is a file (never env or argv: docker inspect shows both)
+                 "GF_SECURITY_ADMIN_PASSWORD__FILE": "/run/secrets/grafana-admin"},
+            mounts=[ro(cdir / "grafana/provisioning", "/etc/grafana/provisioning"),
+                    ro(cdir / "grafana/dashboards", "/etc/grafana/dashboards"),
+                    ro(cdir / "grafana-admin", "/run/secrets/grafana-admin"),
+                    Mount("volume", "/var/lib/grafana", f"{name}-grafana-data")],
+            labels=labels("grafana"), url=urls["grafana"], user="" if uid == 0 else f"{uid}:0"),
+        "node-exporter": helper(
+            f"{name}-node-exporter", IMAGES["node-exporter"],
+            [f"--web.listen-address={node}", "--path.rootfs=/host", *NODE_EXPORTER_FLAGS],
+            # rslave: mounts made on the host after the start show up inside (the filesystem panels)
+            mounts=[Mount("bind", "/host", "/", read_only=True, propagation="rslave")],
+            labels=labels("node-exporter"), url=urls["node-exporter"], pid_mode="host", user="65534:65534"),
+    }
+    files = config_files(vllm, node, prom)
     return MonitorPlan(name, cdir, files, containers, urls, exposed, uid)
 
 

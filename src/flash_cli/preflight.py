@@ -16,7 +16,8 @@ from flash_common import releases
 
 from . import hfcache
 from .errors import ConfigError, FlashError, ImageMissing, PortInUse, WeightsMissing
-from .settings import Settings, split_args
+from .settings import Settings
+from .spec import LABEL, RunSpec
 
 BASE_LABELS = ("org.flash.base", "qwen38.base")
 
@@ -42,7 +43,8 @@ def weights(s: Settings, hf_cache: Path, snapshot: Path | None) -> list[Problem]
         return [Problem(WeightsMissing, f"{model} snapshot {snapshot.name[:12]} is incomplete: missing {shown}",
                         "resume the download: flash download (then flash verify)")]
     out: list[Problem] = []
-    if mode == "hybrid-mtp" and not model.startswith("RadixArk/"):
+    out += layout_problems(s, snapshot)
+    if mode == "hybrid-mtp" and not model.startswith("RadixArk/") and not out:
         out.append(Problem(ConfigError, f"MODE=hybrid-mtp needs the RadixArk checkpoint, not {model}",
                            "use MODE=hybrid, or MODEL=RadixArk/Qwen3.8-Flash-Next-NVFP4 (profile 'context')"))
     if mode != "nvfp4" and hfcache.quant_method(snapshot) == "compressed-tensors":
@@ -50,7 +52,11 @@ def weights(s: Settings, hf_cache: Path, snapshot: Path | None) -> list[Problem]
                            "serve it as published: flash serve published"))
     from .spec import ple_patch_off
 
-    if ple_patch_off(s) and not releases.has(s["BASE"], "ple_fp8_modelopt") and hfcache.quant_method(snapshot) == "modelopt":
+    from .checkpoint import known
+
+    fp8_table = getattr(known.layout_of(model, snapshot), "ple_from_disk", True)  # layout_problems says the rest
+    if ple_patch_off(s) and fp8_table and not releases.has(s["BASE"], "ple_fp8_modelopt") \
+            and hfcache.quant_method(snapshot) == "modelopt":
         fixed = ", ".join(sorted(releases.where("ple_fp8_modelopt", True)))
         out.append(Problem(ConfigError, f"patch 1 is off (CONTAINER_ENV) and vLLM on BASE={s['BASE']} cannot load {model}'s "
                            "fp8 PLE table without it: its fp8 method is gated on Fp8Config, so a ModelOpt checkpoint gets "
@@ -63,6 +69,35 @@ def weights(s: Settings, hf_cache: Path, snapshot: Path | None) -> list[Problem]
             what = "graft" if mode == "hybrid-mtp" else "hybrid"
             out.append(Problem(WeightsMissing, f"the {mode} layout {hfcache.variant_dir(snapshot, mode).name} is {state}",
                                f"prepare it: flash setup (or flash prepare {what}); a stale layout is repaired"))
+    return out
+
+
+def layout_problems(s: Settings, snapshot: Path | None) -> list[Problem]:
+    """What the checkpoint's layout (checkpoint/known.py, read from its index) rules out: a MODE
+    it cannot be prepared for, and patch 1 on a PLE table format it does not decode."""
+    from .checkpoint import known
+    from .spec import ple_patch_off
+
+    lay = known.layout_of(s["MODEL"], snapshot)
+    if lay is None:
+        return []
+    out = []
+    if s["MODE"] not in lay.modes:
+        out.append(Problem(ConfigError, f"MODE={s['MODE']} does not apply to {s['MODEL']} ({lay.what}): "
+                           + lay.refused.get(s["MODE"], f"not a layout MODE={s['MODE']} is built from"),
+                           f"MODE accepts {' | '.join(lay.modes)} for this checkpoint"))
+    stock = lay.stock_table_from is None or s["BASE"] in releases.upstream_from(lay.stock_table_from)
+    if not lay.ple_from_disk and not ple_patch_off(s):
+        out.append(Problem(ConfigError, f"patch 1 cannot serve {s['MODEL']}'s PLE table from disk: it is {lay.ple_format}, "
+                           "and patch 1 decodes FP8/BF16/F16 row tables only (flash_vllm.ple.discovery)",
+                           "serve it with vLLM's own NVFP4 table: CONTAINER_ENV=VLLM_PLE_MMAP=0 (the table then sits "
+                           "in memory, 26.8 GiB at full size; flash plan shows the fit)" if stock else
+                           f"no serving path on BASE={s['BASE']}: vLLM reads this table format from "
+                           f"{lay.stock_table_from} on (use BASE={releases.CURRENT})"))
+    elif not lay.ple_from_disk and not stock:
+        out.append(Problem(ConfigError, f"vLLM on BASE={s['BASE']} cannot load {s['MODEL']}'s PLE table ({lay.ple_format}): "
+                           f"its loader reads that format from {lay.stock_table_from} on",
+                           f"use BASE={releases.CURRENT} (the nvidia profile's base)"))
     return out
 
 
@@ -132,22 +167,41 @@ def compilation_config(argv: list[str]) -> dict:
     return whole or {}
 
 
-def graph_regime(s: Settings) -> list[Problem]:
+def last_value(argv: list[str], flag: str) -> str | None:
+    """The value argparse keeps for `flag` in argv (`--flag V` or `--flag=V`, the last one wins)."""
+    found = None
+    for i, word in enumerate(argv):
+        if word == flag and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif word.startswith(flag + "="):
+            found = word[len(flag) + 1:]
+    return found
+
+
+def patch1_off(spec: RunSpec) -> bool:
+    """Patch 1 turned off in the container's env (VLLM_PLE_MMAP=0, or 1 in FLASH_DISABLE_PATCHES):
+    the release's own PLE storage serves, and FULL graphs are vLLM's business again."""
+    disabled = {w.strip() for w in spec.env.get("FLASH_DISABLE_PATCHES", "").split(",")}
+    return spec.env.get("VLLM_PLE_MMAP", "1").strip().lower() in ("0", "false", "no", "off") or "1" in disabled
+
+
+def graph_regime(spec: RunSpec) -> list[Problem]:
     """Patch 1's eager mode gathers PLE rows on the host between graph segments: a FULL CUDA graph
     would replay them as a constant (the plugin refuses at capture time, i.e. after the ten-minute
-    load). COMPILE_FLAGS replaces flash's default and EXTRA can override it: check both now. The
-    hoisted mode (PLE_MODE auto or hoisted) gathers before the forward, so FULL graphs are legal
-    with it, on the bases the plugin's registry serves it on (an explicit hoisted is refused
-    elsewhere; auto falls back to eager there)."""
-    from .spec import compilation_args, ple_hoisted, ple_patch_off
-
+    load). COMPILE_FLAGS replaces flash's default and EXTRA can override it: the argv the RunSpec
+    hands vLLM says which wins, so it is read the way vLLM's parser reads it. The hoisted mode
+    gathers before the forward, so FULL graphs are legal with it, on the bases the plugin's
+    registry serves it on (an explicit hoisted is refused elsewhere; auto falls back to eager there)."""
+    base = spec.labels[f"{LABEL}.base"]
+    mode_env = spec.env.get("VLLM_PLE_MMAP_MODE", "eager")
+    hoisted = mode_env == "hoisted" and releases.has(base, "ple_hoisted")
     out = []
     hoisted_bases = ", ".join(sorted(releases.where("ple_hoisted", True)))
-    if s["PLE_MODE"] == "hoisted" and not ple_hoisted(s):
-        out.append(Problem(ConfigError, f"PLE_MODE=hoisted is not available on BASE={s['BASE']} "
+    if mode_env == "hoisted" and not hoisted:
+        out.append(Problem(ConfigError, f"PLE_MODE=hoisted is not available on BASE={base} "
                            "(patch 1's hoisted mode is not written for that release's runner)",
                            f"use PLE_MODE=auto or eager, or a base that has it: {hoisted_bases}"))
-    argv = compilation_args(s) + split_args(s["EXTRA"] or "", "EXTRA")
+    argv = spec.command
     if "--enforce-eager" in argv:
         return out
     try:
@@ -159,37 +213,35 @@ def graph_regime(s: Settings) -> list[Problem]:
     # FULL_AND_PIECEWISE, NONE at -O0.
     level = next((a[2:].lstrip("=") for a in argv if a.startswith("-O") and len(a) > 2), None)
     mode = str(cc.get("cudagraph_mode", "NONE" if level == "0" else "FULL_AND_PIECEWISE")).upper()
-    if "FULL" in mode and not ple_hoisted(s) and not ple_patch_off(s):
+    if "FULL" in mode and not hoisted and not patch1_off(spec):
         out.append(Problem(ConfigError, f"cudagraph_mode {mode} (from COMPILE_FLAGS/EXTRA) would capture the PLE "
                            "gather in a FULL CUDA graph and replay stale rows; patch 1 needs PIECEWISE (or NONE)",
                            "set cudagraph_mode PIECEWISE in the JSON config, or add -cc.cudagraph_mode=PIECEWISE: dotted "
                            "-cc.* keys replace flash's whole compilation config in vLLM's parser; or gather before "
                            f"the forward (PLE_MODE=auto or hoisted) on {hoisted_bases}"))
     ops = cc.get("splitting_ops")
-    if releases.cap(s["BASE"], "ple_storage") == "splitting-op" and isinstance(ops, list) and PLE_OP_V029 not in ops and mode != "NONE":
+    if releases.cap(base, "ple_storage") == "splitting-op" and isinstance(ops, list) and PLE_OP_V029 not in ops and mode != "NONE":
         out.append(Problem(ConfigError, f"splitting_ops {ops} (from COMPILE_FLAGS/EXTRA) leaves out patch 1's op "
-                           f"{PLE_OP_V029}: on {s['BASE']} the PLE gather would be captured inside a graph",
+                           f"{PLE_OP_V029}: on {base} the PLE gather would be captured inside a graph",
                            f"add \"{PLE_OP_V029}\" to splitting_ops, or leave splitting_ops unset"))
     return out
 
 
-def recipe(s: Settings) -> list[Problem]:
-    """Combinations the image cannot serve, caught before a ten-minute boot."""
-    from .spec import speculative_config
-
-    out = graph_regime(s)
-    try:
-        speculative_config(s)
-    except ConfigError as exc:
-        out.append(Problem(ConfigError, str(exc), exc.hint or ""))
-    fp8_gap = fp8_kv_gap(s["BASE"]) if s["KV_DTYPE"] in ("fp8", "fp8_e4m3") else None
+def recipe(spec: RunSpec) -> list[Problem]:
+    """Combinations the image cannot serve, caught before a ten-minute boot: checked on the RunSpec
+    spec.build made (its vllm argv, container env and base label), so what is checked is what runs.
+    A speculative config the base cannot take never gets this far: build() refuses it."""
+    base = spec.labels[f"{LABEL}.base"]
+    out = graph_regime(spec)
+    kv = last_value(spec.command, "--kv-cache-dtype")
+    fp8_gap = fp8_kv_gap(base) if kv in ("fp8", "fp8_e4m3") else None
     if fp8_gap:
-        out.append(Problem(ConfigError, f"KV_DTYPE={s['KV_DTYPE']} is not available on BASE={s['BASE']}: "
+        out.append(Problem(ConfigError, f"KV_DTYPE={kv} is not available on BASE={base}: "
                            f"patch 7 (fp8 KV on QSA) is not ported to this release ({fp8_gap})",
                            "use KV_DTYPE=auto, or a base patch 7 serves (see docs/PATCHES.md)"))
-    gap = ple_mmap_gap(s["BASE"])
+    gap = ple_mmap_gap(base)
     if gap:
-        out.append(Problem(ConfigError, f"BASE={s['BASE']}: patch 1 (PLE table from mmap) is not ported to this release "
+        out.append(Problem(ConfigError, f"BASE={base}: patch 1 (PLE table from mmap) is not ported to this release "
                            f"({gap}), so vLLM would put the 48 GiB n-gram table in GPU memory and fail to fit",
                            f"use a base patch 1 ships code for (BASE={releases.CURRENT}, the default profiles); see docs/PATCHES.md"))
     return out

@@ -8,6 +8,7 @@ catalogue's current base, `flash_common.releases.CURRENT`: moving it moves those
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +79,9 @@ def names(directory: Path = PROFILES_DIR) -> list[str]:
 def load(name: str, directory: Path = PROFILES_DIR) -> Profile:
     path = directory / f"{name}.env"
     if not re.fullmatch(r"[\w.-]+", name) or not path.is_file():
-        available = ", ".join(names(directory)) or "(none)"
-        raise UsageError(f"unknown profile {name!r}", hint=f"profiles: {available} (see: flash profiles)")
+        known = names(directory)
+        guess = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        available = ", ".join(known) or "(none)"
+        raise UsageError(f"unknown profile {name!r}" + (f": did you mean {guess[0]!r}?" if guess else ""),
+                         hint=f"profiles: {available} (see: flash profiles)")
     return parse(path.read_text(encoding="utf-8"), name, path)

@@ -21,24 +21,26 @@ def to_kwargs(spec: RunSpec) -> dict:
             size = m.options.removeprefix("size=") if m.options.startswith("size=") else None
             mounts.append(DMount(m.target, None, type="tmpfs", tmpfs_size=size))
         else:
-            mounts.append(DMount(m.target, m.source, type=m.kind, read_only=m.read_only))
+            mounts.append(DMount(m.target, m.source, type=m.kind, read_only=m.read_only,
+                                 propagation=m.propagation or None))
     kwargs: dict = {
         "image": spec.image,
         "name": spec.name,
-        "entrypoint": spec.entrypoint,
         "command": spec.command,
         "environment": spec.env,
         "labels": spec.labels,
         "mounts": mounts,
         "restart_policy": {"Name": spec.restart} if spec.restart != "on-failure"
         else {"Name": "on-failure", "MaximumRetryCount": 3},
-        "ipc_mode": spec.ipc,
-        "shm_size": spec.shm_size,
         "log_config": LogConfig(type="json-file", config={"max-size": spec.log_max_size,
                                                            "max-file": str(spec.log_max_files)}),
-        "healthcheck": spec.healthcheck,
         "detach": True,
     }
+    # empty = the image's own (a helper container's entrypoint and healthcheck, Docker's ipc/shm)
+    for key, value in (("entrypoint", spec.entrypoint), ("ipc_mode", spec.ipc), ("shm_size", spec.shm_size),
+                       ("healthcheck", spec.healthcheck), ("pid_mode", spec.pid_mode), ("user", spec.user)):
+        if value:
+            kwargs[key] = value
     if spec.network == "host":
         kwargs["network_mode"] = "host"
     else:
@@ -68,7 +70,14 @@ def to_docker_run(spec: RunSpec) -> list[str]:
             spec.restart + (":3" if spec.restart == "on-failure" else "")]
     if spec.gpus:
         argv += ["--gpus", f'"device={",".join(spec.gpu_ids)}"' if spec.gpu_ids else "all"]
-    argv += ["--ipc", spec.ipc, "--shm-size", str(spec.shm_size)]
+    if spec.ipc:
+        argv += ["--ipc", spec.ipc]
+    if spec.shm_size:
+        argv += ["--shm-size", str(spec.shm_size)]
+    if spec.pid_mode:
+        argv += ["--pid", spec.pid_mode]
+    if spec.user:
+        argv += ["--user", spec.user]
     for d in spec.devices:
         argv += ["--device", d]
     for cap in spec.cap_add:
@@ -87,6 +96,8 @@ def to_docker_run(spec: RunSpec) -> list[str]:
             argv += ["--tmpfs", f"{m.target}:rw,{m.options}" if m.options else m.target]
         else:
             opt = f"type={m.kind},source={m.source},target={m.target}" + (",readonly" if m.read_only else "")
+            if m.propagation:
+                opt += f",bind-propagation={m.propagation}"
             argv += ["--mount", opt]
     for k, v in spec.env.items():
         argv += ["-e", f"{k}={v}"]
@@ -95,11 +106,14 @@ def to_docker_run(spec: RunSpec) -> list[str]:
     hc = spec.healthcheck
     if hc.get("test") == ["NONE"]:
         argv += ["--no-healthcheck"]
-    else:
+    elif hc:
         argv += ["--health-cmd", shlex.join(hc["test"][1:]), "--health-interval", f"{hc['interval'] // 10**9}s",
                  "--health-timeout", f"{hc['timeout'] // 10**9}s", "--health-retries", str(hc["retries"]),
                  "--health-start-period", f"{hc['start_period'] // 10**9}s"]
-    argv += ["--entrypoint", spec.entrypoint[0], spec.image, *spec.entrypoint[1:], *spec.command]
+    if spec.entrypoint:
+        argv += ["--entrypoint", spec.entrypoint[0], spec.image, *spec.entrypoint[1:], *spec.command]
+    else:
+        argv += [spec.image, *spec.command]
     return argv
 
 

@@ -181,7 +181,7 @@ SETTINGS: tuple[Setting, ...] = (
       "repair = the stock kernel, then a Triton pass that makes its selection exact and deterministic (ties to "
       "the lowest column; 1.9-3.4x the stock kernel alone on the H200, run44), 1 = exact torch.topk over the "
       "whole row (10-40x), radix = a Triton radix select over the visible columns (2.4-11x); see "
-      "docs/benchmarks/decode-h200/KERNELS.md.", "env VLLM_QSA_DET_TOPK",
+      "benchmarks/decode-h200/KERNELS.md.", "env VLLM_QSA_DET_TOPK",
       choices=("0", "1", "radix", "repair"), env="VLLM_QSA_DET_TOPK"),
     S("EXACT_TOPK", "choice", "0", "Exact torch.topk QSA path (patch 5): 0 off, 1 exact, fill = exact "
       "with masked fill. Wins over DET_TOPK.", "env VLLM_QSA_EXACT_TOPK", choices=("0", "1", "fill"),
@@ -202,7 +202,7 @@ SETTINGS: tuple[Setting, ...] = (
     S("PLE_MODE", "choice", "auto", "Where the PLE rows are gathered: eager (inside the forward, PIECEWISE "
       "graphs), hoisted (before the forward from the runner's inputs, FULL decode graphs; v0.30-v0.33), or "
       "auto: hoisted on the bases that serve it, eager elsewhere (measured 2.2-2.9x eager's decode, "
-      "greedy output identical: docs/benchmarks/decode-h200).",
+      "greedy output identical: benchmarks/decode-h200).",
       "env VLLM_PLE_MMAP_MODE (auto resolved per base); picks cudagraph_mode", choices=("auto", "eager", "hoisted")),
     S("EFFORT_ALIAS", "bool", True, "Accept reasoning effort high/max (→ xhigh) and minimal (→ low), as "
       "Claude Code sends them.", "v0.33: vllm --reasoning-effort-map; older: env FLASH_EFFORT_ALIAS (plugin)"),

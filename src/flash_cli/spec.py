@@ -56,10 +56,14 @@ class Mount:
     source: str = ""
     read_only: bool = False
     options: str = ""  # tmpfs options, e.g. "size=256m"
+    propagation: str = ""  # bind propagation, e.g. "rslave" (node-exporter's view of the host's mounts)
 
 
 @dataclass(frozen=True)
 class RunSpec:
+    """One container. The server's (build()) fills every field; a helper container (monitor.py)
+    leaves entrypoint, ipc, shm_size and healthcheck empty: the image's own apply."""
+
     name: str
     image: str
     entrypoint: list[str]
@@ -86,6 +90,8 @@ class RunSpec:
     cap_add: list[str] = field(default_factory=list)
     ulimits: list[tuple[str, int, int]] = field(default_factory=list)  # (name, soft, hard)
     gpu_ids: list[str] = field(default_factory=list)  # empty: every GPU (when gpus)
+    pid_mode: str = ""  # "host": the container sees the host's processes (node-exporter)
+    user: str = ""  # uid[:gid] inside the container; empty: the image's
 
 
 def default_image(base: str) -> str:
@@ -286,6 +292,23 @@ def compile_cache_mounts(value: str | None) -> list[Mount]:
     return [Mount("volume", t, f"{value}-{sub}") for sub, t in COMPILE_CACHE_TARGETS.items()]
 
 
+# The multi-node settings and the PARALLEL layouts that read them (multinode.py): set for any
+# other layout they would change nothing, which build() says instead of ignoring them.
+MULTI = ("tp2", "pp2", "dp2", "pd")
+APPLIES_TO = {
+    "NODES": MULTI, "NODE_ADDRS": MULTI, "NODE_GPUS": MULTI, "RDMA": MULTI, "LINK_GBPS": MULTI,
+    "NODE_IFNAME": ("tp2", "pp2", "dp2"), "MASTER_PORT": ("tp2", "pp2"), "DP_RPC_PORT": ("dp2",),
+    "NIXL_PORT": ("pd",), "PD_PORT": ("pd",),
+}
+
+
+def inapplicable(s: Settings) -> list[str]:
+    """One warning per setting given (profile, env or argument) that the chosen layout never reads."""
+    mode = s["PARALLEL"]
+    return [f"{key}={s[key]} does nothing with PARALLEL={mode}: only {'/'.join(modes)} read it"
+            for key, modes in APPLIES_TO.items() if s.is_set(key) and mode not in modes]
+
+
 def needs_api_key(s: Settings) -> bool:
     mode = s["API_KEY"]
     return mode == "on" or (mode == "auto" and not is_loopback(s["BIND"]))
@@ -329,6 +352,7 @@ def build(
                         f"every step at {s['MTP']} (raise MTP to use the schedule)")
     if s["CTX"] > NATIVE_CTX and not s["YARN"]:
         warnings.append(f"CTX={s['CTX']} is above the native {NATIVE_CTX} without YARN=1: vLLM will refuse it")
+    warnings += inapplicable(s)
 
     mounts = [Mount("bind", HF_MOUNT, hf_cache, read_only=True)]
     key_file = f"{state_dir}/api-key.{name}" if key else ""

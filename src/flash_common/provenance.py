@@ -1,4 +1,4 @@
-"""The tree a recorded result was taken at (docs/benchmarks/PROVENANCE.md): what the gpu-e2e
+"""The tree a recorded result was taken at (benchmarks/PROVENANCE.md): what the gpu-e2e
 tier's results.json and the decode matrix's raw rows name. Standard library only."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def tree_commit(root: Path, short: bool = False, unknown: str = "unknown") -> str:
-    """FLASH_E2E_COMMIT when set (tools/gpu_session.sh sets it: the device's copy of the tree has
+    """FLASH_E2E_COMMIT when set (lab/gpu_session.sh sets it: the device's copy of the tree has
     no .git), else git's HEAD in `root`, else `unknown`."""
     if os.environ.get("FLASH_E2E_COMMIT"):
         return os.environ["FLASH_E2E_COMMIT"]

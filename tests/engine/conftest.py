@@ -64,17 +64,41 @@ def hf_cache(tmp_path_factory) -> Path:
     return cache
 
 
+def copy_dists(names: list[str], dest: Path) -> None:
+    """The installed files of these distributions and of everything they require (markers
+    evaluated here, extras not followed), copied under dest as a site-packages tree."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = todo.pop().lower().replace("_", "-")
+        if name in seen:
+            continue
+        seen.add(name)
+        dist = metadata.distribution(name)
+        for req in map(Requirement, dist.requires or []):
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+        for f in dist.files or []:
+            if f.parts[0] in ("..", "__pycache__") or "__pycache__" in f.parts or f.parts[0].endswith(".data"):
+                continue
+            target = dest / f
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(dist.locate_file(f), target)
+
+
 @pytest.fixture(scope="session")
 def standin_image(docker_client, tmp_path_factory):
     subprocess.run([str(ROOT / "tests" / "support" / "standin_base.sh"), BASE], check=True)
     ctx = tmp_path_factory.mktemp("standin-ctx")
     shutil.copy(ROOT / "tests" / "standin" / "server.py", ctx / "server.py")
-    # vLLM depends on prometheus_client, so every vLLM image has it (flash_vllm.pdrouter uses it):
-    # the stand-in base gets the pure-Python package our own pin installed here.
-    import prometheus_client
-
-    shutil.copytree(Path(prometheus_client.__file__).parent, ctx / "prometheus_client",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    # Every vLLM image has the router's stack (prometheus_client, uvicorn, httptools, uvloop, starlette,
+    # aiohttp: vLLM dependencies): the stand-in base gets the files of our own pins (the `router`
+    # extra) and what they need, as installed here (CPython 3.11 like bookworm's python3).
+    copy_dists(["prometheus_client", "uvicorn", "httptools", "uvloop", "starlette", "aiohttp"], ctx / "site")
     shutil.copy(ROOT / "tests" / "engine" / "standin.Dockerfile", ctx / "Dockerfile")
     docker_client.images.build(path=str(ctx), tag=STANDIN, buildargs={"BASE": BASE}, rm=True)
     return STANDIN

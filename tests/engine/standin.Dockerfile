@@ -4,7 +4,7 @@
 ARG BASE=flash-test-base:bookworm
 FROM ${BASE}
 COPY server.py /opt/standin/server.py
-# as in the vLLM images (a vLLM dependency): flash_vllm.pdrouter's /metrics needs it
-COPY prometheus_client /usr/lib/python3/dist-packages/prometheus_client
+# as in the vLLM images (vLLM dependencies): the pd router's HTTP stack and prometheus_client
+COPY site/ /usr/lib/python3/dist-packages/
 RUN printf '#!/bin/sh\nexec python3 /opt/standin/server.py "$@"\n' >/usr/local/bin/vllm && chmod 755 /usr/local/bin/vllm
 LABEL org.flash.test=standin-base

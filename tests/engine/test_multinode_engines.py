@@ -267,7 +267,8 @@ def test_pd_router_is_one_endpoint_on_two_engines(flash, docker_client, second_e
         assert exc.code == 503 and json.loads(exc.read())["prefill"] == "ok"
     with pytest.raises(urllib.error.HTTPError) as bad:
         urllib.request.urlopen(urllib.request.Request(f"{flash.url}/v1/completions", data=body, headers=auth), timeout=30)
-    assert bad.value.code == 502 and json.loads(bad.value.read())["error"]["stage"] == "decode"
+    # the router knows the decode server is down (its /health just said so): 503, and no prefill spent
+    assert bad.value.code == 503 and json.loads(bad.value.read())["error"]["stage"] == "decode"
     res = flash("wait", "--timeout", "30", "--interval", "0.5")
     assert res.returncode == 7 and "node 1 (decode)" in res.stderr, res.stdout + res.stderr
 

@@ -1,13 +1,19 @@
 """Layout-faithful synthetic checkpoints of Qwen3.8-Flash-Next in a real HF cache layout.
 
-Two flavours of the same generator (names, dtypes, shape formulas and file layouts from
-/work/shared/reference/model-and-checkpoints.md §1–§3):
+Two flavours of the same generator (names, dtypes, shape formulas and file layouts as the
+published checkpoints' config.json, safetensors indexes and headers give them):
 - `TINY` dims with real random data (numerical checks; written with the `safetensors` library),
 - `REAL` dims as sparse files (real names, shapes, dtypes, header bytes and file sizes; data
   are holes, so 135 GB cost no disk) for the scale tier.
 Layouts: `radixark` (`model-bf16-000{01,10,11,12}`, `model-plefp8-0000N`,
 `layer-LLLLL-experts-FFFF-LLLL`, audit `.complete.json` files) and `nvidia`
-(`model-000NN-of-00010` + `model-fp8-mtp-ple`, MIXED_PRECISION). The split of non-expert
+(`model-000NN-of-00010` + `model-fp8-mtp-ple`, MIXED_PRECISION), and `qad`: the ModelOpt
+quantization-aware-distilled export NVIDIA's recipe serves (local-inference-lab/…-NVFP4,
+nvidia/…-FP4-Local; docs/CHECKPOINTS.md): `model-000NN-of-000NN` shards, MXFP8 side layers
+(F8_E4M3 + U8 UE8M0 scale per 32), NVFP4 routed and MTP experts, an NVFP4 PLE table (U8 codes
+[rows, w/2] + F8_E4M3 scales [rows, w/16] per shard, one F32 `weight_scale_2`) and its
+`export-manifest.json`; which tensor sits in which of its shards is not public, so the fixture
+spreads them in index order. The split of non-expert
 tensors over RadixArk's four bf16 files is an approximation (the counts 386/48/818/182 are
 close to the real 385/58/821/170; the exact assignment is not public). `donor()` writes the
 Inferact MTP donor file.
@@ -72,6 +78,15 @@ TINY = Dims(hidden=256, layers=8, experts=4, experts_per_file=2, moe_inter=128, 
 RADIXARK = "RadixArk/Qwen3.8-Flash-Next-NVFP4"
 NVIDIA = "nvidia/Qwen3.8-Flash-Next-NVFP4"
 DONOR = "Inferact/Qwen3.8-Flash-Next-NVFP4"
+QAD = "local-inference-lab/Qwen3.8-Flash-Next-NVFP4"
+FP4_LOCAL = "nvidia/Qwen3.8-Flash-Next-FP4-Local"
+QAD_SHARDS = 6  # the real export has 36 (model-00001-of-00036 …); the tiny one keeps the naming
+# the projections the QAD export stores as MXFP8 (step-4000 / main revisions: jitLLM's replica of
+# the layout, and the skinny-GEMM record: in_proj_qkv/a/b and the shared experts are MXFP8)
+QAD_MXFP8 = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_a", "linear_attn.in_proj_b",
+             "linear_attn.out_proj", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "self_attn.indexer.index_qk_proj", "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
+             "mlp.shared_expert.down_proj")
 IGNORE_13 = ["model.embed_tokens", "mtp.*", "model.mtp.*", "*.self_attn.*", "*.linear_attn.*", "*.mlp.gate*",
              "*.mlp.shared_expert.*", "*.mlp.shared_expert_gate*", "*hyper_connection*", "*.ple.*", "model.visual.*",
              "model.language_model.embed_tokens", "lm_head"]
@@ -244,9 +259,53 @@ def nvidia_files(d: Dims) -> dict[str, list]:
     return files
 
 
+def mxfp8(name: str, dtype: str, shape: tuple) -> list[tuple[str, str, tuple]]:
+    """A BF16 2-D weight as the QAD export stores an MXFP8 one: E4M3 values + a UE8M0 byte per 32."""
+    o, i = shape
+    return [(name, "F8_E4M3", (o, i)), (name[: -len("weight")] + "weight_scale", "U8", (o, -(-i // 32)))]
+
+
+def qad_layer(d: Dims, L: int) -> list[tuple[str, str, tuple]]:
+    out = []
+    for name, dt, shape in layer_tensors(d, L):
+        module = name.split(f"layers.{L}.", 1)[1].rsplit(".", 1)[0]
+        out += mxfp8(name, dt, shape) if module in QAD_MXFP8 else [(name, dt, shape)]
+    return out
+
+
+def qad_ple_table(d: Dims) -> list[tuple[str, str, tuple]]:
+    b = f"{P}layers.1.ple.ple_embedding.ngram_embedding."
+    out = []
+    for i in range(d.ple_shards):
+        out += [(f"{b}shard_{i}.weight", "U8", (d.ple_rows, d.ple_width // 2)),
+                (f"{b}shard_{i}.weight_scale", "F8_E4M3", (d.ple_rows, d.ple_width // 16))]
+    return out + [(f"{b}weight_scale_2", "F32", (1,))]
+
+
+def w4a16_expert(prefix: str, d: Dims, e: int) -> list[tuple[str, str, tuple]]:
+    """NVFP4 weights without an activation scale (the MTP experts, reported W4A16)."""
+    return [t for t in nvfp4_expert(prefix, d, e) if not t[0].endswith("input_scale")]
+
+
+def qad_files(d: Dims) -> dict[str, list]:
+    emb, mixer = endpoints(d)
+    seq = [emb[0]]
+    for layer in range(d.layers):
+        seq += qad_layer(d, layer) + [t for e in range(d.experts) for t in nvfp4_expert(f"{P}layers.{layer}.mlp", d, e)]
+        if layer == 1:
+            seq += ple_rest(d) + qad_ple_table(d)
+    seq += [emb[1]] + mixer + mtp_nonexpert(d) + [t for e in range(d.experts) for t in w4a16_expert("mtp.layers.0.mlp", d, e)]
+    seq += vision(d)
+    per = -(-len(seq) // QAD_SHARDS)
+    return {f"model-{k + 1:05d}-of-{QAD_SHARDS:05d}.safetensors": seq[k * per:(k + 1) * per] for k in range(QAD_SHARDS)}
+
+
 def donor_files(d: Dims) -> dict[str, list]:
     return {"nvfp4_experts_mtp.safetensors":
             mtp_nonexpert(d) + [t for e in range(d.experts) for t in nvfp4_expert("mtp.layers.0.mlp", d, e)]}
+
+
+FILES = {"radixark": radixark_files, "nvidia": nvidia_files, "donor": donor_files, "qad": qad_files}
 
 
 def _numel(shape) -> int:
@@ -286,6 +345,21 @@ def configs(flavour: str, d: Dims) -> dict[str, str]:
         hq = {"producer": producer, "quantization": {"quant_algo": "MIXED_PRECISION", "exclude_modules": ignore,
                                                      "quantized_layers": {**layers, "mtp.layers.0.mlp.experts":
                                                                           {"quant_algo": "FP8_BLOCK_SCALES", "group_size": 128}}}}
+    elif flavour == "qad":
+        experts = [f"{P}layers.{i}.mlp.experts" for i in range(d.layers)] + ["mtp.layers.0.mlp.experts"]
+        mx = sorted(f"{P}layers.{i}.{m}" for i in range(d.layers) for m in QAD_MXFP8
+                    if m.startswith("mlp.") or (m.startswith("self_attn.") == is_qsa(i)))
+        layers = {e: {"quant_algo": "NVFP4", "group_size": 16} for e in experts}
+        layers |= {m: {"quant_algo": "MXFP8", "group_size": 32} for m in mx}
+        layers[f"{P}layers.1.ple.ple_embedding.ngram_embedding"] = {"quant_algo": "NVFP4", "group_size": 16}
+        shared = [m for m in mx if ".shared_expert." in m]
+        groups = {"group_nvfp4_routed_experts": {"targets": experts},
+                  "group_mxfp8_attention": {"targets": [m for m in mx if m not in shared]},
+                  "group_mxfp8_shared_experts": {"targets": shared}}
+        qc = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "producer": producer,
+              "config_groups": groups, "quantized_layers": layers, "ignore": []}
+        hq = {"producer": producer, "quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": layers,
+                                                     "exclude_modules": []}}
     else:  # donor
         qc = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "calibration_applied": True,
               "ignore": ["lm_head", "model.visual.*"]}
@@ -304,6 +378,12 @@ def configs(flavour: str, d: Dims) -> dict[str, str]:
     }
     if flavour == "radixark":
         out["qualification-notes.md"] = "# qualification notes (synthetic)\n"
+    if flavour == "qad":  # the export's own extra files: kept (serving reads none, the manifest is small)
+        out["export-manifest.json"] = json.dumps({"producer": producer, "checkpoint": "synthetic qad"})
+        out["video_preprocessor_config.json"] = json.dumps({"patch_size": 16})
+        out["vocab.json"] = json.dumps({"a": 0})
+        out["merges.txt"] = "#version: 0.2\n"
+        out["README.md"] = "# synthetic QAD export (not a serving file)\n"
     return out
 
 
@@ -383,8 +463,8 @@ def write_snapshot(cache: Path, flavour: str, dims: Dims = TINY, sparse: bool = 
     `values` replaces the random generator (see `write_safetensors`); `small_files(flavour, dims)`
     replaces `configs()` (tests/fakes/tiny_model.py uses both for a model vLLM can run).
     """
-    model = model or {"radixark": RADIXARK, "nvidia": NVIDIA, "donor": DONOR}[flavour]
-    files = {"radixark": radixark_files, "nvidia": nvidia_files, "donor": donor_files}[flavour](dims)
+    model = model or {"radixark": RADIXARK, "nvidia": NVIDIA, "donor": DONOR, "qad": QAD}[flavour]
+    files = FILES[flavour](dims)
     revision = revision or revision_for(model, flavour, dims)
     repo = Path(cache).expanduser() / "hub" / ("models--" + model.replace("/", "--"))
     blobs, snap = repo / "blobs", repo / "snapshots" / revision
@@ -433,7 +513,7 @@ def write_snapshot(cache: Path, flavour: str, dims: Dims = TINY, sparse: bool = 
 
 
 def tensor_count(flavour: str, dims: Dims) -> int:
-    files = {"radixark": radixark_files, "nvidia": nvidia_files, "donor": donor_files}[flavour](dims)
+    files = FILES[flavour](dims)
     return sum(len(v) for v in files.values())
 
 

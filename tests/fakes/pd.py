@@ -20,12 +20,16 @@ What a test needs to see is recorded: every request body and its headers (`seen`
 that a faithful router would not send is answered 400 with the reason, so the router's test fails
 on it. Faults: `status` (answer every generation with that HTTP status), `health` (the /health
 status), `break_after` (decode: close the stream after that many chunks), `hold` (decode: wait on
-this Event after the first chunk, to prove the router streams instead of buffering).
+this Event after the first chunk, to prove the router streams instead of buffering), `hold_answer`
+(prefill or decode: before a non-streaming answer, wait on this Event while watching the connection;
+a client that closes it sets `disconnected`, as vLLM aborts a request whose client left).
 """
 
 from __future__ import annotations
 
 import json
+import select
+import socket
 import threading
 import time
 import uuid
@@ -60,10 +64,14 @@ class FakeServer:
         self.health = 200
         self.break_after: int | None = None
         self.hold: threading.Event | None = None
-        self.disconnected = threading.Event()  # decode: the client went away mid-stream
+        self.hold_answer: threading.Event | None = None
+        self.disconnected = threading.Event()  # the client went away mid-answer
         self.n = 0
+        self.conns: set = set()
         handler = type("H", (_Handler,), {"fake": self})
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        # uvicorn's listen backlog (2048), as vLLM's API server has, not the standard library's 5
+        server = type("S", (ThreadingHTTPServer,), {"request_queue_size": 2048})
+        self.httpd = server(("127.0.0.1", 0), handler)
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
@@ -76,8 +84,14 @@ class FakeServer:
         return self
 
     def stop(self) -> None:
+        """As a server process that dies: the listener and every open (keep-alive) connection close."""
         self.httpd.shutdown()
         self.httpd.server_close()
+        for conn in list(self.conns):
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     # -- what vLLM would refuse from a P/D router --------------------------------------------------
     def problems(self, path: str, body: dict) -> list[str]:
@@ -94,9 +108,11 @@ class FakeServer:
                 out.append(f"prefill request with max_tokens={body.get('max_tokens')!r}, not 1")
             if "max_completion_tokens" in body and body["max_completion_tokens"] != 1:
                 out.append(f"prefill request with max_completion_tokens={body['max_completion_tokens']!r}, not 1")
-            for k in ("stream_options", "min_tokens", "min_completion_tokens"):
-                if body.get(k) is not None:
-                    out.append(f"prefill request carries {k} (vLLM refuses min_tokens > max_tokens=1)")
+            if body.get("stream_options") is not None:  # vLLM: stream_options only with stream=true
+                out.append("prefill request carries stream_options")
+            for k in ("min_tokens", "min_completion_tokens"):  # SamplingParams refuses min_tokens > max_tokens
+                if (body.get(k) or 0) > 1:
+                    out.append(f"prefill request carries {k}={body[k]} (vLLM refuses min_tokens > max_tokens=1)")
         else:
             if not isinstance(kv, dict) or kv.get("do_remote_prefill") is not True:
                 out.append(f"decode request without kv_transfer_params.do_remote_prefill=true: {kv!r}")
@@ -126,6 +142,14 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *args) -> None:
         pass
 
+    def setup(self) -> None:
+        super().setup()
+        self.fake.conns.add(self.connection)
+
+    def finish(self) -> None:
+        self.fake.conns.discard(self.connection)
+        super().finish()
+
     def send_json(self, code: int, obj) -> None:
         body = json.dumps(obj).encode()
         self.send_response(code)
@@ -137,6 +161,20 @@ class _Handler(BaseHTTPRequestHandler):
     def authorized(self) -> bool:
         key = self.fake.api_key
         return not key or not self.path.startswith("/v1") or self.headers.get("Authorization") == f"Bearer {key}"
+
+    def client_left(self, hold: threading.Event, limit: float = 10.0) -> bool:
+        """Wait for `hold` while watching the connection, as vLLM's server notices a client that
+        closes its connection: True when it did (readable with nothing to read = EOF)."""
+        end = time.monotonic() + limit
+        while not hold.is_set() and time.monotonic() < end:
+            ready, _, _ = select.select([self.connection], [], [], 0.02)
+            if ready:
+                try:
+                    if self.connection.recv(1, socket.MSG_PEEK) == b"":
+                        return True
+                except OSError:
+                    return True
+        return False
 
     def do_GET(self) -> None:
         f = self.fake
@@ -180,6 +218,9 @@ class _Handler(BaseHTTPRequestHandler):
         chat = self.path.endswith("chat/completions")
         rid = self.headers.get("X-Request-Id") or uuid.uuid4().hex
         base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}", "created": int(time.time()), "model": body.get("model", "m")}
+        if f.role == "prefill" and f.hold_answer is not None and self.client_left(f.hold_answer):
+            f.disconnected.set()
+            return
         if f.role == "prefill":
             kv = f.kv_answer(f"{base['id']}-0", 5)
             choice = ({"index": 0, "message": {"role": "assistant", "content": WORDS[0]}, "finish_reason": "length"}
@@ -187,6 +228,9 @@ class _Handler(BaseHTTPRequestHandler):
             return self.send_json(200, {**base, "object": "chat.completion" if chat else "text_completion",
                                         "choices": [choice], "kv_transfer_params": kv,
                                         "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}})
+        if f.hold_answer is not None and not body.get("stream") and self.client_left(f.hold_answer):
+            f.disconnected.set()
+            return
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or len(WORDS))
         words = (WORDS * 4)[:n]
         if not body.get("stream"):
@@ -196,11 +240,10 @@ class _Handler(BaseHTTPRequestHandler):
             return self.send_json(200, {**base, "object": "chat.completion" if chat else "text_completion",
                                         "choices": [choice], "kv_transfer_params": None,
                                         "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}})
-        self.send_response(200)  # uvicorn streams a StreamingResponse chunked
+        self.send_response(200)  # uvicorn streams a StreamingResponse chunked, and keeps the connection
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        self.close_connection = True
 
         def chunk(data: bytes) -> None:
             self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))

@@ -5,7 +5,7 @@ give the same answers on the device: against the CPU reference (score descending
 lowest column, returned in column order, -1 past min(k, visible)) on random scores, heavy ties and
 rows wider than the real model's (125,056 columns at max_model_len 500,000); the same output on
 every call and inside a CUDA graph replay (the FULL decode regime), with the visible counts changed
-between replays as a decode step changes them. Timing is tools/bench_step_kernels.py's job."""
+between replays as a decode step changes them. Timing is lab/bench_step_kernels.py's job."""
 
 from __future__ import annotations
 

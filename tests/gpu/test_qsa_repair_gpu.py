@@ -6,7 +6,7 @@ output; here vLLM's own `torch.ops._C.cooperative_topk` / `persistent_topk` sele
 (`_qsa_topk.make_hook(stock, "repair", ...)`). On integer scores (ties at the k-th value in every
 row) the result must equal the radix kernel's and the CPU reference, be the same on 5 calls, and
 inside a CUDA graph replay (the FULL decode regime) with the visible counts changed between replays.
-Timing is tools/bench_step_kernels.py's job."""
+Timing is lab/bench_step_kernels.py's job."""
 
 from __future__ import annotations
 

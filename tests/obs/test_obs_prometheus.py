@@ -23,9 +23,9 @@ from flash_cli import monitor
 ROOT = Path(__file__).resolve().parents[2]
 OBS = ROOT / "observability"
 sys.path.insert(0, str(ROOT / "tests" / "standin"))
-sys.path.insert(0, str(ROOT / "tools"))
 from harness import StandIn  # noqa: E402
-import gen_dashboard  # noqa: E402
+
+from tools import gen_dashboard  # noqa: E402
 
 pytestmark = [pytest.mark.obs, pytest.mark.timeout(240)]
 

@@ -58,7 +58,7 @@ Not a model: answers are deterministic filler words with a few canned facts. Kno
                                 (and prometheus_client in multiprocess mode): unlabelled, the help
                                 texts of flash_vllm/ple/stats.py (tests/unit/test_metrics_bridge.py)
   PROMETHEUS_MULTIPROC_DIR      set: *_created, process_* and python_* families vanish, as in vLLM's
-                                multiprocess mode (measured: docs/metrics/multiproc-diff-vllm-*.json)
+                                multiprocess mode (measured: benchmarks/metrics/multiproc-diff-vllm-*.json)
   --kv-transfer-config          NixlConnector kv_producer: a request whose kv_transfer_params has
                                 do_remote_decode answers (non-streaming) with the params vLLM 0.33's
                                 nixl pull_scheduler.request_finished() returns (remote_host/port from
@@ -535,7 +535,7 @@ class Engine:
             self.reg.set("vllm:kv_cache_usage_perc", self.labels, min(1.0, self.running_tokens / self.kv_tokens))
         # multiprocess mode (vLLM's get_prometheus_registry): a fresh registry holding only the
         # MultiProcessCollector, so process_*/python_* and every *_created family disappear
-        # (measured on vLLM 0.29-0.31, docs/metrics/multiproc-diff-vllm-*.json)
+        # (measured on vLLM 0.29-0.31, benchmarks/metrics/multiproc-diff-vllm-*.json)
         if self.multiproc:
             return self.reg.exposition(created=False)
         return self.process_metrics() + self.reg.exposition(created=True)

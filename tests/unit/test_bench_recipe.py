@@ -1,11 +1,10 @@
-"""tools/bench_recipe.py: every server is the RunSpec `flash serve` renders, changed only where the
+"""lab/bench_recipe.py: every server is the RunSpec `flash serve` renders, changed only where the
 bench says so; the blocks run against a stand-in `vllm` module (real HTTP, streamed completions,
 Prometheus counters) and the report pairs each config with stock in the same cycle."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,10 +12,9 @@ import pytest
 from flash_cli import recipe
 from flash_cli.commands import serve
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
+from lab import bench_recipe as br
 
-import bench_recipe as br  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 # the flags the bench substitutes in a RunSpec's argv (docstring: each one said in `deviations`)
 SUBSTITUTED = {"--load-format", "--host", "--port", "--served-model-name"}
@@ -34,7 +32,7 @@ def _pairs(argv: list[str]) -> dict[str, str | None]:
     return out
 
 
-@pytest.mark.parametrize("name", [n for n, c in br.CONFIGS.items() if c["kind"] != "nvidia"])
+@pytest.mark.parametrize("name", list(br.CONFIGS))
 def test_flash_servers_are_the_runspec_with_only_the_said_substitutions(name, tmp_path):
     c = br.CONFIGS[name]
     r = recipe.load([c["profile"], *c["words"]], env={})
@@ -76,21 +74,58 @@ def test_ablations_change_only_their_setting():
     assert json.loads(mtp4["--speculative-config"])["num_speculative_tokens"] == 4
 
 
-def test_nvidia_keeps_every_flag_stock_vllm_takes_and_names_the_rest():
-    got = br.render("nvidia", Path("/x"), 1)
-    have, theirs = _pairs(got["argv"]), _pairs(br.NVIDIA_ARGS)
-    for flag, val in theirs.items():
+# NVIDIA's recipe.yaml as published (NVIDIA/local-ai-inference-recipes @dedcf6bc, the one-Spark
+# nvfp4 recipe's `serve` block): the reference the `nvidia` profile is checked against
+RECIPE_ENV = {"VLLM_PLE_TABLE_MEMORY": "disk", "CUTE_DSL_ARCH": "sm_121a", "SAFETENSORS_FAST_GPU": "1",
+              "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_SSM_CONV_STATE_LAYOUT": "DS", "VLLM_USE_AOT_COMPILE": "1",
+              "VLLM_USE_MEGA_AOT_ARTIFACT": "1", "VLLM_USE_V2_MODEL_RUNNER": "1", "B12X_POLICY_MODE": "auto",
+              "VLLM_MXFP8_LM_HEAD": "1", "VLLM_B12X_MOE_FP4_LAYER_MAX_INPUT_SCALE": "w13"}
+RECIPE_ARGS = ["--host", "0.0.0.0", "--port", "8000", "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1",
+               "--mamba-cache-mode", "align", "--enable-prefix-caching", "--enable-chunked-prefill", "--dtype", "bfloat16",
+               "--kv-cache-dtype", "fp8", "--quantization", "modelopt_mixed", "--block-size", "16", "--load-format", "b12x",
+               "--max-model-len", "262144", "--max-num-seqs", "8", "--max-num-batched-tokens", "4096",
+               "--speculative-config", '{"method":"mtp","num_speculative_tokens":4}',
+               "--gdn-decode-kernel", "b12x", "--linear-backend", "b12x", "--moe-backend", "b12x",
+               "--no-enable-flashinfer-autotune", "--mm-encoder-tp-mode", "data", "--reasoning-parser", "qwen3",
+               "--tool-call-parser", "qwen3_xml", "--enable-auto-tool-choice",
+               "--compilation-config", '{"pass_config":{"fuse_act_quant":true}}', "--gpu-memory-utilization", "0.8"]
+# where our rendering differs from the recipe by design, not by a missing B12x feature
+BY_DESIGN = {"--host", "--port"}  # flash's BIND/PORT; the bench's own loopback port
+VLLM_DEFAULT = {"--tensor-parallel-size 1", "--pipeline-parallel-size 1"}
+
+
+@pytest.mark.parametrize("name", ["nvidia", "nvidia-flash"])
+def test_nvidia_profile_renders_every_recipe_item_our_base_takes_and_names_the_rest(name):
+    got = br.render(name, Path("/x"), 1)
+    have = _pairs(got["argv"])
+    for flag, val in _pairs(RECIPE_ARGS).items():
         word = f"{flag} {val}" if val is not None else flag
         if word in br.NVIDIA_DROPPED:
-            assert flag not in have or flag == "--load-format"
-            assert any(d.startswith(f"dropped {word}:") for d in got["deviations"])
-        else:
-            assert have[flag] == val, flag
-    assert json.loads(have["--speculative-config"])["num_speculative_tokens"] == 4
-    assert have["--kv-cache-dtype"] == "fp8" and have["--max-num-seqs"] == "8" and have["--gpu-memory-utilization"] == "0.8"
-    for k, v in br.NVIDIA_ENV.items():
-        assert got["env"].get(k) == v or f"{k}={v}" in br.NVIDIA_DROPPED
-    assert got["env"]["VLLM_PLUGINS"] == ""
+            assert flag not in have or flag == "--load-format", word
+            if name == "nvidia":
+                assert any(d.startswith(f"dropped {word}:") for d in got["deviations"])
+        elif flag == "--speculative-config":
+            assert json.loads(have[flag]) == json.loads(val)
+        elif flag == "--compilation-config":  # theirs plus the graph mode our PLE gather needs
+            assert json.loads(have[flag])["pass_config"] == json.loads(val)["pass_config"]
+        elif flag == "--gpu-memory-utilization":
+            assert float(have[flag]) == float(val)
+        elif flag not in BY_DESIGN and word not in VLLM_DEFAULT:
+            assert have.get(flag, "<absent>") == val, flag
+    for k, v in RECIPE_ENV.items():
+        assert got["env"].get(k) == v or f"{k}={v}" in br.NVIDIA_DROPPED, k
+    # every dropped item is one of the recipe's, spelled as the recipe spells it
+    words = {f"{f} {v}" if v is not None else f for f, v in _pairs(RECIPE_ARGS).items()}
+    assert set(br.NVIDIA_DROPPED) <= words | {f"{k}={v}" for k, v in RECIPE_ENV.items()}
+    assert (got["env"].get("VLLM_PLUGINS") == "") == (name == "nvidia")
+
+
+def test_the_dropped_list_is_read_from_the_profile_and_refused_when_missing(tmp_path):
+    assert "--load-format b12x" in br.NVIDIA_DROPPED and "VLLM_PLE_TABLE_MEMORY=disk" in br.NVIDIA_DROPPED
+    bare = tmp_path / "nvidia.env"
+    bare.write_text("MODE=nvfp4\n# desc: x\n")
+    with pytest.raises(SystemExit, match="b12x"):
+        br.nvidia_dropped(bare)
 
 
 def test_a_bad_config_list_is_refused_naming_it():

@@ -1,4 +1,4 @@
-"""tools/bench_step_kernels.py without a GPU: the --cpu-smoke run (tiny shapes, CPU torch) goes
+"""lab/bench_step_kernels.py without a GPU: the --cpu-smoke run (tiny shapes, CPU torch) goes
 through every path but the CUDA kernels and graphs; its equality checks pass, they fail when the
 compared results differ, and its JSON lines have the shape the summary and KERNELS.md rely on."""
 
@@ -12,20 +12,20 @@ from pathlib import Path
 
 import pytest
 import torch  # the unit tier's venv has CPU torch (the test extra)
-import toolmod
+
+from lab import bench_step_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
-TOOL = ROOT / "tools" / "bench_step_kernels.py"
 
 
 @pytest.fixture(scope="module")
 def bk():
-    return toolmod.load("bench_step_kernels")
+    return bench_step_kernels
 
 
 def _run(*args, **env):
     e = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT / "src"), **env)
-    return subprocess.run([sys.executable, str(TOOL), *args], env=e, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "lab.bench_step_kernels", *args], env=e, capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
 
 

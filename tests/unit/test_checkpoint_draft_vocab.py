@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import toolmod
+
+from tools import build_draft_vocab
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "src" / "flash_vllm" / "data" / "draft_vocab_65536.npy"
@@ -17,7 +18,7 @@ SHIPPED = ROOT / "src" / "flash_vllm" / "data" / "draft_vocab_65536.npy"
 
 @pytest.fixture(scope="module")
 def tool():
-    return toolmod.load("build_draft_vocab")
+    return build_draft_vocab
 
 
 @pytest.fixture(scope="module")

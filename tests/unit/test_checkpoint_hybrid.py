@@ -337,25 +337,31 @@ def test_row_strips_and_worker_counts_do_not_change_a_byte(tmp_path, monkeypatch
         assert (va / name).read_bytes() == (vb / name).read_bytes()
 
 
-def test_standalone_fp8_convert_tool_same_result(tmp_path):
+def test_prepare_hybrid_on_any_directory_same_result(tmp_path):
+    """`flash prepare hybrid --source DIR [--dest DIR]` (what tools/fp8_convert.py was): the same
+    bytes as the snapshot's own variant, next to a plain directory copy."""
     import shutil as sh
 
     snap = ckpt.write_snapshot(tmp_path / "hf", "nvidia")
     plain = tmp_path / "plain"  # a plain directory copy, not a cache snapshot
     sh.copytree(snap, plain, symlinks=False)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    tool = [sys.executable, str(ROOT / "tools" / "fp8_convert.py")]
-    dry = subprocess.run(tool + [str(plain), "--dry-run"], capture_output=True, text=True, env=env)
-    assert dry.returncode == 0 and "52 tensors" in dry.stdout and not (tmp_path / "plain-fp8hybrid").exists()
-    out = subprocess.run(tool + [str(plain)], capture_output=True, text=True, env=env)
+    cmd = [sys.executable, "-m", "flash_cli", "prepare", "hybrid"]
+    dry = subprocess.run(cmd + ["--source", str(plain), "--dry-run"], capture_output=True, text=True, cwd=ROOT)
+    assert dry.returncode == 0 and "52 tensors" in dry.stderr and not (tmp_path / "plain-fp8hybrid").exists()
+    out = subprocess.run(cmd + ["--source", str(plain)], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    assert "worst per-block relative error 0.03" in out.stdout
+    assert "worst block rel err 0.03" in out.stderr and out.stdout == f"{tmp_path / 'plain-fp8hybrid'}\n"
+    elsewhere = subprocess.run(cmd + ["--source", str(plain), "--dest", str(tmp_path / "out" / "v")],
+                               capture_output=True, text=True, cwd=ROOT)
+    assert elsewhere.returncode == 0 and (tmp_path / "out" / "v" / ".prepared").is_file(), elsewhere.stderr
     hybrid.prepare(snap)
     a, b = tmp_path / "plain-fp8hybrid", hfcache.variant_dir(snap, "hybrid")
     for name in json.loads((b / ".prepared").read_text())["rewritten"]:
-        assert (a / name).read_bytes() == (b / name).read_bytes()
-    bad = subprocess.run(tool + [str(tmp_path / "nowhere")], capture_output=True, text=True, env=env)
-    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+        assert (a / name).read_bytes() == (b / name).read_bytes() == (tmp_path / "out" / "v" / name).read_bytes()
+    bad = subprocess.run(cmd + ["--source", str(tmp_path / "nowhere")], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 5 and "Traceback" not in bad.stderr
+    misuse = subprocess.run([*cmd[:-1], "graft", "--source", str(plain)], capture_output=True, text=True, cwd=ROOT)
+    assert misuse.returncode == 2 and "--source/--dest: prepare hybrid only" in misuse.stderr
 
 
 @pytest.mark.parametrize("bits", [0x7FC0, 0xFF80], ids=["nan", "-inf"])

@@ -59,6 +59,9 @@ def test_bad_value_exits_2_naming_accepted_values():
 def test_unknown_profile_and_non_assignment():
     res = flash("serve", "turbo", "--dry-run")
     assert res.returncode == 2 and "unknown profile 'turbo'" in res.stderr and "context-1m" in res.stderr
+    assert "did you mean" not in res.stderr  # nothing near 'turbo'
+    res = flash("serve", "defualt", "--dry-run")
+    assert res.returncode == 2 and "unknown profile 'defualt': did you mean 'default'?" in res.stderr
     res = flash("serve", "default", "MTP", "--dry-run")
     assert res.returncode == 2 and "KEY=VALUE" in res.stderr
 
@@ -86,3 +89,65 @@ def test_debug_traceback_only_with_flash_debug():
     assert "Traceback" not in res.stderr
     res = flash("serve", "MODE=x", "--dry-run", env={"FLASH_DEBUG": "1"})
     assert "Traceback" in res.stderr
+
+
+def test_unreachable_engine_is_one_clean_message_in_every_command(tmp_path):
+    """No Docker Engine at DOCKER_HOST: each command that needs it says so in one line, naming
+    where it looked and why (docker-py's ('Connection aborted.', FileNotFoundError(…)) is gone)."""
+    host = f"unix://{tmp_path / 'no-docker.sock'}"
+    line = f"Docker Engine unreachable at {host}: No such file or directory"
+    env = {"DOCKER_HOST": host, "HF_CACHE": str(tmp_path / "hf")}
+    for cmd, code in ((["stop"], 3), (["logs"], 3), (["wait", "--timeout", "1"], 3), (["monitor", "status"], 3),
+                      (["status"], 3), (["doctor"], 1), (["setup", "--dry-run"], 0)):
+        res = flash(*cmd, env=env)
+        out = res.stdout + res.stderr
+        assert res.returncode == code, (cmd, out)
+        assert line in out, (cmd, out)
+        assert "Connection aborted" not in out and "FileNotFoundError" not in out and "Traceback" not in out, cmd
+
+
+def test_settings_the_layout_never_reads_are_named():
+    res = flash("serve", "default", "NODE_ADDRS=10.0.0.1,10.0.0.2", "PD_PORT=18400", "--dry-run")
+    assert res.returncode == 0, res.stderr
+    assert "NODE_ADDRS=10.0.0.1,10.0.0.2 does nothing with PARALLEL=none: only tp2/pp2/dp2/pd read it" in res.stderr
+    assert "PD_PORT=18400 does nothing with PARALLEL=none: only pd read it" in res.stderr
+    res = flash("serve", "default", "--dry-run")  # nothing set: nothing said
+    assert "does nothing with PARALLEL" not in res.stderr
+
+
+def test_stop_with_nothing_there_is_idempotent_like_status(tmp_path):
+    """Checked here against a real Engine API socket answering "no containers": a tiny HTTP
+    server on a Unix socket, the way dockerd answers GET /containers/json."""
+    import http.server
+    import json
+    import socketserver
+    import threading
+
+    class Engine(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            body = json.dumps({"ApiVersion": "1.41"} if "/version" in self.path else [] if "/containers/" in self.path
+                              else "OK").encode() if "/_ping" not in self.path else b"OK"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain" if "/_ping" in self.path else "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Api-Version", "1.41")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+        daemon_threads = True
+
+    sock = tmp_path / "docker.sock"
+    srv = Server(str(sock), Engine)
+    srv.get_request = lambda: (srv.socket.accept()[0], ("local", 0))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        res = flash("stop", env={"DOCKER_HOST": f"unix://{sock}"})
+        assert res.returncode == 0, res.stderr
+        assert res.stdout == "no flash container named 'qwen38-flash'; nothing to stop\n"
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -1,4 +1,4 @@
-"""tools/device_payload.py: pack with fake wheels (no network), split, receive in any order,
+"""lab/device_payload.py: pack with fake wheels (no network), split, receive in any order,
 refuse corrupt parts and incomplete stores, install into a prefix with a stand-in pip."""
 
 import hashlib
@@ -8,14 +8,15 @@ import zipfile
 from pathlib import Path
 
 import pytest
-import toolmod
+
+from lab import device_payload
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def dp():
-    return toolmod.load("device_payload")
+    return device_payload
 
 
 def quiet(*a, **k):
@@ -438,7 +439,7 @@ def test_pack_without_a_list_resolves_minus_the_freeze_and_fetches_only_what_tra
 
 
 def test_the_shipped_approximate_freeze_and_029_extra_list_parse(dp):
-    """The files in tools/payload/ that `pack --release 0.29.0` reads by default."""
+    """The files in lab/payload/ that `pack --release 0.29.0` reads by default."""
     freeze = dp.PAYLOAD_DIR / dp.APPROX_FREEZE
     text = freeze.read_text()
     assert "APPROXIMATE" in text and "pip list --format=freeze" in text
@@ -472,27 +473,25 @@ def test_install_names_a_parser_that_cannot_load(dp, tmp_path):
 
 
 def test_the_measured_device_freeze_is_the_default_and_agrees_with_what_booted(dp):
-    """tools/payload/device-image-freeze.txt is the device's real `pip list` (session of 25174b3): pack
+    """lab/payload/device-image-freeze.txt is the device's real `pip list` (session of 25174b3): pack
     prefers it to the approximation, and it agrees with what the 0.33.0 boots showed: the image's
     own torch 2.11 and transformers 5.17, no vllm, no pycountry (both travelled)."""
-    assert dp.default_freeze() in (dp.PAYLOAD_DIR / dp.REAL_FREEZE, dp.shared_gpu_e2e(dp.REAL_FREEZE))
+    assert dp.default_freeze() == dp.PAYLOAD_DIR / dp.REAL_FREEZE
     pairs = dp.read_freeze(dp.PAYLOAD_DIR / dp.REAL_FREEZE)
     assert pairs["torch"] == "2.11.0" and pairs["transformers"] == "5.17.0"
     assert "vllm" not in pairs and "pycountry" not in pairs and len(pairs) > 150
 
 
-def test_kept_lists_are_the_default_where_shared_has_none(dp, monkeypatch):
+def test_kept_lists_are_the_default(dp):
     """A fresh checkout re-packs the exact wheel set a passing device run installed (run42 for
-    0.29.0), not today's resolution; shared/gpu-e2e's list still wins where it has one."""
-    monkeypatch.setattr(dp, "shared_gpu_e2e", lambda name: None)
+    0.29.0), not today's resolution."""
     kept = dp.default_list("0.29.0")
-    assert kept == ROOT / "tools" / "payload" / "vllm-0.29.0-wheels.txt"
+    assert kept == ROOT / "lab" / "payload" / "vllm-0.29.0-wheels.txt"
     names = dp.read_list(kept)
     assert len(names) == 159 and any(n.startswith("vllm-0.29.0-") for n in names)
     assert any(n.startswith("torch-2.13.0") for n in names) and any(n.startswith("pycountry-") for n in names)
+    assert dp.read_list(dp.default_list("0.33.0"))  # the 0.33.0 set the device sessions carry
     assert dp.default_list("0.31.0") is None  # none kept: pack resolves
-    monkeypatch.setattr(dp, "shared_gpu_e2e", lambda name: Path("/shared/gpu-e2e") / name)
-    assert dp.default_list("0.29.0") == Path("/shared/gpu-e2e/vllm-0.29.0-wheels.txt")
 
 
 def test_carry_part_size_fits_one_call_beside_the_tree(dp):

@@ -74,10 +74,30 @@ def test_unreachable_daemon_is_a_typed_error(tmp_path, monkeypatch):
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path / 'absent.sock'}")
     with pytest.raises(DockerUnavailable) as err:
         engine_read.find("box")
-    assert "cannot reach the Docker Engine" in str(err.value)
+    assert str(err.value).startswith(f"Docker Engine unreachable at unix://{tmp_path / 'absent.sock'}: ")
+    assert str(err.value).endswith("No such file or directory")
 
 
 def test_tls_hosts_are_left_to_the_sdk(monkeypatch):
     monkeypatch.setenv("DOCKER_HOST", "ssh://me@host")
     with pytest.raises(LookupError):
         engine_read.find("box")
+
+
+def test_the_cause_is_found_through_docker_pys_wrappers():
+    """docker-py raises DockerException(... ConnectionError(ProtocolError('Connection aborted.',
+    FileNotFoundError(2, ...)))): the user reads the FileNotFoundError's reason, nothing else."""
+    from flash_cli.errors import os_cause, root_cause
+
+    inner = FileNotFoundError(2, "No such file or directory")
+    proto = Exception("Connection aborted.", inner)
+    try:
+        try:
+            raise ConnectionError(proto)
+        except ConnectionError as exc:
+            raise RuntimeError("Error while fetching server API version: ('Connection aborted.', ...)") from exc
+    except RuntimeError as wrapped:
+        assert os_cause(wrapped) is inner and root_cause(wrapped) == "No such file or directory"
+    assert root_cause(ValueError("first line\nsecond")) == "first line" and os_cause(ValueError("x")) is None
+    err = DockerUnavailable.unreachable("unix:///x.sock", inner)
+    assert str(err) == "Docker Engine unreachable at unix:///x.sock: No such file or directory" and err.exit_code == 3

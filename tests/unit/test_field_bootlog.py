@@ -74,6 +74,13 @@ def test_bootwatch_ignores_unknown_phases_and_zero_threshold():
     assert off.feed(tail, 10_000) is None
 
 
+def runspec(s):
+    """The RunSpec serve would run for these settings: what preflight checks."""
+    from flash_cli.spec import build
+
+    return build(s, profile="t", snapshot="SNAP", hf_cache="/hf", state_dir="/state")
+
+
 def test_remedies_suggest_settings_flash_itself_accepts():
     import re
 
@@ -83,7 +90,7 @@ def test_remedies_suggest_settings_flash_itself_accepts():
     for ph in bootlog.PHASES:
         for key, value in re.findall(r"(COMPILE_FLAGS|CONTAINER_ENV)='([^']*)'", ph.remedy):
             s = resolve(overrides={key: value})
-            assert not preflight.recipe(s), (ph.name, key, value)
+            assert not preflight.recipe(runspec(s)), (ph.name, key, value)
             spec.extra_env(s["CONTAINER_ENV"])
             found += 1
     assert found >= 3

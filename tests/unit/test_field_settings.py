@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from flash_cli import preflight, profiles, spec
+from flash_cli import profiles, recipe, spec
+from flash_cli.commands import doctor
+from flash_cli.output import Report
 from flash_common import releases
 from flash_cli.errors import ConfigError
 from flash_cli.settings import BASES, resolve
@@ -87,8 +89,10 @@ def test_block_drop_off_where_the_base_has_it_else_refused(base):
         with pytest.raises(ConfigError) as err:
             argv(BASE=base, MTP_BLOCK_DROP="0")
         assert f"BASE={base}" in str(err.value) and "v0.30" in err.value.hint
-        # doctor and serve report it through preflight before any boot
-        assert any("disable_eagle_block_drop" in p.message for p in preflight.recipe(settings(BASE=base, MTP_BLOCK_DROP="0")))
+        # doctor reports it as a problem of the profile before any boot (serve refuses it in build())
+        rep = Report(quiet=True)
+        doctor.check_profile(recipe.load([f"BASE={base}", "MTP_BLOCK_DROP=0"]), rep)
+        assert any("disable_eagle_block_drop" in i["text"] for i in rep.items if i["status"] == "fail")
     assert "disable_eagle_block_drop" not in spec_json(argv(BASE=base))  # vLLM's default: nothing rendered
 
 

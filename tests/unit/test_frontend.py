@@ -123,11 +123,18 @@ def test_image_base_label_must_match():
     assert preflight.image(s, "img", {"qwen38.base": "v0.29"}) == []
 
 
+def runspec(s):
+    """The RunSpec serve would run for these settings: what preflight checks."""
+    from flash_cli.spec import build
+
+    return build(s, profile="t", snapshot="SNAP", hf_cache="/hf", state_dir="/state")
+
+
 def test_fp8_kv_served_on_every_base():  # patch 7 ported to 0.29/0.30, native from 0.31
     from flash_cli.settings import BASES
 
     for base in BASES:
-        assert preflight.recipe(resolve(overrides={"KV_DTYPE": "fp8_e4m3", "BASE": base})) == [], base
+        assert preflight.recipe(runspec(resolve(overrides={"KV_DTYPE": "fp8_e4m3", "BASE": base}))) == [], base
 
 
 def test_every_base_served_now_patch1_is_ported():
@@ -135,18 +142,18 @@ def test_every_base_served_now_patch1_is_ported():
 
     for base in BASES:
         assert preflight.ple_mmap_gap(base) is None, base
-        assert preflight.recipe(resolve(overrides={"BASE": base})) == [], base
+        assert preflight.recipe(runspec(resolve(overrides={"BASE": base}))) == [], base
 
 
 def test_base_refused_where_the_catalogue_says_patch1_is_not_ported(monkeypatch):
     from fakes.releases import with_cap
 
     with_cap(monkeypatch, "v0.29", ple_storage=None)
-    p = preflight.recipe(resolve(overrides={"BASE": "v0.29"}))
+    p = preflight.recipe(runspec(resolve(overrides={"BASE": "v0.29"})))
     assert len(p) == 1 and p[0].error is ConfigError
     assert "patch 1" in p[0].message and "ple_storage=None" in p[0].message
     assert f"BASE={releases.CURRENT}" in p[0].hint
-    assert preflight.recipe(resolve(overrides={"BASE": "v0.30"})) == []
+    assert preflight.recipe(runspec(resolve(overrides={"BASE": "v0.30"}))) == []
 
 
 def test_setup_builds_v030_to_v032_from_their_release_image():

@@ -9,7 +9,7 @@ crash) fails.
 
 A few hundred cases per parser in the unit tier (derandomized: the same cases on every run);
 `tests/run fuzz` (FLASH_FUZZ_EXAMPLES=10000, random) is the long run, and FLASH_FUZZ_REPORT=path
-writes the number of cases each parser saw (docs/benchmarks/fuzz.md).
+writes the number of cases each parser saw (benchmarks/fuzz/README.md).
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ import stat
 
 import pytest
 
-from flash_cli import monitor
+from dataclasses import asdict
+
+from flash_cli import monitor, render
 from flash_cli.__main__ import main
 from flash_cli.settings import resolve
 
@@ -30,15 +32,15 @@ def test_plan_renders_this_recipes_ports(tmp_path):
     assert "http://127.0.0.1:29090" in p.files["grafana/provisioning/datasources/flash.yml"]
     assert {"prometheus/rules/flash-recording.yml", "prometheus/rules/flash-alerts.yml",
             "grafana/dashboards/flash.json"} <= set(p.files)
-    by = {c.role: c for c in p.containers}
+    by = p.containers
     assert "--web.listen-address=127.0.0.1:29090" in by["prometheus"].command
-    assert by["grafana"].environment["GF_SERVER_HTTP_PORT"] == "23000"
+    assert by["grafana"].env["GF_SERVER_HTTP_PORT"] == "23000"
     assert p.urls["grafana"] == "http://127.0.0.1:23000/d/flash-qwen38"
 
 
 def test_no_secret_in_env_or_argv(tmp_path):
-    for c in plan_for(tmp_path).containers:
-        text = json.dumps(c.kwargs()) + " ".join(c.docker_run())
+    for c in plan_for(tmp_path).containers.values():
+        text = json.dumps(asdict(c)) + " ".join(render.to_docker_run(c))
         assert "GF_SECURITY_ADMIN_PASSWORD=" not in text
 
 
@@ -48,20 +50,35 @@ def test_docker_py_translation_accepts_every_kwarg(tmp_path):
     from docker.models.containers import RUN_CREATE_KWARGS, RUN_HOST_CONFIG_KWARGS, _create_container_args
 
     api = APIClient(base_url="tcp://127.0.0.1:1", version="1.41")
-    for c in plan_for(tmp_path).containers:
-        kwargs = c.kwargs()
-        assert not set(kwargs) - set(RUN_CREATE_KWARGS) - set(RUN_HOST_CONFIG_KWARGS) - {"detach", "image", "command", "volumes"}
+    for role, c in plan_for(tmp_path).containers.items():
+        kwargs = render.to_kwargs(c)
+        assert not set(kwargs) - set(RUN_CREATE_KWARGS) - set(RUN_HOST_CONFIG_KWARGS) - {"detach", "image", "command"}
+        assert not {"entrypoint", "healthcheck", "ipc_mode", "shm_size"} & set(kwargs)  # the image's own
         create = _create_container_args(dict(kwargs, version="1.41"))
         hc = create.pop("host_config")
         assert create.pop("name") == c.name
         config = api.create_container_config(**create)
         assert config["Image"] == c.image and config["Labels"]["org.flash.monitor"] == "qwen38-flash"
+        assert config["Labels"]["org.flash.role"] == role and config["Entrypoint"] is None
         assert hc["NetworkMode"] == "host" and hc["RestartPolicy"]["Name"] == "unless-stopped"
-        binds = {b.split(":")[1] for b in hc["Binds"]}
-        if c.role == "node-exporter":
-            assert hc["PidMode"] == "host" and "/host" in binds and config["User"] == "65534:65534"
-        if c.role == "grafana":
-            assert "/run/secrets/grafana-admin" in binds
+        assert hc["LogConfig"]["Config"] == {"max-size": "20m", "max-file": "2"}
+        mounts = {m["Target"]: m for m in hc["Mounts"]}
+        if role == "node-exporter":
+            assert hc["PidMode"] == "host" and config["User"] == "65534:65534"
+            host = mounts["/host"]
+            assert host["Source"] == "/" and host["ReadOnly"] and host["BindOptions"] == {"Propagation": "rslave"}
+        if role == "grafana":
+            assert mounts["/run/secrets/grafana-admin"]["ReadOnly"]
+            assert mounts["/var/lib/grafana"] == {"Target": "/var/lib/grafana", "Source": "qwen38-flash-grafana-data",
+                                                  "Type": "volume", "ReadOnly": False}
+
+
+def test_dry_run_line_is_the_runspecs(tmp_path):
+    node = render.to_docker_run(plan_for(tmp_path).containers["node-exporter"])
+    assert node[:5] == ["docker", "run", "-d", "--name", "qwen38-flash-node-exporter"]
+    assert "--pid" in node and "type=bind,source=/,target=/host,readonly,bind-propagation=rslave" in node
+    assert "--entrypoint" not in node and "--ipc" not in node and "--health-cmd" not in node
+    assert node[-5:-3] == [monitor.IMAGES["node-exporter"], "--web.listen-address=127.0.0.1:19100"]
 
 
 def test_write_files_is_complete_and_the_password_private(tmp_path):

@@ -54,7 +54,7 @@ def test_every_server_is_the_default_profiles_runspec(planned):
         assert argv[argv.index("--block-size") + 1] == "256" and argv[argv.index("--gdn-prefill-backend") + 1] == "triton"
         assert argv[argv.index("--port") + 1] == str(s["port"]) and argv[argv.index("--host") + 1] == "127.0.0.1"
         # a fixed KV pool for side-by-side boots; a profiled one (and a larger share) for those booting alone
-        solo = name in ("a-default", "b-default", "c-default")
+        solo = name in ("a-default", "b-default", "c-default", "a-oos")
         assert s["solo"] is solo
         assert argv[argv.index("--gpu-memory-utilization") + 1] == ("0.12" if solo else "0.05")
         assert ("--kv-cache-memory-bytes" in argv) is not solo
@@ -62,7 +62,8 @@ def test_every_server_is_the_default_profiles_runspec(planned):
             assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(1 << 30)
         if name.startswith("hx"):
             continue  # the hoisted-mode servers: test_hoisted_mode_servers
-        assert argv[argv.index("--max-model-len") + 1] == "2048"
+        ctx_len = str(fleet.QB_CTX) if name.startswith("qb-") else "8192" if name == "a-oos" else "2048"
+        assert argv[argv.index("--max-model-len") + 1] == ctx_len
         spec_cfg = json.loads(argv[argv.index("--speculative-config") + 1])
         assert spec_cfg == {"method": "mtp", "num_speculative_tokens": 2}  # the default recipe's MTP=2
         # the default recipe on v0.33: PLE_MODE=auto is the hoisted gather, FULL_AND_PIECEWISE graphs
@@ -197,7 +198,7 @@ def test_bad_shares_are_named(monkeypatch):
 def test_only_kv_plan_servers_boot_alone(planned):
     ctx, _, _ = planned
     specs = {s["server"]: s for s in fleet.plan(ctx, fleet.select("kv_plan or probe_p1"))}
-    assert {n for n, s in specs.items() if s["solo"]} == {"a-default", "b-default", "c-default"}
+    assert {n for n, s in specs.items() if s["solo"]} == {"a-default", "b-default", "c-default", "a-oos"}
     assert not specs["probe-p1"]["solo"]
     specs = {s["server"]: s for s in fleet.plan(ctx, fleet.select("boot_a"))}
     assert list(specs) == ["a-default"] and not specs["a-default"]["solo"]
@@ -209,8 +210,8 @@ def test_selection_is_pytest_like():
     assert names("probe and not repair") == [f"probe_p{n}" for n in fleet.NEUTRAL]
     assert names("boot_a or broken") == ["boot_a", "broken_patch_p1"]
     # + probe_p8_repair, prefix_hit_a/off, ple_memory, ple_memory_p1, diag_ple_ids, broken_patch_p1, fix_p4,
-    # 3 hoist_exact
-    assert len(names(None)) == len(fleet.SCENARIOS) == 3 * 3 + len(fleet.NEUTRAL) + 1 + 7 + 3
+    # qsa_past_budget, kv_plan_oos, 3 hoist_exact
+    assert len(names(None)) == len(fleet.SCENARIOS) == 3 * 3 + len(fleet.NEUTRAL) + 1 + 9 + 3
 
 
 def test_plugin_site_declares_our_entry_point(planned):
@@ -565,13 +566,15 @@ def test_ple_memory_waits_for_the_engines_next_record(monkeypatch):
     procs = {n: fleet.Proc.__new__(fleet.Proc) for n in ("on", "off")}
     for n, p in procs.items():
         p.spec = {"url": f"http://{n}", "model": "m"}
-    logs = {"on": "flash_vllm patch 1: PLE mmap: 8 shards\nInitialized PLE embedding x: weight_dtype=fp8, "
+    logs = {"on": "flash_vllm patch 1: PLE mmap: 8 shards, 640 rows x 16 B (0.00 GiB on disk)\nInitialized PLE embedding x: weight_dtype=fp8, "
                   "weight_device=meta, pinned=False\n",
             "off": "Initialized PLE embedding x: weight_dtype=fp8, weight_device=cpu, pinned=True\n"}
     monkeypatch.setattr(fleet, "need_up", lambda ctx, name: procs[name])
     monkeypatch.setattr(fleet, "log_text", lambda p: logs["on" if p is procs["on"] else "off"])
     monkeypatch.setattr(fleet, "gpu_memory_by_server", lambda ctx: {})
     monkeypatch.setattr(fleet, "pinned_kib", lambda p: {})
+    host = {"on": 100, "off": 111}  # kB; the table is 640 x 16 B = 10 kB
+    monkeypatch.setattr(fleet, "cuda_host_kib", lambda p: host["on" if p is procs["on"] else "off"])
     monkeypatch.setattr(fleet, "_chat", lambda *a, **k: {})
     monkeypatch.setattr(fleet, "PUBLISH_WAIT_S", 1.0)
 
@@ -589,6 +592,13 @@ def test_ple_memory_waits_for_the_engines_next_record(monkeypatch):
     assert res["ple_mmap_deltas"]["vllm:ple_mmap_lookup_ops_total"] == 3.0 and 0 < res["publish_wait_s"] < 1.0
     monkeypatch.setattr(fleet, "metrics", scrapes(moves_at=None))
     with pytest.raises(AssertionError, match="did not move after a request"):
+        fleet.check_ple_memory(None, "on", "off")
+    # issue 33: the pinned side (stock: pinned=True) must hold at least the table's bytes more
+    monkeypatch.setattr(fleet, "metrics", scrapes(moves_at=2))
+    assert fleet.check_ple_memory(None, "on", "off")["table_kib"] == 10
+    host["off"] = 105
+    monkeypatch.setattr(fleet, "metrics", scrapes(moves_at=2))
+    with pytest.raises(AssertionError, match=r"pinned host memory with patch 1 \(100 kB\) is not below off's \(105 kB"):
         fleet.check_ple_memory(None, "on", "off")
 
 
@@ -807,3 +817,54 @@ def test_na_never_counts_as_passed(tmp_path):
     assert not fleet.passed(results)
     results["scenarios"] = {"hoist_exact_pw": {"ok": None, "na": HOIST_NA}}
     assert not fleet.passed(results)  # all n/a: nothing failed, nothing was proven either
+
+
+def test_qsa_past_budget_servers_and_prompts_pass_the_fixture_budget(planned):
+    # issue 33: at CTX=2048 the fixture's budget (2,048 tokens) covered the whole context, so the
+    # probes of patches 5/8 never ran their code; these servers and prompts must pass it
+    ctx, chosen, specs = planned
+    assert "qsa_past_budget" in {s.name for s in chosen}
+    budget = fleet.qsa_budget(ctx, "a")
+    prompts = fleet.qb_prompts()
+    assert min(map(len, prompts)) > budget and len({tuple(p) for p in prompts}) == len(prompts)
+    assert all(16 <= t < 1024 for p in prompts for t in p) and fleet.qb_prompts() == prompts
+    for name in ("qb-default", "qb-exact", "qb-off"):
+        argv = specs[name]["argv"]
+        ctx_len = int(argv[argv.index("--max-model-len") + 1])
+        assert ctx_len == fleet.QB_CTX >= max(map(len, prompts)) + fleet.QB_TOKENS, (name, ctx_len)
+    words = {n: specs[n]["words"] for n in ("qb-default", "qb-exact", "qb-off")}
+    assert not any(w.startswith(("DET_TOPK", "EXACT_TOPK")) for w in words["qb-default"])  # the recipe's own default
+    assert "DET_TOPK=1" in words["qb-exact"] and "DET_TOPK=0" in words["qb-off"]
+
+
+def test_tries_differ_names_each_changed_cell():
+    a, b = [1, 2, 3], [4, 5, 6]
+    assert fleet.tries_differ([[a, b], [a, b], [a, b]]) == []
+    assert fleet.tries_differ([[a, b], [a, [4, 5, 7]], [[0], b]]) == [(1, 1), (2, 0)]
+
+
+def test_cuda_host_measure_sees_shared_anonymous_memory():
+    # issue 33: VmPin read 0 while vLLM logged pinned=True; cudaHostAlloc memory is a resident
+    # MAP_SHARED|MAP_ANONYMOUS mapping, which smaps_pinned_kib counts: proven on a real one here
+    import mmap
+
+    smaps = Path("/proc/self/smaps")
+    before = fleet.smaps_pinned_kib(smaps.read_text())
+    buf = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+    try:
+        for off in range(0, 8 << 20, 4096):  # touch every page: resident
+            buf[off] = 1
+        during = fleet.smaps_pinned_kib(smaps.read_text())
+    finally:
+        buf.close()
+    after = fleet.smaps_pinned_kib(smaps.read_text())
+    assert during - before >= 8 << 10, (before, during)
+    assert after - before < 8 << 10, (before, after)
+    # a private anonymous mapping (ordinary heap) is not counted
+    priv = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        for off in range(0, 8 << 20, 4096):
+            priv[off] = 1
+        assert fleet.smaps_pinned_kib(smaps.read_text()) - after < 8 << 10
+    finally:
+        priv.close()

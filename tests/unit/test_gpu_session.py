@@ -1,5 +1,5 @@
-"""tools/gpu_session.sh on CPU: `start` launches the phases detached and returns at once, the decode
-phases run tools/bench_decode.py against a faithful stand-in `vllm` (real HTTP, streamed
+"""lab/gpu_session.sh on CPU: `start` launches the phases detached and returns at once, the decode
+phases run lab/bench_decode.py against a faithful stand-in `vllm` (real HTTP, streamed
 completions, Prometheus counters), a phase not asked for is skipped and said so, and `watch` brings
 everything back as ONE archive (the device tool returns only a handful of files a call), plus the
 JIT caches for the next session, which `start` unpacks."""
@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tools" / "gpu_session.sh"
+SCRIPT = ROOT / "lab" / "gpu_session.sh"
 
 
 def _fake_vllm(bindir: Path) -> None:

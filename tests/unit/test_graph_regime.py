@@ -13,8 +13,15 @@ from flash_cli.settings import resolve
 PW = "'" + json.dumps({"cudagraph_mode": "PIECEWISE"}) + "'"
 
 
+def runspec(s):
+    """The RunSpec serve would run for these settings: what preflight checks."""
+    from flash_cli.spec import build
+
+    return build(s, profile="t", snapshot="SNAP", hf_cache="/hf", state_dir="/state")
+
+
 def problems(**over):
-    return [p for p in preflight.recipe(resolve(overrides=over)) if "cudagraph" in p.message
+    return [p for p in preflight.recipe(runspec(resolve(overrides=over))) if "cudagraph" in p.message
             or "splitting_ops" in p.message or "COMPILE_FLAGS/EXTRA" in p.message]
 
 
@@ -97,7 +104,7 @@ def test_hoisted_mode_is_refused_where_not_served(base):
 
     s = resolve(overrides={"PLE_MODE": "hoisted", "BASE": base})
     assert compilation_args(s)[1] == '{"cudagraph_mode":"PIECEWISE"}'  # the plugin gathers eagerly there
-    probs = [p for p in preflight.recipe(s) if "PLE_MODE" in p.message]
+    probs = [p for p in preflight.recipe(runspec(s)) if "PLE_MODE" in p.message]
     (p,) = probs
     assert p.error is ConfigError and f"BASE={base}" in p.message and "v0.30, v0.31, v0.32, v0.33" in p.hint
     # and a FULL mode there is still refused

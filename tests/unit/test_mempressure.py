@@ -101,3 +101,20 @@ def test_doctor_reports_pressure_from_synthetic_proc(tmp_path, monkeypatch, caps
     texts = [i["text"] for i in rep.items if i["status"] == "warn"]
     assert any("memory pressure (PSI)" in t and "30.0" in t for t in texts)
     assert any("compaction_proactiveness=20" in t for t in texts)
+
+
+@pytest.mark.parametrize("gpus, status", [("all", "fail"), ("none", "warn")])
+def test_doctor_counts_a_missing_gpu_as_a_problem_when_the_recipe_needs_one(tmp_path, monkeypatch, gpus, status):
+    """A box without an NVIDIA driver cannot serve GPUS=all: a problem (exit 1), not a warning
+    among others; a GPU-less test recipe (GPUS=none) only hears about it."""
+    from flash_cli.commands import doctor
+    from flash_cli.output import Report
+    from flash_cli.settings import resolve
+
+    monkeypatch.setattr(doctor, "PROC", str(proc(tmp_path)))
+    monkeypatch.setenv("PATH", str(tmp_path / "no-driver-here"))  # no nvidia-smi on PATH
+    rep = Report(quiet=True)
+    doctor.check_host(resolve(None, None, {"GPUS": gpus}), rep)
+    gpu = [i for i in rep.items if "nvidia-smi not found" in i["text"]]
+    assert len(gpu) == 1 and gpu[0]["status"] == status
+    assert ("GPUS=all cannot start" in gpu[0]["text"]) == (gpus == "all")

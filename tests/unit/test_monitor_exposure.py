@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from flash_cli import monitor
+from flash_cli import monitor, render
 from flash_cli.errors import FlashError
 from flash_cli.settings import resolve
 
@@ -18,9 +18,9 @@ def plan_for(tmp_path, uid=1000, **over):
 
 
 def listen(p):
-    by = {c.role: c for c in p.containers}
+    by = p.containers
     addr = lambda c: next(a.split("=", 1)[1] for a in c.command if a.startswith("--web.listen-address="))
-    return addr(by["prometheus"]), addr(by["node-exporter"]), by["grafana"].environment
+    return addr(by["prometheus"]), addr(by["node-exporter"]), by["grafana"].env
 
 
 def test_an_exposed_api_does_not_expose_the_monitor(tmp_path):
@@ -78,7 +78,9 @@ def test_an_old_0644_password_file_is_repaired(tmp_path):
 
 
 def test_grafana_runs_as_the_owner_of_the_password_file(tmp_path):
-    by = {c.role: c for c in plan_for(tmp_path, uid=1234).containers}
-    assert by["grafana"].user == "1234:0"
-    assert by["grafana"].kwargs()["user"] == "1234:0" and "--user" in by["grafana"].docker_run()
-    assert {c.role: c for c in plan_for(tmp_path, uid=0).containers}["grafana"].user is None
+    grafana = plan_for(tmp_path, uid=1234).containers["grafana"]
+    assert grafana.user == "1234:0"
+    assert render.to_kwargs(grafana)["user"] == "1234:0"
+    assert render.to_docker_run(grafana)[-2:] != ["--user", "1234:0"] and "--user" in render.to_docker_run(grafana)
+    root = plan_for(tmp_path, uid=0).containers["grafana"]
+    assert root.user == "" and "user" not in render.to_kwargs(root) and "--user" not in render.to_docker_run(root)

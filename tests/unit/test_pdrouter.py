@@ -21,8 +21,7 @@ KEY = "sk-test-0123456789"
 def start(prefill_url: str, decode_url: str, key: str | None = None):
     router = pdrouter.Router(prefill_url, decode_url, key)
     server = pdrouter.serve("127.0.0.1", 0, router)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return router, server, f"http://127.0.0.1:{server.server_address[1]}"
+    return router, server, server.url
 
 
 @pytest.fixture
@@ -30,8 +29,7 @@ def pd():
     p, d = pair()
     router, server, url = start(p.url, d.url)
     yield p, d, url, router
-    server.shutdown()
-    server.server_close()
+    server.stop()
     for f in (p, d):
         try:
             f.stop()
@@ -112,20 +110,23 @@ def test_client_disconnect_mid_stream_reaches_the_decode_server(pd):
 
 
 @pytest.mark.parametrize("stage", ["prefill", "decode"])
-def test_a_stage_that_is_down_is_a_502_naming_it(stage):
+def test_a_stage_that_is_down_is_named_and_a_dead_decode_costs_no_prefill(stage):
+    """Prefill down: a 502 naming it. Decode down: a 503 at once, before any prefill is spent
+    (the router watches the decode server's health)."""
     p, d = pair()
     urls = {"prefill": p.url, "decode": d.url}
     gone = urls[stage] = dead_url()
     _, server, url = start(urls["prefill"], urls["decode"])
     try:
         r = requests.post(f"{url}/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2}, timeout=10)
-        assert r.status_code == 502
+        code = 503 if stage == "decode" else 502
+        assert r.status_code == code
         err = r.json()["error"]
-        assert err["stage"] == stage and err["code"] == 502
-        assert err["message"].startswith(f"{stage} server {gone} failed: cannot connect")
-        assert (len(p.seen), len(d.seen)) == ((1, 0) if stage == "decode" else (0, 0))
+        assert err["stage"] == stage and err["code"] == code
+        assert err["message"].startswith(f"{stage} server {gone} failed: {'down (' if code == 503 else ''}cannot connect")
+        assert (len(p.seen), len(d.seen)) == (0, 0)
     finally:
-        server.shutdown()
+        server.stop()
         p.stop()
         d.stop()
 
@@ -217,7 +218,7 @@ def test_api_key_is_required_from_clients_and_sent_to_both_servers():
         models = requests.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
         assert models.status_code == 200 and models.json()["data"][0]["owned_by"] == "decode"
     finally:
-        server.shutdown()
+        server.stop()
         p.stop()
         d.stop()
 
@@ -229,7 +230,7 @@ def test_bad_body_and_bad_backend_url():
         r = requests.post(f"{url}/v1/completions", data=b"{not json", timeout=10)
         assert r.status_code == 400 and "JSON" in r.json()["error"]["message"] and not p.seen
     finally:
-        server.shutdown()
+        server.stop()
         p.stop()
         d.stop()
     with pytest.raises(ValueError, match=r"--decode 'tcp://x:1' is not http://HOST:PORT"):
@@ -271,7 +272,7 @@ def test_flash_test_passes_through_the_router_in_front_of_two_standins(capsys):
             seen_p = requests.get(f"{p.url}/standin/argv", timeout=5).json()["kv_seen"]
             seen_d = requests.get(f"{d.url}/standin/argv", timeout=5).json()["kv_seen"]
         finally:
-            server.shutdown()
+            server.stop()
     # every check passes (context has no recipe to compare with here: skipped, as on one box with --url)
     failed = {c["name"]: c.get("detail") for c in report["checks"] if c["status"] != "pass" and c["name"] != "context"}
     assert rc == 0 and report["ok"] is True and not failed, failed
@@ -312,7 +313,7 @@ def test_every_target_but_health_and_metrics_needs_the_key(target):
             assert status == 401, (method, target, status)
         assert not p.seen and not d.seen
     finally:
-        server.shutdown()
+        server.stop()
         p.stop()
         d.stop()
 
@@ -327,7 +328,7 @@ def test_absolute_form_targets_are_refused(target):
             assert status in (400, 401), (method, target, status)
         assert not p.seen and not d.seen
     finally:
-        server.shutdown()
+        server.stop()
         p.stop()
         d.stop()
 
@@ -341,6 +342,46 @@ def test_the_key_is_checked_before_the_body_is_read():
         status, _ = raw_request(url, head, b"{")  # one byte of six billion sent
         assert status == 401 and not p.seen and not d.seen
     finally:
-        server.shutdown()
+        server.stop()
         p.stop()
         d.stop()
+
+
+def test_the_http_stack_is_imported_only_when_the_router_starts():
+    """The router runs inside the vLLM image, beside the plugin: importing the plugin or the router's
+    modules pulls in none of uvicorn, starlette, aiohttp (vLLM's own, loaded when the router runs)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, flash_vllm, flash_vllm.pdrouter, flash_vllm.pdflow, flash_vllm.httpedge; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('uvicorn', 'starlette', 'aiohttp', 'httptools', 'uvloop', 'prometheus_client')))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "[]", res.stdout + res.stderr
+
+
+def test_the_listen_backlog_holds_a_burst_of_a_thousand_connections():
+    """The old router listened with the standard library's backlog of 5: a burst of 200 clients got
+    resets. The router's socket queues 1,000 connections nobody has accepted yet, each at once."""
+    from flash_vllm.httpedge import Limits
+
+    sock = pdrouter.listen("127.0.0.1", 0, Limits().backlog)
+    port = sock.getsockname()[1]
+    clients = []
+    try:
+        for _ in range(1000):
+            clients.append(socket.create_connection(("127.0.0.1", port), timeout=0.5))  # a full queue drops the SYN
+        assert len(clients) == 1000
+    finally:
+        for c in clients:
+            c.close()
+        sock.close()
+    small = pdrouter.listen("127.0.0.1", 0, 5)  # the control: the same burst against the old backlog
+    try:
+        with pytest.raises(OSError):
+            for _ in range(1000):
+                clients.append(socket.create_connection(("127.0.0.1", small.getsockname()[1]), timeout=0.5))
+    finally:
+        for c in clients:
+            c.close()
+        small.close()

@@ -1,4 +1,4 @@
-"""Published KV pool figures (shared/seeds) against the model; tolerances are what we achieve.
+"""Published KV pool figures (the upstream recipe's README, github.com/blazux/qwen3.8-Flash-DGX) against the model; tolerances are what we achieve.
 
 One figure is the fit (RUNTIME_OVERHEAD is solved on it); the rest are predictions. docs/PLAN.md
 carries the same table with the errors."""

@@ -59,6 +59,10 @@ def test_human_output_names_the_pool(capsys):
     assert main(["plan", "native", "--hardware", "gb10"]) == 0
     out = capsys.readouterr().out
     assert "KV pool" in out and "page cache" in out
+    # the assumptions as a list, one per line, citing nothing outside the repository
+    listed = out.split("  assumptions:\n", 1)[1].splitlines()
+    assert len(listed) >= 5 and all(line.startswith("    - ") and len(line) < 400 for line in listed)
+    assert "geometry of the published checkpoint" in out and ".md §" not in out and "shared/" not in out
 
 
 def test_monotonic_in_gpu_mem():

@@ -29,7 +29,7 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> 
 
 
 def test_geometry_reproduces_the_published_payloads():
-    # model-and-checkpoints.md §3.2: tensor payload 132,639,846,394 B (nvidia) and 135,156,121,594 B
+    # the published checkpoints' headers: tensor payload 132,639,846,394 B (nvidia) and 135,156,121,594 B
     # (RadixArk); the two differ only by the MTP experts (fp8 vs bf16)
     for kind, payload in (("nvidia", 132_639_846_394), ("radixark", 135_156_121_594)):
         w = W.geometry_estimate(REAL, checkpoint=kind, mode="nvfp4", mtp=1, draft_vocab=False, vision=True)

@@ -1,7 +1,7 @@
 """Patch 7 (fp8 KV on QSA), host side and the source rewrite, without vLLM.
 
 The in-release proof is tests/vllm/release/check_qsa_fp8_kv.py (real 0.29-0.33 classes); the
-kernel on a GPU: tools/prove_qsa_fp8_kv_gpu.py (docs/benchmarks/qsa-fp8-kv-h200.md).
+kernel on a GPU: lab/prove_qsa_fp8_kv_gpu.py (benchmarks/qsa-fp8-kv-h200/README.md).
 """
 
 from __future__ import annotations
@@ -25,22 +25,29 @@ def test_registry_entry():
     assert p.gate.env is None        # on wherever the cache dtype asks for it; bf16 takes the stock path
 
 
+def runspec(s):
+    """The RunSpec serve would run for these settings: what preflight checks."""
+    from flash_cli.spec import build
+
+    return build(s, profile="t", snapshot="SNAP", hf_cache="/hf", state_dir="/state")
+
+
 @pytest.mark.parametrize("kv", ["fp8", "fp8_e4m3"])
 def test_preflight_serves_fp8_kv_where_the_patch_applies(kv):
     for base in ("v0.29", "v0.30", "v0.31", "v0.33"):
         assert preflight.fp8_kv_gap(base) is None
-        assert preflight.recipe(resolve(overrides={"KV_DTYPE": kv, "BASE": base})) == [], base
+        assert preflight.recipe(runspec(resolve(overrides={"KV_DTYPE": kv, "BASE": base}))) == [], base
 
 
 def test_preflight_still_refuses_a_base_the_catalogue_marks_unported(monkeypatch):
     from fakes.releases import with_cap
 
     with_cap(monkeypatch, "v0.29", qsa_fp8_kv=None)
-    p = preflight.recipe(resolve(overrides={"KV_DTYPE": "fp8", "BASE": "v0.29"}))
+    p = preflight.recipe(runspec(resolve(overrides={"KV_DTYPE": "fp8", "BASE": "v0.29"})))
     assert len(p) == 1 and p[0].error is ConfigError
     assert "patch 7" in p[0].message and "qsa_fp8_kv=None" in p[0].message and "KV_DTYPE=auto" in p[0].hint
-    assert preflight.recipe(resolve(overrides={"KV_DTYPE": "auto", "BASE": "v0.29"})) == []
-    assert preflight.recipe(resolve(overrides={"KV_DTYPE": "fp8", "BASE": "v0.30"})) == []
+    assert preflight.recipe(runspec(resolve(overrides={"KV_DTYPE": "auto", "BASE": "v0.29"}))) == []
+    assert preflight.recipe(runspec(resolve(overrides={"KV_DTYPE": "fp8", "BASE": "v0.30"}))) == []
 
 
 KERNEL_SRC = '''

@@ -17,7 +17,8 @@ import pytest
 from fakes.releases import fake_catalogue
 from flash_common import releases
 from flash_vllm import registry
-import toolmod
+
+from tools import check_vllm_release
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -155,7 +156,7 @@ def test_dry_run_patches_doc_follows(dry_run):
 
 
 def _tool():
-    return toolmod.load("check_vllm_release")
+    return check_vllm_release
 
 
 def test_propose_reads_capabilities_from_source_markers():

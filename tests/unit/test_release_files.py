@@ -49,10 +49,11 @@ def touched(tmp: Path, current: bool) -> set[str]:
         shutil.copy2(ROOT / rel, tmp / rel)
     cat = tmp / CATALOGUE
     cat.write_text(with_release(cat.read_text(), "0.34.0", releases.get(releases.NEWEST).version, current=current))
+    copy_path = os.pathsep.join([str(tmp / "src"), str(tmp)])  # the copy's packages before the installed ones
     for gen in sorted((tmp / "tools").glob("gen_*.py")):
-        run([sys.executable, str(gen)], tmp)
+        run([sys.executable, str(gen)], tmp, PYTHONPATH=copy_path)
     run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *GOLDEN_TESTS], tmp,
-        PYTHONPATH=os.pathsep.join([str(tmp / "src"), str(tmp / "tests")]), FLASH_UPDATE_GOLDEN="1")
+        PYTHONPATH=os.pathsep.join([copy_path, str(tmp / "tests")]), FLASH_UPDATE_GOLDEN="1")
     changed = {rel for rel in files if (tmp / rel).read_bytes() != (ROOT / rel).read_bytes()}
     # a generator or the golden run that writes a file the checkout does not track counts too
     made = {p.relative_to(tmp).as_posix() for p in tmp.rglob("*")

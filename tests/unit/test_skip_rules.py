@@ -70,3 +70,29 @@ def test_only_a_declared_gpu_e2e_na_skip_survives_a_gpu_tier(tmp_path):
     assert "2 failed, 1 skipped" in outcome(res), res.stdout[-2000:]
     assert "SKIPPED [1] " in res.stdout and "N/A on v0.29: PLE_MODE=hoisted" in res.stdout
     assert "FAILED" in res.stdout and "test_no_cuda" in res.stdout and "test_na_outside_e2e" in res.stdout
+
+
+# rc 5 without the rule: only skips, nothing ran (tests/run fails an empty run too)
+@pytest.mark.parametrize("require,rc", [("1", 2), ("", 5)])
+def test_a_module_level_skip_fails_a_gpu_tier(tmp_path, require, rc):
+    # issue 33: tests/gpu's modules skip at import when torch is missing (module-level importorskip);
+    # such a collection skip never reached the per-test rule above and the tier stayed green
+    gpu = tmp_path / "gpu"
+    gpu.mkdir()
+    (gpu / "test_needs_cuda.py").write_text(
+        "import pytest\n"
+        "pytestmark = pytest.mark.gpu\n"
+        "pytest.importorskip('flash_no_such_module_xyz')\n"
+        "def test_kernel():\n    assert True\n")
+    (tmp_path / "test_elsewhere.py").write_text(  # a module outside the GPU folders may still skip
+        "import pytest\npytest.importorskip('flash_no_such_module_xyz')\n")
+    env = {**os.environ, "FLASH_REQUIRE_GPU": require, "PYTHONPATH": str(ROOT / "tests")}
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", "-c", os.devnull,
+                          "-rA", str(gpu), str(tmp_path / "test_elsewhere.py")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == rc, res.stdout[-2000:]
+    if require:
+        assert "test_needs_cuda.py skipped as a whole inside a selected GPU tier" in res.stdout, res.stdout[-2000:]
+        assert "flash_no_such_module_xyz" in res.stdout and "1 skipped" in outcome(res), res.stdout[-2000:]
+    else:
+        assert "2 skipped" in outcome(res), res.stdout[-2000:]

@@ -36,6 +36,13 @@ def test_gpu_tier_without_cuda_fails_loudly_before_installing(tmp_path, tiers):
     assert not (tmp_path / "never-created").exists()  # stopped before building a venv
 
 
+def test_a_misspelt_tier_fails_at_once_naming_the_tiers(tmp_path):
+    res = run_tiers(tmp_path, "unit", "unti")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "unknown tier 'unti'; the tiers: unit engine obs vllm scale fuzz gpu gpu-e2e" in res.stderr
+    assert not (tmp_path / "never-created").exists()  # nothing installed first
+
+
 def test_a_skipping_gpu_test_fails_in_a_gpu_tier(tmp_path):
     (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
     (tmp_path / "test_g.py").write_text(textwrap.dedent("""
@@ -51,7 +58,10 @@ def test_a_skipping_gpu_test_fails_in_a_gpu_tier(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "FLASH_REQUIRE_GPU"}
     res = subprocess.run(base, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "2 skipped" in res.stdout, res.stdout
-    assert "skip reasons (2 skipped)" in res.stdout and "1 x CUDA unavailable" in res.stdout
+    # each tier's skip reasons apart (README promises them per tier), counted
+    gpu, unit = res.stdout.split("gpu tier: 1 of 1 skipped")[1].split("unit tier: 1 of 1 skipped")
+    assert "1 x CUDA unavailable" in gpu and "not a GPU test" not in gpu
+    assert "1 x not a GPU test" in unit
     res = subprocess.run(base, cwd=tmp_path, env={**env, "FLASH_REQUIRE_GPU": "1"}, capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 1 and "1 failed, 1 skipped" in res.stdout, res.stdout

@@ -3,25 +3,19 @@ for every test that runs something inside a release's venv)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 from flash_common import releases
 
-ROOT = Path(__file__).resolve().parents[2]
-TOOL = ROOT / "tools" / "check_vllm_release.py"
+from tools import check_vllm_release
+
+TOOL = Path(check_vllm_release.__file__)  # run as a script by the tests of its command line
 RELEASES = [r.version for r in releases.RELEASES]
-_tool_module = None
 
 
 def tool():
-    """tools/check_vllm_release.py as a module (a script, not a package: loaded by path, once)."""
-    global _tool_module
-    if _tool_module is None:
-        spec = importlib.util.spec_from_file_location("check_vllm_release", TOOL)
-        _tool_module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(_tool_module)
-    return _tool_module
+    """tools/check_vllm_release.py, the module that builds and keeps the release environments."""
+    return check_vllm_release
 
 
 def ensure(release: str) -> dict:

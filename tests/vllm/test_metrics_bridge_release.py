@@ -1,4 +1,4 @@
-"""vllm tier: the metrics bridge on a real release's metrics setup (tools/metrics_bridge_diff.py):
+"""vllm tier: the metrics bridge on a real release's metrics setup (tests/vllm/metrics_bridge_diff.py):
 vLLM's own plugin loader runs flash_vllm.register(), PrometheusStatLogger starts (and unregisters
 "vllm:" collectors), an EngineCore-like spawned child counts PLE lookups, and the single-process
 /metrics gains exactly the PLE families and loses nothing (docs/OBSERVABILITY.md)."""
@@ -17,6 +17,7 @@ from release_envs import RELEASES, ensure
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent  # the diff scripts run with the release's python
 
 
 # oldest and newest: what differs between releases here (plugin loader, unregister_vllm_metrics,
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bridge_adds_the_ple_families_and_loses_nothing(release, tmp_path):
     rt = ensure(release)
     out = tmp_path / "diff.json"
-    proc = subprocess.run([rt["python"], str(ROOT / "tools" / "metrics_bridge_diff.py"), "--json", str(out)],
+    proc = subprocess.run([rt["python"], str(HERE / "metrics_bridge_diff.py"), "--json", str(out)],
                           env=rt["env"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     d = json.loads(out.read_text())

@@ -1,5 +1,5 @@
 """vllm tier: what prometheus_client's multiprocess mode does to each release's /metrics, measured
-with the release's own PrometheusStatLogger and our PLE counters (tools/metrics_multiproc_diff.py).
+with the release's own PrometheusStatLogger and our PLE counters (tests/vllm/metrics_multiproc_diff.py).
 The gates, rules and dashboard depend on the outcome (docs/OBSERVABILITY.md)."""
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from release_envs import RELEASES, ensure
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent  # the diff scripts run with the release's python
 
 
 @pytest.mark.parametrize("release", RELEASES)
 def test_multiprocess_mode_keeps_every_vllm_family_and_shows_the_ple_counters(release, tmp_path):
     rt = ensure(release)
     out = tmp_path / "diff.json"
-    proc = subprocess.run([rt["python"], str(ROOT / "tools" / "metrics_multiproc_diff.py"), "--json", str(out)],
+    proc = subprocess.run([rt["python"], str(HERE / "metrics_multiproc_diff.py"), "--json", str(out)],
                           env=rt["env"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     d = json.loads(out.read_text())

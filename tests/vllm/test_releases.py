@@ -107,6 +107,14 @@ def tiny_hybrids(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def qad_snapshot(tmp_path_factory):
+    """The QAD export's layout (tests/fakes/ckpt.py `qad`) for check_qad_layout.py."""
+    from fakes import ckpt
+
+    return str(ckpt.write_snapshot(tmp_path_factory.mktemp("qad") / "hf", "qad"))
+
+
+@pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     """The gpu-e2e tier's tiny model in its three layouts (a, b, c) for check_tiny_model.py."""
     import os
@@ -118,10 +126,10 @@ def tiny_models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("release", RELEASES)
-def test_patch_logic_in_release(release, tmp_path, tiny_hybrids, tiny_models):
+def test_patch_logic_in_release(release, tmp_path, tiny_hybrids, tiny_models, qad_snapshot):
     rt = _tool().ensure(release)
     rt["env"] = dict(rt["env"], FLASH_TEST_TINY_HYBRIDS=tiny_hybrids, FLASH_TEST_TINY_MODELS=tiny_models,
-                     HF_HUB_OFFLINE="1")
+                     FLASH_TEST_QAD_SNAPSHOT=qad_snapshot, HF_HUB_OFFLINE="1")
     junit = tmp_path / "junit.xml"
     proc = subprocess.run(
         [rt["python"], "-m", "pytest", str(ROOT / "tests" / "vllm" / "release"), "-q",

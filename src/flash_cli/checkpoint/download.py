@@ -38,7 +38,7 @@ from pathlib import Path
 from .. import hfcache
 from ..errors import ConfigError, FlashError, WeightsMissing
 from ..output import say
-from . import verified
+from . import known, verified
 
 DISK_MARGIN = 2 * 1024**3  # the cache also holds the tree listing, locks, refs
 # Files that must never be excluded (serving needs them); shards are protected by suffix.
@@ -185,8 +185,9 @@ def plan(settings, env=None) -> Plan:
                             hint="check the network (HF_ENDPOINT for a mirror); a cached snapshot still serves offline") from None
     repo = hfcache.repo_dir(cache, model)
     files, excluded = [], []
+    layout = known.for_model(model)  # a known layout fetches its serving files only (known.SERVING_FILES)
     for f in sorted(entries, key=lambda e: e.path):
-        if any(fnmatch.fnmatch(f.path, p) for p in excl):
+        if any(fnmatch.fnmatch(f.path, p) for p in excl) or not known.allowed(f.path, layout):
             excluded.append(f.path)
             continue
         lfs = f.lfs is not None
@@ -380,8 +381,9 @@ def execute(p: Plan, settings, env=None, progress: bool | None = None) -> Path:
     kwargs = dict(repo_id=p.model, revision=p.commit, cache_dir=str(p.cache / "hub"),
                   ignore_patterns=p.excluded or None, max_workers=settings["MAX_WORKERS"],
                   endpoint=env.get("HF_ENDPOINT") or None, token=token_for(p.cache, env) or False)
-    if p.excluded:
-        kwargs["ignore_patterns"] = exclude_patterns(settings)
+    if p.excluded:  # the EXCLUDE globs, plus each file a known layout does not serve from (by path)
+        globs = exclude_patterns(settings)
+        kwargs["ignore_patterns"] = globs + [x for x in p.excluded if not any(fnmatch.fnmatch(x, g) for g in globs)]
     say(f"  downloading {p.model}@{p.commit[:12]}: {len([f for f in p.files if not f.cached])} files, "
         f"{p.bytes_to_get / 1e9:.2f} GB to get ({'Xet' if settings['XET'] else 'HTTPS'}, {settings['MAX_WORKERS']} workers)")
     attempts = 0

@@ -1,7 +1,7 @@
 """`flash prepare graft`: RadixArk hybrid + Inferact's NVFP4 MTP experts → `<snap>-fp8hybrid-mtpnvfp4/`.
 
 RadixArk ships the MTP layer's routed experts as two fused BF16 tensors (5 GB, drafted in
-BF16 because `mtp.*` is ignored). The graft (model-and-checkpoints.md §3.4):
+BF16 because `mtp.*` is ignored). The graft (from the two repositories' safetensors indexes):
 1. rewrite the shard holding `mtp.layers.0.mlp.experts.{gate_up_proj,down_proj}` without them
    (vLLM walks whole files, dropping index keys is not enough);
 2. link Inferact's `nvfp4_experts_mtp.safetensors` (pinned revision + sha256) and map its

@@ -8,7 +8,7 @@ exact new sizes, the disk check), then build through the variant transaction (va
 `<snapshot>-fp8hybrid.partial/`, verify, write `.prepared`, rename into place). Streaming and out of order: worker threads convert row
 strips of the side layers and `pwrite` them at their known places while the main thread copies
 the untouched tensors kernel-side, so CPU and disk overlap and memory stays a few strips.
-`tools/fp8_convert.py` calls `build()` directly.
+`flash prepare hybrid --source DIR [--dest DIR]` runs the same plan and build on any checkpoint directory.
 """
 
 from __future__ import annotations

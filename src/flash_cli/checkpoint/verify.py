@@ -57,6 +57,9 @@ def structure(directory: Path, index_required: bool = True, known_headers: dict 
             res.problems.append(f"index: {exc.problem}")
         return res
     res.keys = len(weight_map)
+    from .known import table_problems
+
+    res.problems += table_problems(weight_map)
     by_file: dict[str, list[str]] = {}
     for key, fname in weight_map.items():
         by_file.setdefault(fname, []).append(key)

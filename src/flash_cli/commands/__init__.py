@@ -1,37 +1,15 @@
 """The command modules. Each exposes `register(subparsers)` and sets `func` on its parser(s).
 
-Adding a command = one module here + its name in COMMANDS (+ a TABLE row for each command it
-adds). `flash X` imports only X's module: every other command gets a stub parser from TABLE,
-which is what keeps `flash --help`, `flash serve --dry-run` and `flash status` fast. A module
-without TABLE rows still works; it is imported on every run.
+TABLE is the one command list: adding a command = one module here + a TABLE row for each command
+it adds; its register() takes the one-line help from `summary(name)`. `flash X` imports only X's
+module: every other command gets a stub parser from TABLE, which is what keeps `flash --help`,
+`flash serve --dry-run` and `flash status` fast.
 """
 
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
-
-COMMANDS: tuple[str, ...] = (
-    "doctor",
-    "setup",
-    "download",
-    "verify",
-    "prepare",
-    "serve",
-    "wait",
-    "status",
-    "logs",
-    "lifecycle",
-    "profiles",
-    "test",
-    "monitor",
-    "probe",
-    "bench",
-    "plan",
-    "patches",
-    "service",
-)
-
 
 # command → (module, one-line help, aliases), in the order `flash --help` lists them.
 TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -48,6 +26,7 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "bench": ("bench", "benchmark decode/prefill/TTFT with medians, ABBA, JSONL and plots", ()),
     "status": ("status", "what is running, how it is doing", ()),
     "logs": ("logs", "show the server log", ()),
+    "conversations": ("conversations", "follow the request log as conversations (needs LOG_REQUESTS=1)", ()),
     "stop": ("lifecycle", "stop the server (kept; flash start resumes it)", ()),
     "start": ("lifecycle", "start the stopped server container again", ()),
     "rm": ("lifecycle", "remove the server container (caches and keys are kept)", ("down",)),
@@ -56,6 +35,15 @@ TABLE: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "patches": ("patches", "the vLLM patch matrix of an image (selfcheck inside it)", ()),
     "service": ("service", "run the recipe as a systemd service at boot (install|status|uninstall)", ()),
 }
+
+
+# the modules, in TABLE's order (a module may hold several commands: lifecycle)
+COMMANDS: tuple[str, ...] = tuple(dict.fromkeys(module for module, _, _ in TABLE.values()))
+
+
+def summary(name: str) -> str:
+    """The one-line help of command `name` (what `flash --help` lists)."""
+    return TABLE[name][1]
 
 
 def module_for(word: str | None) -> str | None:

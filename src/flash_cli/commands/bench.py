@@ -13,10 +13,11 @@ from pathlib import Path
 from .. import recipe
 from ..errors import CheckFailed, UsageError
 from ..output import print_json, say
+from . import summary
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmark decode/prefill/TTFT with medians, ABBA, JSONL and plots",
+    p = sub.add_parser("bench", help=summary("bench"),
                        description="Measure the server (default: the running container) or compare two (--url A "
                        "--url B, alternated ABBA). Levels and repeats are the BENCH_* settings. Results: "
                        "raw.jsonl, summary.json, meta.json and PNGs in --out (default <state>/bench/<time>).")

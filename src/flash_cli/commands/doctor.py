@@ -12,8 +12,10 @@ import shutil
 from pathlib import Path
 
 from .. import hfcache, preflight, recipe
+from ..errors import ConfigError
 from ..output import Report, print_json, say
 from ..spec import NATIVE_CTX, default_image, is_loopback
+from . import summary
 
 GIB = 1024**3
 SPARK_MEM_GIB = 115  # a Spark reports ~119 GiB; anything well below cannot hold the recipe
@@ -24,7 +26,7 @@ PROC = "/proc"  # tests point this at synthetic files
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("doctor", help="check everything serve needs; exit 1 on a problem")
+    p = sub.add_parser("doctor", help=summary("doctor"))
     recipe.add_arguments(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
@@ -60,10 +62,13 @@ def check_host(s, rep: Report) -> None:
             getattr(rep, level)(text, sec)
     rows = hardware.query_gpus()
     gpus = None if rows is None else [r[0] for r in rows]
+    # a recipe that asks for the GPU (GPUS=all) cannot serve without one: a problem, not a warning
+    missing = rep.fail if s["GPUS"] == "all" else rep.warn
+    needs = ": the recipe's GPUS=all cannot start" if s["GPUS"] == "all" else ""
     if gpus is None:
-        rep.warn("nvidia-smi not found: no NVIDIA driver visible", sec)
+        missing(f"nvidia-smi not found: no NVIDIA driver visible{needs}", sec)
     elif not gpus:
-        rep.warn("nvidia-smi lists no GPU", sec)
+        missing(f"nvidia-smi lists no GPU{needs}", sec)
     elif any("GB10" in g for g in gpus):
         rep.ok(f"GPU {gpus[0]}", sec)
     else:
@@ -88,7 +93,7 @@ def check_docker(s, rep: Report):
     if "nvidia" in runtimes or shutil.which("nvidia-ctk") or shutil.which("nvidia-container-runtime") or cdi:
         rep.ok("NVIDIA container toolkit", sec)
     elif s["GPUS"] == "all":
-        rep.warn("NVIDIA container toolkit not found: GPUS=all will fail to start", sec)
+        rep.fail("NVIDIA container toolkit not found: GPUS=all will fail to start (install nvidia-container-toolkit)", sec)
     others = [c.name for c in client.containers.list() if c.name != s["NAME"]]
     if others:
         rep.warn(f"other running containers: {', '.join(others[:5])} (one big model at a time)", sec)
@@ -161,12 +166,22 @@ def check_profile(r: recipe.Recipe, rep: Report) -> None:
         rep.fail(f"CTX={s['CTX']} needs YARN=1 (native context is {NATIVE_CTX})", sec)
     if s["KV_DTYPE"] in ("auto", "bfloat16") and s["CTX"] > BF16_KV_CEILING:
         rep.warn(f"CTX={s['CTX']} with {s['KV_DTYPE']} KV is above the validated {BF16_KV_CEILING}; 1M needs KV_DTYPE=fp8_e4m3", sec)
-    for p in preflight.recipe(s):
+    from .serve import PLACEHOLDER, plan
+
+    try:
+        problems = preflight.recipe(plan(r, PLACEHOLDER))  # checked on the RunSpec serve would run
+    except ConfigError as exc:  # a value build() refuses (e.g. a speculative config the base lacks)
+        problems = [preflight.Problem(ConfigError, str(exc), exc.hint or "")]
+    for p in problems:
         rep.fail(f"{p.message}: {p.hint}", sec)
     if not is_loopback(s["BIND"]) and s["API_KEY"] == "off":
         rep.warn(f"BIND={s['BIND']} with API_KEY=off: the API is open to the network without a key", sec)
     if s["PAD_M4"]:
         rep.warn("PAD_M4=1 has no effect (upstream in every supported release)", sec)
+    from ..spec import inapplicable
+
+    for text in inapplicable(s):  # set, but the chosen PARALLEL layout never reads it
+        rep.warn(text, sec)
     try:
         from ..plan import doctor_findings  # the memory planner, when present
     except ImportError:

@@ -6,10 +6,11 @@ import argparse
 
 from .. import recipe
 from ..output import print_json
+from . import summary
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("download", help="download the checkpoint into HF_CACHE (resumable; plan with --dry-run)")
+    p = sub.add_parser("download", help=summary("download"))
     recipe.add_arguments(p)
     p.add_argument("--no-profile", action="store_true",
                    help="settings from defaults + environment + KEY=VALUE only (the scripts/ wrappers use this)")

@@ -9,22 +9,23 @@ from .. import engine, recipe, running
 from ..running import drain  # running.py owns it (serve and deploy drain too)
 from ..output import say
 from ..spec import LABEL
+from . import summary
 
 STOP_GRACE = 30  # seconds Docker waits after SIGTERM before SIGKILL
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("stop", help="stop the server (kept; flash start resumes it)",
+    p = sub.add_parser("stop", help=summary("stop"),
                        description="Wait for running requests to finish (at most DRAIN_TIMEOUT s), then stop.")
     recipe.add_arguments(p)
     p.add_argument("--no-drain", action="store_true", help="do not wait for running requests")
     p.add_argument("--dry-run", action="store_true", help="say what would happen; change nothing")
     p.set_defaults(func=stop)
-    p = sub.add_parser("start", help="start the stopped server container again")
+    p = sub.add_parser("start", help=summary("start"))
     recipe.add_arguments(p)
     p.add_argument("--dry-run", action="store_true", help="say what would happen; change nothing")
     p.set_defaults(func=start)
-    p = sub.add_parser("rm", aliases=["down"], help="remove the server container (caches and keys are kept)")
+    p = sub.add_parser("rm", aliases=["down"], help=summary("rm"))
     recipe.add_arguments(p)
     p.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
     p.set_defaults(func=rm)
@@ -50,7 +51,11 @@ def stop(args: argparse.Namespace) -> int:
         from .. import deploy
 
         return deploy.stop(boxes, 0 if args.no_drain else s["DRAIN_TIMEOUT"], args.dry_run)
-    r, c = _target(args)
+    r = recipe.load(args.recipe)
+    c = engine.find(engine.connect(), r.settings["NAME"])
+    if c is None:  # idempotent, like status: the state stop asks for is already there
+        print(f"no flash container named {r.settings['NAME']!r}; nothing to stop")
+        return 0
     st = engine.state(c)
     if st.status != "running":
         print(f"{c.name} is {st.status}; nothing to stop")

@@ -8,10 +8,11 @@ import sys
 from .. import engine
 from ..errors import UsageError
 from ..settings import BY_NAME, resolve
+from . import summary
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("logs", help="show the server log")
+    p = sub.add_parser("logs", help=summary("logs"))
     p.add_argument("lines", nargs="?", default="100", help="how many lines from the end (default 100)")
     p.add_argument("-f", "--follow", action="store_true", help="keep following")
     p.add_argument("--name", default=None, help=f"container name (default: NAME, {BY_NAME['NAME'].default})")

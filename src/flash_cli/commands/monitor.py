@@ -8,10 +8,12 @@ import shlex
 from .. import recipe
 from ..errors import ImageMissing
 from ..output import print_json, say
+from ..render import to_docker_run, to_kwargs
+from . import summary
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("monitor", help="Prometheus + Grafana + node-exporter next to the server (up|down|status)",
+    p = sub.add_parser("monitor", help=summary("monitor"),
                        description="Start (up), remove (down) or list (status) the monitoring containers of the "
                        "recipe's server. Ports: MONITOR_PROM_PORT, MONITOR_NODE_PORT (always 127.0.0.1: no "
                        "authentication) and MONITOR_GRAFANA_PORT (on MONITOR_BIND; beyond loopback it requires a "
@@ -34,8 +36,8 @@ def run(args: argparse.Namespace) -> int:
             print_json(plan.as_dict())
         else:
             print(f"# config rendered into {plan.config_dir}: {', '.join(sorted(plan.files))}")
-            for c in plan.containers:
-                print(shlex.join(c.docker_run()))
+            for c in plan.containers.values():
+                print(shlex.join(to_docker_run(c)))
             for k, v in plan.urls.items():
                 print(f"# {k}: {v}")
         return 0
@@ -73,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     # up
     monitor.write_files(plan)
     by_name = {c.name: c for c in found}
-    for c in plan.containers:
+    for c in plan.containers.values():
         _ensure_image(client, c.image)
         old = by_name.get(c.name)
         if old is not None:
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
                 continue
             old.remove(force=True)
         say(f"  starting {c.name} ({c.image.split('@')[0]})")
-        client.containers.run(**c.kwargs())
+        client.containers.run(**to_kwargs(c))
     for k, v in plan.urls.items():
         print(f"{k}: {v}")
     say(f"Grafana admin password: {plan.config_dir / 'grafana-admin'} "

@@ -16,10 +16,11 @@ import os
 
 from ..errors import FlashError, UsageError
 from ..output import print_json, say
+from . import summary
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("patches", help="the vLLM patch matrix of an image (selfcheck inside it)")
+    p = sub.add_parser("patches", help=summary("patches"))
     p.add_argument("--image", help="image to inspect (default: IMAGE, else flash-vllm:<BASE>)")
     p.add_argument("--base", help="base for --expected / the default image name (default: BASE or current)")
     p.add_argument("--expected", action="store_true", help="the registry's declared matrix; no Docker")

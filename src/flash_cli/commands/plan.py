@@ -15,10 +15,11 @@ from pathlib import Path
 from .. import recipe
 from ..errors import UsageError
 from ..output import print_json
+from . import summary
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="predict the KV pool, concurrency and host headroom before a boot",
+    p = sub.add_parser("plan", help=summary("plan"),
                        description=__doc__.split("\n\n")[0])
     recipe.add_arguments(p)
     p.add_argument("--hardware", metavar="NAME", help="plan for a preset (gb10, h200, rtx-pro-6000) instead of "
@@ -84,5 +85,6 @@ def render(p: dict) -> str:
         lines += parallel.render(p["parallel"])
     for level, text in p["findings"]:
         lines.append(f"  [{level}] {text}")
-    lines.append("  assumptions: " + "; ".join(p["assumptions"]))
+    lines.append("  assumptions:")  # one per line: a joined paragraph of them was unreadable
+    lines += [f"    - {a}" for a in p["assumptions"]]
     return "\n".join(lines)

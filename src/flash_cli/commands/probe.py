@@ -9,10 +9,11 @@ from .. import recipe
 from ..errors import CheckFailed, UsageError
 from ..gates import target
 from ..output import print_json, say
+from . import summary
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("probe", help="greedy probe: fixed prompts → <state>/probes/LABEL.json; --diff A B compares two",
+    p = sub.add_parser("probe", help=summary("probe"),
                        description="Run the fixed greedy prompt set (temperature 0, first-token logprobs) and save it "
                        "under a label; `flash probe --diff A B` exits 1 at the first byte that differs.")
     p.add_argument("label", nargs="?", help="name for this run (e.g. hybrid, hybrid-mtp)")

@@ -8,10 +8,11 @@ import os
 from .. import profiles as prof
 from ..output import print_json
 from ..settings import BY_NAME, resolve
+from . import summary
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("profiles", help="list the recipes (profiles/*.env); `show NAME` for one")
+    p = sub.add_parser("profiles", help=summary("profiles"))
     p.add_argument("action", nargs="?", choices=("list", "show"), default="list")
     p.add_argument("name", nargs="?", help="profile to show")
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -13,12 +13,13 @@ from ..errors import ContainerDied, UsageError
 from ..output import dim, say
 from ..render import docker_run_text
 from ..spec import LABEL, RunSpec, build
+from . import summary
 
 PLACEHOLDER = "<SNAPSHOT>"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", aliases=["up"], help="start the server for a profile",
+    p = sub.add_parser("serve", aliases=["up"], help=summary("serve"),
                        description="Start the vLLM server container for PROFILE (default: default). "
                        "KEY=VALUE words override the profile (see docs/SETTINGS.md).")
     recipe.add_arguments(p)
@@ -76,12 +77,13 @@ def deployment_json(dep, hf_cache: str) -> dict:
                                                        "url": dep.router.spec.api_url, "spec": asdict(dep.router.spec)}}
 
 
-def present(args: argparse.Namespace, r: recipe.Recipe, snapshot, summary: str, warnings, as_json, as_text) -> bool:
-    """What one box and a deployment share: the header, the warnings, the recipe's problems. On
-    --dry-run print the problems and the plan (JSON or docker lines) and return True; otherwise raise
-    the first problem, or return False to go on."""
+def present(args: argparse.Namespace, r: recipe.Recipe, snapshot, spec: RunSpec, summary: str, warnings, as_json,
+            as_text) -> bool:
+    """What one box and a deployment share: the header, the warnings, the recipe's problems (checked
+    on `spec`, the head's RunSpec for a deployment). On --dry-run print the problems and the plan
+    (JSON or docker lines) and return True; otherwise raise the first problem, or return False to go on."""
     s = r.settings
-    problems = preflight.recipe(s) + preflight.weights(s, r.hf_cache, snapshot)
+    problems = preflight.recipe(spec) + preflight.weights(s, r.hf_cache, snapshot)
     say(f"serve: profile '{r.profile.name}': {r.profile.desc}")
     say(dim(f"  {summary}"))
     for w in warnings:
@@ -104,7 +106,7 @@ def run_deployment(args: argparse.Namespace, r: recipe.Recipe, snapshot) -> int:
                            hf_cache=str(r.hf_cache), state_dir=str(state.state_dir()))
     summary = (f"PARALLEL={dep.parallel} NODES={s['NODES']} NODE_ADDRS={s['NODE_ADDRS']} MODE={s['MODE']} "
                f"BASE={s['BASE']} IMAGE={dep.head.spec.image} NAME={s['NAME']} API {', '.join(dep.api_urls())}")
-    if present(args, r, snapshot, summary, dep.warnings,
+    if present(args, r, snapshot, dep.head.spec, summary, dep.warnings,
                lambda: deployment_json(dep, str(r.hf_cache)), lambda: deployment_text(dep)):
         return 0
     from .. import deploy
@@ -122,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     spec = plan(r, snapshot.name if snapshot else PLACEHOLDER)
     summary = (f"MODE={s['MODE']} BASE={s['BASE']} IMAGE={spec.image} NAME={s['NAME']} {s['BIND']}:{s['PORT']} "
                f"CTX={s['CTX']} YARN={int(s['YARN'])} MTP={s['MTP']} GPU_MEM={s['GPU_MEM']:.2f} KV_DTYPE={s['KV_DTYPE']}")
-    if present(args, r, snapshot, summary, spec.warnings, lambda: asdict(spec), lambda: docker_run_text(spec)):
+    if present(args, r, snapshot, spec, summary, spec.warnings, lambda: asdict(spec), lambda: docker_run_text(spec)):
         return 0
     from .. import engine
 

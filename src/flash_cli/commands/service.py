@@ -17,13 +17,14 @@ from pathlib import Path
 from .. import recipe, service, state
 from ..errors import ContainerDied, FlashError, UsageError
 from ..output import say
+from . import summary
 
 FLASH = str(service.REPO / "flash")
 CLEAN_EXIT = (0, 143)  # a stopped server: exited by itself on SIGTERM, or with its default disposition
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("service", help="run the recipe as a systemd service at boot (install|status|uninstall)",
+    p = sub.add_parser("service", help=summary("service"),
                        description="A systemd unit (system, or --user) that starts the recipe at boot, drains "
                        "running requests on stop (DRAIN_TIMEOUT) and restarts a failed server with backoff.")
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
@@ -60,9 +61,10 @@ def _systemctl(cmds: list[list[str]]) -> None:
 
 def cmd_install(args: argparse.Namespace) -> int:
     from .. import preflight
+    from .serve import PLACEHOLDER, plan as serve_plan
 
     r = recipe.load(args.recipe)
-    for p in preflight.recipe(r.settings):  # a recipe that cannot boot must not become a boot loop
+    for p in preflight.recipe(serve_plan(r, PLACEHOLDER)):  # a recipe that cannot boot must not become a boot loop
         p.raise_()
     plan = service.plan_install(list(args.recipe), r.settings, scope=_scope(args), env=dict(os.environ), flash=FLASH,
                                 uid=os.getuid(), user=getpass.getuser(), start=not args.no_start)
@@ -151,6 +153,16 @@ def write_failures(name: str, n: int) -> None:
     os.replace(tmp, path)
 
 
+def serve_args(words: list[str]) -> argparse.Namespace:
+    """`flash serve WORDS` as serve's own parser reads them (its defaults included), from the
+    sibling module: the unit runs the same serve a user would type."""
+    from . import serve
+
+    parser = argparse.ArgumentParser(prog="flash")
+    serve.register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *words])
+
+
 class _Stopping(Exception):
     pass
 
@@ -158,7 +170,6 @@ class _Stopping(Exception):
 def cmd_run(args: argparse.Namespace) -> int:
     """Start the recipe (Docker's restart policy off: systemd restarts) and follow the container."""
     from .. import api, engine, running
-    from ..cli import build_parser
 
     r = recipe.load(args.recipe)
     name = r.settings["NAME"]
@@ -173,9 +184,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if delay:
             say(f"service: {failures} failed run(s) in a row; waiting {delay} s before starting (backoff)")
             time.sleep(delay)
-        words = [*args.recipe, "RESTART=no"]
-        serve_args = build_parser(["serve", *words]).parse_args(["serve", *words])
-        serve_args.func(serve_args)
+        words = serve_args([*args.recipe, "RESTART=no"])
+        words.func(words)
         client = engine.connect()
         container = engine.require(client, name)
         ep = running.endpoint(container)

@@ -19,6 +19,7 @@ from ..errors import FlashError, NotAvailable
 from ..output import say
 from ..profiles import REPO
 from ..spec import default_image
+from . import summary
 
 # Each checkpoint step exposes is_done(settings) and run_step(settings, dry_run): the download
 # module, and the variant steps of `flash prepare` (commands/prepare.py STEPS, which print).
@@ -38,7 +39,7 @@ class Step:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("setup", help="build the image, download and prepare the weights (idempotent)")
+    p = sub.add_parser("setup", help=summary("setup"))
     recipe.add_arguments(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan; run nothing")
     p.set_defaults(func=run)

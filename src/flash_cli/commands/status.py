@@ -10,6 +10,7 @@ from .. import api, recipe, running
 from ..output import Report, print_json
 from ..gates.spec_decode import SPEC_ACCEPTED, SPEC_DRAFTS, acceptance_length
 from ..spec import LABEL
+from . import summary
 
 KV_LINE = re.compile(r"GPU KV cache size")
 PATCH_LINE = re.compile(r"flash_vllm|PLE mmap|mamba_block_size|draft vocabulary|fp8 hybrid|deterministic top-k")
@@ -19,7 +20,7 @@ METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting",
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("status", help="what is running, how it is doing")
+    p = sub.add_parser("status", help=summary("status"))
     recipe.add_arguments(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)

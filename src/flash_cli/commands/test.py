@@ -9,13 +9,13 @@ from .. import recipe
 from ..errors import CheckFailed, UsageError
 from ..output import _paint, print_json
 from ..gates import target
+from . import summary
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     from ..gates.checks import CHECK_NAMES
 
-    p = sub.add_parser("test", help="gate a running server: health, model, context, coherence, effort, tool_call, "
-                       "prefill, prefix_cache, determinism, decode, metrics",
+    p = sub.add_parser("test", help=summary("test"),
                        description="Run the checks against the server (default: the running flash container, "
                        "found by label). Exit 0 only when every required check passes. Thresholds are the "
                        "TEST_* settings (KEY=VALUE arguments override them). The context check compares the "

@@ -8,10 +8,11 @@ from pathlib import Path
 from .. import hfcache, recipe
 from ..errors import WeightsMissing
 from ..output import print_json
+from . import summary
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("verify", help="check the snapshot (and the MODE variant): files, headers, index; --hash for sha256")
+    p = sub.add_parser("verify", help=summary("verify"))
     recipe.add_arguments(p)
     p.add_argument("--no-profile", action="store_true",
                    help="settings from defaults + environment + KEY=VALUE only (the scripts/ wrappers use this)")

@@ -10,6 +10,7 @@ import time
 from .. import api, bootlog, engine, recipe, running
 from ..errors import ContainerDied, ContextMismatch, NotReady
 from ..output import say
+from . import summary
 
 PROGRESS = re.compile(r"Loading safetensors|Loading weights took|Model loading took|torch.compile took|"
                       r"Capturing CUDA|KV cache size|prewarm|PLE mmap|startup")
@@ -17,7 +18,7 @@ KV_LINE = re.compile(r"GPU KV cache size|Maximum concurrency")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("wait", help="wait until the server answers /health",
+    p = sub.add_parser("wait", help=summary("wait"),
                        description="Poll until /health answers; a dead container fails at once. A boot silent "
                        "for BOOT_STALL s in a known phase is named with its remedy; a served context other "
                        "than the recipe's fails with exit 11 (docs/FIELD.md).")

@@ -140,6 +140,21 @@ def resolve_snapshot(settings) -> Path | None:
                                     settings["REVISION"])
 
 
+def ple_table_placement(s, snapshot: Path | None) -> tuple[bool, str]:
+    """(is the PLE table in GPU memory, the assumption that says so): patch 1 serves it from disk
+    unless it is off or cannot decode the checkpoint's table format (checkpoint/known.py)."""
+    from ..checkpoint import known
+    from ..spec import ple_patch_off
+
+    lay = known.layout_of(s["MODEL"], snapshot)
+    if lay is not None and not lay.ple_from_disk:
+        return True, (f"PLE table: {lay.ple_format}; patch 1 cannot decode it, so it is planned in memory where "
+                      "vLLM's own NVFP4 table method keeps it (serving needs CONTAINER_ENV=VLLM_PLE_MMAP=0)")
+    if ple_patch_off(s):
+        return True, "PLE table: patch 1 is off (CONTAINER_ENV), so vLLM holds the table in memory"
+    return False, PLE_TABLE_NOTE
+
+
 def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how: str = "",
           live_checks: bool = True) -> dict[str, Any]:
     """The plan as plain data. `snapshot=True` looks the checkpoint up in HF_CACHE, a Path uses
@@ -159,26 +174,27 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
         except (OSError, ValueError) as exc:
             assumptions.append(f"config.json unreadable ({exc}); geometry of the published checkpoint")
     else:
-        assumptions.append("geometry of the published checkpoint (model-and-checkpoints.md §1); no snapshot on disk")
+        assumptions.append("geometry of the published checkpoint (its config.json's text_config, built into plan/geometry.py); no snapshot on disk")
 
     base, mtp, mode = s["BASE"], s["MTP"], s["MODE"]
     vision = _vision_loaded(s["EXTRA"])
     draft_vocab = s["DRAFT_VOCAB"] != "0"
-    kind = weights_mod.checkpoint_kind(s["MODEL"])
+    kind = weights_mod.checkpoint_kind(s["MODEL"], snapshot)
+    table_on_gpu, table_note = ple_table_placement(s, snapshot)
     w = None
     directory, prepared = served_dir(s, snapshot)
     if directory is not None:
         try:
             w = weights_mod.from_headers(directory, geom, mode=mode, mtp=mtp, draft_vocab=draft_vocab,
-                                         vision=vision, prepared=prepared)
+                                         vision=vision, prepared=prepared, table_on_gpu=table_on_gpu)
         except (OSError, ValueError) as exc:
             assumptions.append(f"checkpoint headers unreadable ({exc}); weights from the geometry")
     if w is None:
         w = weights_mod.geometry_estimate(geom, checkpoint=kind, mode=mode, mtp=mtp, draft_vocab=draft_vocab,
-                                          vision=vision)
+                                          vision=vision, table_on_gpu=table_on_gpu)
         assumptions.append(f"weights from the geometry for a {kind} checkpoint in MODE={mode}")
     assumptions += w.notes
-    assumptions.append(PLE_TABLE_NOTE)
+    assumptions.append(table_note)
     if not vision:
         assumptions.append("vision tower not loaded (--language-model-only in EXTRA)")
     if mtp and draft_vocab:
@@ -227,7 +243,7 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
     one_request = lay.bytes_for_requests(1, s["CTX"])
 
     host: dict[str, Any] = {"unified_memory": hw.unified}
-    table = geom.ple_table_bytes
+    table = w.on_disk.get("ple_table") or geom.ple_table_bytes  # the checkpoint's own (NVFP4 in the QAD export)
     page_cache = None
     if hw.unified and hw.host_total:
         page_cache = hw.host_total - claim - hw.host_reserve - hw.vllm_baseline
@@ -303,12 +319,20 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
     return plan
 
 
+def _hybrid_possible(s) -> bool:
+    from ..checkpoint import known
+
+    lay = known.for_model(s["MODEL"])
+    return s["MODE"] == "nvfp4" and (lay is None or "hybrid" in lay.modes)
+
+
 def findings(plan: dict, s, hw: Hardware, live_checks: bool = True) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     b, tokens, conc = plan["budget"], plan["kv_cache_tokens"], plan["max_concurrency"]
     if b["kv_cache_gib"] <= 0:
         out.append(("fail", f"cannot fit: weights {b['weights_gib']} GiB + runtime {round(b['non_kv_gib'] - b['weights_gib'], 2)} GiB "
-                            f"exceed the GPU_MEM={s['GPU_MEM']} budget of {b['requested_gib']} GiB; raise GPU_MEM or use MODE=hybrid"))
+                            f"exceed the GPU_MEM={s['GPU_MEM']} budget of {b['requested_gib']} GiB; raise GPU_MEM"
+                            + (" or use MODE=hybrid" if _hybrid_possible(s) else "")))
     elif conc < 1:
         out.append(("fail", f"cannot fit one CTX={s['CTX']} request: it needs {plan['one_request_at_ctx_gib']} GiB of KV, the pool "
                             f"has {b['kv_cache_gib']} GiB (~{tokens:,} tokens); vLLM refuses to start. Lower CTX, raise GPU_MEM "

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 GIB = 1024**3
 
 RUNTIME_OVERHEAD = 3_484_221_440  # 3.245 GiB: fit() on FIT_FIGURE; test_plan_calibration re-solves it
-# Identical boots of the same recipe report 565k–630k tokens (seed 003, "depending on the page-cache
+# Identical boots of the same recipe report 565k–630k tokens (the upstream recipe's README, "depending on the page-cache
 # state at profiling"): ±32k tokens ≈ ±0.88 GiB of non-KV memory at 28.9 KB per pool token.
 OVERHEAD_BAND = int(0.88 * GIB)
 
@@ -36,7 +36,7 @@ H200_BOOTS: tuple[tuple[str, str, int], ...] = (
     ("b-default", "b", 1_850_669),  # (a) through `flash prepare hybrid`: 0.59 GiB
     ("c-default", "c", 1_850_428),  # RadixArk layout through `flash prepare graft`: 0.59 GiB
 )
-H200_RUN = "docs/benchmarks/gpu-e2e-h200/run37"
+H200_RUN = "benchmarks/gpu-e2e-h200/run37"
 # 0.679 GiB: the mean of the three boots' own solutions (0.811, 0.611, 0.614 GiB)
 RUNTIME_OVERHEAD_DISCRETE = 728_651_093
 # covers each boot's own solution (a's is 0.132 GiB above the mean: its larger activation peak)
@@ -52,13 +52,13 @@ H200_BOOTS_FULL: tuple[tuple[str, str, int], ...] = (
     ("b-default", "b", 1_904_278),
     ("c-default", "c", 1_904_037),
 )
-H200_RUN_FULL = "docs/benchmarks/gpu-e2e-h200/run43"
+H200_RUN_FULL = "benchmarks/gpu-e2e-h200/run43"
 # 0.216 GiB: the mean of the three boots' own solutions (0.348, 0.149, 0.152 GiB)
 RUNTIME_OVERHEAD_DISCRETE_FULL = 232_325_120
 # covers each boot's own solution (a's is 0.132 GiB above the mean)
 DISCRETE_OVERHEAD_BAND_FULL = int(0.14 * GIB)
 
-SEED = "seeds/003_b0eb247f2d119cfb.txt"  # blazux/qwen3.8-Flash-DGX README (the anchor recipe)
+SEED = "the upstream recipe's README (github.com/blazux/qwen3.8-Flash-DGX)"  # the anchor recipe this project follows
 DEFAULT = {"MODE": "hybrid", "YARN": "1", "CTX": "500000", "MTP": "2", "GPU_MEM": "0.80", "BASE": "v0.29"}
 
 

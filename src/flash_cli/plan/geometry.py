@@ -1,7 +1,7 @@
 """Qwen3.8-Flash-Next geometry: the config.json numbers the memory model needs.
 
-Defaults are the real checkpoint's `text_config` (shared/reference/model-and-checkpoints.md §1,
-identical in nvidia/ and RadixArk/). When a snapshot is present its config.json overrides them,
+Defaults are the real checkpoint's `text_config` (its published config.json, identical in
+nvidia/ and RadixArk/). When a snapshot is present its config.json overrides them,
 so a derivative with another shape is planned from its own numbers.
 """
 

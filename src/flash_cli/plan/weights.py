@@ -22,7 +22,7 @@ GIB = 1024**3
 DRAFT_VOCAB_ROWS = 65_536  # the shipped draft vocabulary (DRAFT_VOCAB=1)
 
 # Routed experts: NVFP4 = 4-bit values (2 per byte) + F8_E4M3 scale per 16 + F32 weight_scale_2 and
-# input_scale per projection (model-and-checkpoints.md §3.1).
+# input_scale per projection (the published checkpoints' safetensors headers).
 _SIDE = re.compile(r"layers\.\d+\.(linear_attn\.(in_proj_qkv|in_proj_z|out_proj)|self_attn\.(q_proj|k_proj|v_proj|o_proj)"
                    r"|self_attn\.indexer\.index_qk_proj|mlp\.shared_expert\.(gate_proj|up_proj|down_proj))\.weight(_scale|_scale_inv)?$")
 # weight_scale: the FP8_PB_WO hybrid (variant format 2); weight_scale_inv: format-1 variants still on disk
@@ -66,7 +66,7 @@ def side_layer_shapes(g: Geometry) -> list[tuple[int, int, int]]:
 
 
 def geometry_estimate(g: Geometry, *, checkpoint: str, mode: str, mtp: int, draft_vocab: bool,
-                      vision: bool) -> Weights:
+                      vision: bool, table_on_gpu: bool = False) -> Weights:
     """Bytes per component from the config numbers alone (no snapshot on disk)."""
     notes: list[str] = []
     h, inter = g.hidden_size, g.moe_intermediate_size
@@ -75,6 +75,10 @@ def geometry_estimate(g: Geometry, *, checkpoint: str, mode: str, mtp: int, draf
     side_params = sum(n * a * b for n, a, b in side_layer_shapes(g))
     hybrid = mode in ("hybrid", "hybrid-mtp")
     side = sum(n * fp8_block_bytes(a, b) for n, a, b in side_layer_shapes(g)) if hybrid else side_params * 2
+    if checkpoint == "qad":
+        side = sum(n * mxfp8_bytes(a, b) for n, a, b in side_layer_shapes(g))
+        notes.append("side layers: MXFP8 as exported (QAD checkpoint; which layers a revision exports as MXFP8 "
+                     "varies: the snapshot's headers are exact)")
     hc_w, lr = g.hc_width, g.hc_lowrank
     hc_module = hc_w + 2 * lr * hc_w + g.hc_count * hc_w  # hc_norm, down, up, block_inject
     hc = (2 * g.num_hidden_layers * hc_module + hc_w + 2 * lr * hc_w) * 2  # + final mixer
@@ -97,6 +101,9 @@ def geometry_estimate(g: Geometry, *, checkpoint: str, mode: str, mtp: int, draf
         if mode == "hybrid-mtp":
             comps["mtp_experts"] = g.num_experts * expert_nvfp4
             notes.append("MTP experts: NVFP4 (the Inferact draft-expert graft)")
+        elif checkpoint == "qad":
+            comps["mtp_experts"] = g.num_experts * expert_nvfp4
+            notes.append("MTP experts: NVFP4 weights (reported W4A16 for the QAD export; not read from a snapshot)")
         elif checkpoint == "nvidia":
             comps["mtp_experts"] = g.num_experts * 3 * fp8_block_bytes(inter, h, scale_bytes=2)
             notes.append("MTP experts: blockwise fp8 with bf16 scales (nvidia checkpoint)")
@@ -104,12 +111,14 @@ def geometry_estimate(g: Geometry, *, checkpoint: str, mode: str, mtp: int, draf
             comps["mtp_experts"] = g.num_experts * per_expert * 2
             notes.append("MTP experts: bf16" + (" (RadixArk checkpoint)" if checkpoint == "radixark"
                                                 else f" (assumed for an unknown checkpoint: the largest case)"))
-        # dense part of the drafter (29 tensors): 4.86 GiB total - 4.69 GiB experts (seed 004)
+        # dense part of the drafter (29 tensors): 4.86 GiB total - 4.69 GiB experts (Minachist/Qwen3.8-Flash-Next-INT4-Mixed-AutoRound's model card)
         comps["mtp_dense"] = int(0.17 * GIB)
         if draft_vocab:
             comps["draft_head_copy"] = DRAFT_VOCAB_ROWS * h * 2
     on_disk = dict(comps)
-    on_disk["ple_table"] = g.ple_table_bytes
+    on_disk["ple_table"] = nvfp4_table_bytes(g) if checkpoint == "qad" else g.ple_table_bytes
+    if table_on_gpu:
+        comps["ple_table"] = on_disk["ple_table"]
     return Weights(comps, "geometry", notes, on_disk)
 
 
@@ -136,7 +145,7 @@ def classify(name: str) -> str:
 
 
 def from_headers(model_dir: Path, g: Geometry, *, mode: str, mtp: int, draft_vocab: bool, vision: bool,
-                 prepared: bool) -> Weights:
+                 prepared: bool, table_on_gpu: bool = False) -> Weights:
     """Sum tensor bytes per component over every shard the index names. `prepared=False` for a
     hybrid mode means the variant is not built yet: the snapshot's bf16 side layers are converted
     on paper (fp8 + scales), like `prepare hybrid` would."""
@@ -150,7 +159,8 @@ def from_headers(model_dir: Path, g: Geometry, *, mode: str, mtp: int, draft_voc
         comps["mtp_experts"] = g.num_experts * expert_nvfp4
         notes.append("hybrid-mtp graft not prepared yet: MTP experts counted as NVFP4")
     on_disk = dict(comps)
-    comps["ple_table"] = 0
+    if not table_on_gpu:
+        comps["ple_table"] = 0
     if not mtp:
         comps["mtp_experts"] = comps["mtp_dense"] = 0
     elif draft_vocab:
@@ -219,6 +229,23 @@ def _header_sums(model_dir: Path) -> tuple[dict[str, int], list[tuple[int, int]]
     return comps, side_bf16, False
 
 
-def checkpoint_kind(model: str) -> str:
+def checkpoint_kind(model: str, snapshot: Path | None = None) -> str:
+    """nvidia | radixark | qad (checkpoint/known.py: the index on disk, else the repo name) | other."""
+    from ..checkpoint import known
+
+    lay = known.layout_of(model, snapshot)
+    if lay is not None:
+        return lay.name
     org = model.split("/", 1)[0].lower()
     return org if org in ("nvidia", "radixark") else "other"
+
+
+def mxfp8_bytes(out_f: int, in_f: int) -> int:
+    """MXFP8 (the QAD export's side layers): E4M3 values + one UE8M0 byte per 32."""
+    return out_f * in_f + out_f * (-(-in_f // 32))
+
+
+def nvfp4_table_bytes(g: Geometry) -> int:
+    """The QAD export's PLE table: two E2M1 values a byte + an E4M3 scale per 16, + the F32 global."""
+    w = g.ple_row_width
+    return g.ple_table_rows * (w // 2 + w // 16) + 4

@@ -1,4 +1,4 @@
-"""Write synthetic PLE checkpoints in the real file layouts (tests and tools/bench_ple.py).
+"""Write synthetic PLE checkpoints in the real file layouts (tests and lab/bench_ple.py).
 
 ``write_checkpoint(dir, layout="radixark"|"nvidia", rows_per_shard=, num_shards=, last_rows=,
 dtype="F8_E4M3", width=160, scale=0.03125, seed=0)`` writes real safetensors files (header JSON

@@ -4,7 +4,7 @@ Why: a decode step needs ~48 random 160-byte rows. Faulting them through the mma
 serial page fault each; a ring submits every read at once, the kernel's async buffered reads keep
 them all in flight (queue depth = batch), and each row is copied straight into the destination
 (the pinned staging buffer), so nothing is mapped and nothing faults. The same ring with an
-O_DIRECT fd measures the disk's own random-read bound (tools/bench_ple.py).
+O_DIRECT fd measures the disk's own random-read bound (lab/bench_ple.py).
 
 No liburing needed: io_uring_setup/enter are syscalls 425/426 on every architecture (the unified
 syscall table), rings are mmapped with Python's mmap and viewed as numpy arrays, and SQEs are

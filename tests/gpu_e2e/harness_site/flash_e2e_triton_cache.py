@@ -6,7 +6,7 @@ every server its own VLLM_CACHE_ROOT, so on 0.29 every server compiled every Tri
 spent 94-117 s in each server's profiling run (0.33's warm boots: ~20 s), ~/.triton/cache stayed empty
 and the JIT pack carried nothing to the next session. Triton asks its cache manager class for each
 kernel's directory; this one ignores TRITON_CACHE_DIR and uses FLASH_E2E_TRITON_CACHE (default
-~/.triton/cache, the directory tools/gpu_session.sh packs). Kernel keys hash the source, the options and
+~/.triton/cache, the directory lab/gpu_session.sh packs). Kernel keys hash the source, the options and
 the target, so servers with different patches still get their own kernels, as with Triton's default
 cache; writes are per-file atomic in FileCacheManager, so concurrent servers are safe.
 

@@ -1,13 +1,11 @@
-"""tools/bench_step_kernels.py against each release's real classes (CPU): its stock draft head is
+"""lab/bench_step_kernels.py against each release's real classes (CPU): its stock draft head is
 vLLM's own LogitsProcessor + unquantized head method and patch 10's reduced head equals it on the
 id set; its stock QSA top-k is the release's `qsa_indexer._topk` (vLLM's own even after the
 plugin hooked it); 0.29, which inlines that dispatch, is refused by name."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,12 +17,9 @@ ROOT = Path(__file__).resolve().parents[3]
 
 @pytest.fixture(scope="module")
 def bk():
-    spec = importlib.util.spec_from_file_location("bench_step_kernels", ROOT / "tools" / "bench_step_kernels.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+    from lab import bench_step_kernels  # the repository root is on sys.path (`python -m pytest` from it)
+
+    return bench_step_kernels
 
 
 def test_draft_head_smoke_uses_vllms_logits_processor(bk, capsys):

@@ -12,7 +12,7 @@ vLLM's native code, so every release is held to the same behaviour:
   the same bytes as e4m3 and hands the split-K launcher the layer's host scales. The two CUDA/
   Triton ops are the only stand-ins (`qsa_ref`: the op's quantization, the kernel's indexing
   rules, in torch; the kernel itself is proven against 0.31's on a GPU by
-  tools/prove_qsa_fp8_kv_gpu.py). The fp8 output equals the bf16 layer's within the bound the
+  lab/prove_qsa_fp8_kv_gpu.py). The fp8 output equals the bf16 layer's within the bound the
   e4m3 rounding of the cache implies, and the cache holds e4m3(x / scale) within half an ulp;
 - the rewritten kernel/launcher (0.29/0.30) are real Triton JIT functions compiled from anchored
   source, and bf16 calls still go to the stock launcher.

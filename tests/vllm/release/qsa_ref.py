@@ -1,5 +1,5 @@
 """Torch references for patch 7 (fp8 KV on QSA), shared by check_qsa_fp8_kv.py (CPU, in-release)
-and tools/prove_qsa_fp8_kv_gpu.py (the Triton kernels on a GPU). Not a check file itself.
+and lab/prove_qsa_fp8_kv_gpu.py (the Triton kernels on a GPU). Not a check file itself.
 
 `sparse_paged_gqa` is what the QSA split-K kernel computes, written from its indexing rules:
 row r attends to the selected logical tokens `idx[r, c]` (c < TOPK, and c < the trailing count

@@ -4,7 +4,7 @@
 Patch 8's `1` mode (`exact_block_topk` in patch 5's `hook.py`) masks the whole scores row and runs
 `torch.topk` over it: its cost follows the row width, which is max_model_len / compress_ratio (125,056 columns
 at flash's CTX=500000), not the context. On the H200 that is 10-40x the stock kernels in graphs
-(run44; docs/benchmarks/decode-h200/KERNELS.md). Two kernels here, each looping over
+(run44; benchmarks/decode-h200/KERNELS.md). Two kernels here, each looping over
 `min(visible, columns)` columns only:
 
 - `radix_block_topk` (`radix`, one program per row): a 4-pass radix select (8-bit digits of an

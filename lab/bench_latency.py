@@ -1,0 +1,250 @@
+#!/usr/bin/env python3
+"""What a user feels at the full 48-layer shape (issue 33, item 2), stock vLLM against the recipe:
+
+- prefix: a shared prefix of 1k-16k tokens sent twice with different tails. The second request's
+  prefix-cache hit tokens (vLLM's own counters, read around it) and its time to first token against
+  the first's. Users report no hits under ~8k tokens in the Mamba "align" mode; the goal is hits
+  from 2k tokens on.
+- itl: one stream decoding while another client sends a 32k-token prefill, against the same stream
+  alone. Inter-token gaps are measured client-side from the streamed chunks (one chunk per step,
+  more than one token per chunk when MTP accepts). The goal: p99 with `shared` <= 2x its idle p99.
+
+Servers are bench_recipe's (the RunSpec `flash serve` renders, same substitutions, same model
+directory from `python3 -m lab.bench_recipe prepare`), run one at a time in blocks.
+
+  run DIR --out RAW.jsonl [--configs stock,default,shared] [--prefixes 1024,2048,…] [--repeats N]
+  report RAW.jsonl… [--json J]   per config: hits and TTFT by prefix length; ITL idle vs under prefill
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+from lab import bench_recipe as br  # the servers
+from lab.decode import client, schedule  # the metrics reader, the writer, the commit
+
+PREFIXES = (1024, 2048, 4096, 8192, 16384)
+TAIL = 32            # distinct tokens after the shared prefix
+PREFILL = 32768      # the other client's prompt in the ITL study
+ITL_TOKENS = 384     # the decoding stream's length; the prefill starts after ITL_LEAD chunks
+ITL_LEAD = 32
+HITS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
+HIT_GOAL_FROM = 2048   # prefix tokens from which the recipe should hit
+ITL_GOAL = 2.0         # p99 under prefill / idle p99, for `shared`
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1000, 240000) for _ in range(n)]
+
+
+def _counters(url: str) -> dict[str, float]:
+    """The prefix-cache counters, summed over labels (the `_total` spelling or the bare one)."""
+    got = client.read_counters(url, tuple(f"{n}_total" for n in HITS) + HITS)
+    return {n: got.get(f"{n}_total", got.get(n, 0.0)) or 0.0 for n in HITS}
+
+
+def stream(url: str, prompt: list[int], tokens: int, stamps: list[float] | None = None) -> dict:
+    """One streamed greedy completion: time to first chunk, every chunk's arrival (into `stamps`)."""
+    import requests
+
+    body = {"model": "bench", "prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    t0 = time.perf_counter()
+    first = None
+    stamps = stamps if stamps is not None else []
+    with requests.post(url + "/v1/completions", json=body, stream=True, timeout=900) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
+        for line in r.iter_lines(decode_unicode=True):
+            if not line or not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            if json.loads(data).get("choices"):
+                now = time.perf_counter()
+                first = first if first is not None else now
+                stamps.append(now)
+    if first is None:
+        raise RuntimeError("the stream carried no tokens")
+    return {"ttft_s": first - t0, "wall_s": time.perf_counter() - t0, "chunks": len(stamps)}
+
+
+def prefix_rows(url: str, label: str, prefixes: list[int], repeats: int, base: dict, seed: int = 0) -> list[dict]:
+    rows = []
+    for rep in range(repeats):
+        for n in prefixes:
+            rng = random.Random(seed * 1_000_003 + rep * 100_003 + n)  # one prefix per (repeat, length)
+            prefix = _ids(rng, n)
+            cold = stream(url, prefix + _ids(rng, TAIL), 1)
+            before = _counters(url)
+            warm = stream(url, prefix + _ids(rng, TAIL), 1)
+            after = _counters(url)
+            rows.append({**base, "label": label, "study": "prefix", "prefix_tokens": n, "repeat": rep,
+                         "cold_ttft_s": cold["ttft_s"], "warm_ttft_s": warm["ttft_s"],
+                         "hit_tokens": after[HITS[0]] - before[HITS[0]],
+                         "query_tokens": after[HITS[1]] - before[HITS[1]]})
+    return rows
+
+
+def gaps_ms(stamps: list[float]) -> list[float]:
+    return [(b - a) * 1000 for a, b in zip(stamps, stamps[1:])]
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def itl_rows(url: str, label: str, repeats: int, base: dict, prefill: int = PREFILL, tokens: int = ITL_TOKENS) -> list[dict]:
+    """Per repeat: the stream alone, then the same length with a `prefill`-token prompt sent once
+    ITL_LEAD chunks have arrived; the gaps counted are those while the prefill was in flight."""
+    rows = []
+    rng = random.Random(99)
+    for rep in range(repeats):
+        idle: list[float] = []
+        stream(url, _ids(rng, 64), tokens, idle)
+        busy: list[float] = []
+        window: dict = {}
+
+        def other(stamps=busy):
+            while len(stamps) < ITL_LEAD:
+                time.sleep(0.001)
+            window["start"] = time.perf_counter()
+            window["ttft_s"] = stream(url, _ids(rng, prefill), 1)["ttft_s"]
+            window["end"] = time.perf_counter()
+
+        t = threading.Thread(target=other)
+        t.start()
+        stream(url, _ids(rng, 64), tokens, busy)
+        t.join()
+        if "end" not in window:
+            raise RuntimeError("the prefill did not finish")
+        inside = [g for (a, b), g in zip(zip(busy, busy[1:]), gaps_ms(busy))
+                  if b >= window["start"] and a <= window["end"]]
+        ig = gaps_ms(idle)
+        rows.append({**base, "label": label, "study": "itl", "repeat": rep, "prefill_tokens": prefill,
+                     "prefill_ttft_s": window["ttft_s"], "idle_p50_ms": pct(ig, 0.5), "idle_p99_ms": pct(ig, 0.99),
+                     "busy_gaps": len(inside), "busy_p50_ms": pct(inside, 0.5) if inside else None,
+                     "busy_p99_ms": pct(inside, 0.99) if inside else None, "busy_max_ms": max(inside, default=None),
+                     "stream_finished_after_prefill": busy[-1] > window["end"]})
+    return rows
+
+
+def run(args) -> int:
+    d = Path(args.dir).resolve()
+    meta = json.loads((d / "meta.json").read_text())
+    configs = br._configs(args.configs)
+    prefixes = client.parse_levels(args.prefixes)
+    sink = client.jsonl_sink(args.out)
+    logs = Path(args.logs or Path(args.out).parent)
+    logs.mkdir(parents=True, exist_ok=True)
+    base = {"layers": meta.get("layers", br.LAYERS), "quant": meta.get("quant"), "commit": schedule.tree_measured()}
+    for name in configs:
+        spec = br.render(name, d, args.port, sys.executable)
+        srv = br.Server(spec, logs / f"latency-{name}.log")
+        t0 = time.monotonic()
+        srv.start()
+        try:
+            why = srv.wait(args.boot_timeout)
+            if why:
+                sink({**base, "event": "boot_failed", "label": name, "why": why,
+                      "tail": srv.log.read_text(errors="replace")[-2000:]})
+                continue
+            sink({**base, "event": "booted", "label": name, "boot_s": round(time.monotonic() - t0, 1),
+                  "argv": spec["argv"], "env": spec["env"], "deviations": spec["deviations"],
+                  "settings": spec["settings"], **br._log_facts(srv.log)})
+            stream(srv.url, _ids(random.Random(5), 64), 8)  # untimed: the first request's one-time costs
+            for row in prefix_rows(srv.url, name, prefixes, args.repeats, base):
+                sink(row)
+            for row in itl_rows(srv.url, name, args.repeats, base, args.prefill, args.itl_tokens):
+                sink(row)
+        finally:
+            srv.stop()
+    return 0
+
+
+def report(rows: list[dict]) -> dict:
+    out: dict = {}
+    for r in rows:
+        if r.get("study") == "prefix":
+            cell = out.setdefault(r["label"], {}).setdefault("prefix", {}).setdefault(str(r["prefix_tokens"]), [])
+            cell.append(r)
+        elif r.get("study") == "itl":
+            out.setdefault(r["label"], {}).setdefault("itl", []).append(r)
+    summary: dict = {}
+    for label, studies in out.items():
+        s = summary[label] = {}
+        for n, cell in sorted(studies.get("prefix", {}).items(), key=lambda kv: int(kv[0])):
+            s.setdefault("prefix", {})[n] = {
+                "repeats": len(cell), "hit_tokens_median": statistics.median(c["hit_tokens"] for c in cell),
+                "hit_share": round(statistics.median(c["hit_tokens"] for c in cell) / int(n), 3),
+                "cold_ttft_ms": round(statistics.median(c["cold_ttft_s"] for c in cell) * 1000, 1),
+                "warm_ttft_ms": round(statistics.median(c["warm_ttft_s"] for c in cell) * 1000, 1)}
+        hits_from = [int(n) for n, c in s.get("prefix", {}).items() if c["hit_share"] >= 0.5]
+        s["hits_from_tokens"] = min(hits_from) if hits_from else None
+        s["hit_goal_met"] = bool(hits_from) and all(
+            c["hit_share"] >= 0.5 for n, c in s.get("prefix", {}).items() if int(n) >= HIT_GOAL_FROM)
+        itl = studies.get("itl", [])
+        if itl:
+            idle = statistics.median(r["idle_p99_ms"] for r in itl)
+            busy = [r["busy_p99_ms"] for r in itl if r["busy_p99_ms"] is not None]
+            s["itl"] = {"repeats": len(itl), "idle_p50_ms": round(statistics.median(r["idle_p50_ms"] for r in itl), 2),
+                        "idle_p99_ms": round(idle, 2),
+                        "busy_p99_ms": round(statistics.median(busy), 2) if busy else None,
+                        "p99_ratio": round(statistics.median(busy) / idle, 2) if busy and idle else None,
+                        "prefill_ttft_s": round(statistics.median(r["prefill_ttft_s"] for r in itl), 2)}
+            s["itl"]["goal_met"] = s["itl"]["p99_ratio"] is not None and s["itl"]["p99_ratio"] <= ITL_GOAL
+    return summary
+
+
+def report_cmd(args) -> int:
+    rows = [json.loads(x) for f in args.files for x in Path(f).read_text().splitlines() if x.strip()]
+    summary = report(rows)
+    for label, s in summary.items():
+        print(f"{label}: hits from {s['hits_from_tokens']} tokens (goal: from {HIT_GOAL_FROM}: "
+              f"{'met' if s['hit_goal_met'] else 'not met'})")
+        for n, c in s.get("prefix", {}).items():
+            print(f"  prefix {int(n):>6}: hit {c['hit_tokens_median']:>8.0f} ({c['hit_share']:.0%}), "
+                  f"TTFT cold {c['cold_ttft_ms']} ms, warm {c['warm_ttft_ms']} ms")
+        if "itl" in s:
+            i = s["itl"]
+            print(f"  ITL p50 {i['idle_p50_ms']} ms, p99 idle {i['idle_p99_ms']} ms, under a {PREFILL}-token prefill "
+                  f"{i['busy_p99_ms']} ms ({i['p99_ratio']}x; goal <= {ITL_GOAL}x for shared)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("run")
+    p.add_argument("dir", help="bench_recipe.py prepare's directory")
+    p.add_argument("--out", required=True)
+    p.add_argument("--logs")
+    p.add_argument("--configs", default="stock,default,shared")
+    p.add_argument("--prefixes", default=",".join(map(str, PREFIXES)))
+    p.add_argument("--prefill", type=int, default=PREFILL)
+    p.add_argument("--itl-tokens", type=int, default=ITL_TOKENS)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--port", type=int, default=18750)
+    p.add_argument("--boot-timeout", type=float, default=900)
+    p.set_defaults(func=run)
+    p = sub.add_parser("report")
+    p.add_argument("files", nargs="+")
+    p.add_argument("--json")
+    p.set_defaults(func=report_cmd)
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Load through the pd router vs straight to the decode server, in one run (issue 34).
+
+C clients, each sending R streaming completions one after another, each on a new connection (as
+the audit's run: 200 x 5 reset 49 of 1,000 connections on the old router). The servers are the
+faithful fakes of vLLM's prefill and decode servers (tests/fakes/pd.py: real HTTP, SSE, ~10 ms per
+token) in their own process; the router is `python -m flash_vllm.pdrouter` in its own, with an API
+key, as deployed. "direct" sends the decode server the request it gets from the router (the
+client's body plus complete kv_transfer_params), so both sides do the same decode work; the
+router adds the prefill leg and the relay. Latency is to the last byte of the stream; an error is
+a refused/reset connection, a timeout, a status other than 200 or a stream without `[DONE]`.
+
+Prints one table (p50/p90/p99/max per side and the router/direct ratios) and, with --json PATH,
+writes every latency. Target: 0 errors, router p99 <= 1.1 x direct p99. Exit 1 on any error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "sk-bench-0123456789"
+WORDS = 10
+
+
+def serve_fakes() -> None:
+    """--fakes: the prefill and decode fakes in this process until stdin closes."""
+    from tests.fakes.pd import FakeServer  # run from the repository root (python3 -m lab.bench_pd_router)
+
+    p = FakeServer("prefill", KEY).start()
+    d = FakeServer("decode", KEY).start()  # no peer: direct requests carry complete params of their own
+    print(json.dumps({"prefill": p.url, "decode": d.url}), flush=True)
+    sys.stdin.read()
+
+
+def direct_params() -> dict:
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3]],
+            "remote_engine_id": "bench", "remote_request_id": "cmpl-bench-0", "remote_host": "10.0.0.1",
+            "remote_port": 5600, "tp_size": 1}
+
+
+async def load(url: str, body: dict, clients: int, rounds: int, timeout: float) -> dict:
+    import aiohttp
+
+    lat: list[float] = []
+    errors: dict[str, int] = {}
+    samples: list[str] = []  # the first few error answers, for the record
+    data = json.dumps(body).encode()
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    conn = aiohttp.TCPConnector(limit=0, force_close=True)  # a new connection per request
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        start = asyncio.Event()
+
+        async def client() -> None:
+            await start.wait()
+            for _ in range(rounds):
+                t = time.perf_counter()
+                try:
+                    async with session.post(url + "/v1/completions", data=data, headers=headers) as resp:
+                        text = await resp.read()
+                    if resp.status != 200:
+                        why = f"HTTP {resp.status}"
+                        if len(samples) < 5:
+                            samples.append(text[:300].decode("utf-8", "replace"))
+                    elif b"data: [DONE]" not in text:
+                        why = "stream without [DONE]"
+                    else:
+                        lat.append(time.perf_counter() - t)
+                        continue
+                except Exception as exc:  # noqa: BLE001 - every failure is counted by kind
+                    why = type(exc).__name__
+                errors[why] = errors.get(why, 0) + 1
+
+        tasks = [asyncio.create_task(client()) for _ in range(clients)]
+        t0 = time.perf_counter()
+        start.set()
+        await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+    return {"latencies": lat, "errors": sum(errors.values()), "error_kinds": errors, "error_samples": samples, "wall_s": wall,
+            "requests": clients * rounds}
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measured(pids: dict, run) -> dict:
+    before = {k: cpu_s(v) for k, v in pids.items()}
+    own = time.process_time()
+    out = run()
+    out["cpu_s"] = {**{k: round(cpu_s(v) - before[k], 3) for k, v in pids.items()},
+                    "client": round(time.process_time() - own, 3)}
+    return out
+
+
+def quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+def summary(r: dict) -> dict:
+    lat = r["latencies"]
+    return {"requests": r["requests"], "errors": r["errors"], "error_kinds": r["error_kinds"],
+            "error_samples": r["error_samples"], "cpu_s": r["cpu_s"],
+            "wall_s": round(r["wall_s"], 3), "p50": quantile(lat, 0.5), "p90": quantile(lat, 0.9),
+            "p99": quantile(lat, 0.99), "max": max(lat) if lat else float("nan"),
+            "mean": statistics.fmean(lat) if lat else float("nan")}
+
+
+def start_router(fakes: dict, log: Path) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "VLLM_API_KEY": KEY}
+    proc = subprocess.Popen([sys.executable, "-m", "flash_vllm.pdrouter", "--host", "127.0.0.1", "--port", "0",
+                             "--prefill", fakes["prefill"], "--decode", fakes["decode"]],
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"), env=env, cwd=ROOT)
+    deadline = time.monotonic() + 30
+    while not (m := re.search(r"listening on (\S+):(\d+);", log.read_text())):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"the router did not start: {log.read_text()}")
+        time.sleep(0.05)
+    return proc, f"http://{m.group(1)}:{m.group(2)}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--clients", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per request before it is an error")
+    ap.add_argument("--json", metavar="PATH", help="write the summary and every latency here")
+    ap.add_argument("--fakes", action="store_true", help=argparse.SUPPRESS)
+    ns = ap.parse_args()
+    if ns.fakes:
+        serve_fakes()
+        return 0
+    import tempfile
+
+    fk = subprocess.Popen([sys.executable, "-m", "lab.bench_pd_router", "--fakes"], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    fakes = json.loads(fk.stdout.readline())
+    log = Path(tempfile.mkdtemp(prefix="bench-pd-")) / "router.log"
+    router, url = start_router(fakes, log)
+    client = {"model": "m", "prompt": "hi", "max_tokens": WORDS, "stream": True}
+    try:
+        # warm both paths (connection pools, first imports) outside the measurement
+        asyncio.run(load(url, client, 10, 2, ns.timeout))
+        asyncio.run(load(fakes["decode"], {**client, "kv_transfer_params": direct_params()}, 10, 2, ns.timeout))
+        pids = {"router": router.pid, "fakes": fk.pid}
+        raw = {"direct": measured(pids, lambda: asyncio.run(load(
+                   fakes["decode"], {**client, "kv_transfer_params": direct_params()}, ns.clients, ns.rounds,
+                   ns.timeout))),
+               "router": measured(pids, lambda: asyncio.run(load(url, client, ns.clients, ns.rounds, ns.timeout)))}
+    finally:
+        router.terminate()
+        router.wait(30)
+        fk.stdin.close()
+        fk.wait(30)
+    out = {k: summary(v) for k, v in raw.items()}
+    out["ratio_p50"] = out["router"]["p50"] / out["direct"]["p50"]
+    out["ratio_p99"] = out["router"]["p99"] / out["direct"]["p99"]
+    out["setup"] = {"clients": ns.clients, "rounds": ns.rounds, "tokens_per_stream": WORDS,
+                    "cores": os.cpu_count(), "loadavg_before": os.getloadavg()[0], "machine": platform.machine(), "python": platform.python_version(),
+                    "command": " ".join(["python3 -m lab.bench_pd_router", *sys.argv[1:]])}
+    print(f"{'':8} {'requests':>8} {'errors':>6} {'p50 s':>8} {'p90 s':>8} {'p99 s':>8} {'max s':>8} {'wall s':>7}")
+    for k in ("direct", "router"):
+        s = out[k]
+        print(f"{k:8} {s['requests']:>8} {s['errors']:>6} {s['p50']:>8.3f} {s['p90']:>8.3f} {s['p99']:>8.3f} "
+              f"{s['max']:>8.3f} {s['wall_s']:>7.2f}" + (f"  {s['error_kinds']}" if s["errors"] else ""))
+        print(f"{'':8} CPU seconds: {s['cpu_s']}")
+        for sample in s["error_samples"]:
+            print(f"    {sample}")
+    print(f"router/direct: p50 {out['ratio_p50']:.3f}x, p99 {out['ratio_p99']:.3f}x (target p99 <= 1.1x, 0 errors)")
+    if ns.json:
+        Path(ns.json).write_text(json.dumps({**out, "latencies": {k: v["latencies"] for k, v in raw.items()}}) + "\n")
+    return 1 if out["router"]["errors"] or out["direct"]["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,493 @@
+#!/usr/bin/env python3
+"""The recipe as shipped against stock vLLM and NVIDIA's settings, at the full 48-layer real shape
+with NVFP4 experts (issue 33): decode tok/s per stream, in blocks of whole servers.
+
+Every flash server's argv and environment are the RunSpec `flash serve PROFILE K=V…` renders
+(src/flash_cli/spec.py, the same call the gpu-e2e fleet makes), with only these substitutions,
+each one recorded in the `booted` row (`deviations`):
+
+- the model path: the bench's own directory (`prepare`), `model-hybrid/` for MODE=hybrid (the
+  config `flash prepare hybrid` writes: side layers FP8_PB_WO), `model/` otherwise;
+- `--load-format dummy` (random weights: no 125 GB download), `--host 127.0.0.1`, `--port`;
+- `--gdn-prefill-backend triton` and `VLLM_USE_FLASHINFER_SAMPLER=0` (the device machine is offline:
+  no FlashInfer cubins; the first touches prefill only, the second sampling, which greedy skips);
+- `VLLM_PLE_MMAP_DIR` at the bench's table (patch 1 reads it instead of the model directory).
+
+The reference servers:
+- `stock`: the `published` profile's argv (checkpoint as published) with our plugin not loaded at
+  all (`VLLM_PLUGINS=""`: no patch runs) and the PLE table on the GPU (`--engram-config
+  {"cpu_offload":false}`): what a user gets from vLLM 0.33 with the recipe's serving flags;
+- `nvidia`: NVIDIA's official one-Spark recipe (NVIDIA/local-ai-inference-recipes,
+  models/qwen/qwen3.8-flash-next/dgx-spark/linux/vllm/nvfp4/recipe.yaml) on stock vLLM 0.33: the
+  `nvidia` profile (profiles/nvidia.env: every flag and variable that our base takes) rendered
+  as `stock` renders `published`; what only the B12x image has is named there (NVIDIA_DROPPED);
+- `nvidia-flash`: the same profile as a flash server (our plugin, the table read from disk).
+
+Two of these servers do not fit one H200 at once (the body is ~70 GiB), so whole servers
+alternate in blocks: boot, an untimed warm-up at every cell, REPEATS rounds over the cells, stop;
+configs in the order given, cycled until the deadline. A pair is one config's and stock's
+measurement of the same cell, round and cycle (adjacent blocks, the same prompts).
+
+  prepare DIR [--ple-rows N]   the 48-layer model dirs and the PLE table (bench_decode's writer)
+  plan DIR [--configs …]       the servers as they would start, JSON
+  run DIR --out RAW.jsonl …    the blocks (needs vLLM and a GPU)
+  report RAW.jsonl… --out PNG [--json J]   pairs vs stock and vs nvidia, 95% intervals, a plot
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from lab.decode import client, model, schedule, stats  # the shape, the writer, the client
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LAYERS = model.LAYERS
+SHORT_PROMPT = 64
+# past the QSA budget (indexer_budget 2,048 tokens = 512 blocks of 4): patch 8's top-k runs its
+# selection only there, so the ablation without it means something only at this length
+LONG_PROMPT = 6144
+
+# name -> how it is rendered. kind: recipe (flash's RunSpec), stock (a profile's RunSpec without our
+# plugin, table on the GPU: `published` = stock vLLM with the recipe's serving flags, `nvidia` =
+# NVIDIA's one-Spark recipe on stock vLLM)
+CONFIGS: dict[str, dict] = {
+    "stock": {"kind": "stock", "profile": "published", "words": []},
+    "default": {"kind": "recipe", "profile": "default", "words": []},
+    "default-mtp4": {"kind": "recipe", "profile": "default", "words": ["MTP=4"]},
+    "speed": {"kind": "recipe", "profile": "speed", "words": []},
+    "shared": {"kind": "recipe", "profile": "shared", "words": []},  # long prefills chunked (bench_latency)
+    "nvidia": {"kind": "stock", "profile": "nvidia", "words": []},
+    "nvidia-flash": {"kind": "recipe", "profile": "nvidia", "words": []},
+    "default-no10": {"kind": "recipe", "profile": "default", "words": ["DRAFT_VOCAB=0"]},
+    "default-no8": {"kind": "recipe", "profile": "default", "words": ["DET_TOPK=0"]},
+}
+
+# NVIDIA's one-Spark recipe is profiles/nvidia.env (its settings on our base): `nvidia` renders it
+# as stock renders `published` (no plugin, table on the GPU), `nvidia-flash` as a flash server. What
+# only the B12x image has is named there, one `# b12x: ITEM: why` line each (NVIDIA_DROPPED).
+NVIDIA_PROFILE = ROOT / "profiles" / "nvidia.env"
+_B12X = re.compile(r"^#\s*b12x:\s*(?P<item>.+?):\s+(?P<why>.+)$")
+
+
+def nvidia_dropped(path: Path = NVIDIA_PROFILE) -> dict[str, str]:
+    """{recipe item: why it is left out} from the profile's `# b12x:` lines."""
+    out = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        m = _B12X.match(line.strip())
+        if m:
+            out[m.group("item")] = m.group("why")
+    if not out:
+        raise SystemExit(f"{path}: no '# b12x: ITEM: why' lines (what NVIDIA's recipe has that our base does not)")
+    return out
+
+
+NVIDIA_DROPPED = nvidia_dropped()
+OFFLINE_ARGS = ["--gdn-prefill-backend", "triton"]
+OFFLINE_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1"}
+
+
+def _opt(argv: list[str], flag: str, value: str) -> list[str]:
+    """argv with `flag`'s value replaced (or the pair appended when absent)."""
+    out = list(argv)
+    if flag in out:
+        out[out.index(flag) + 1] = value
+    else:
+        out += [flag, value]
+    return out
+
+
+def _spec(profile: str, words: list[str]):
+    from flash_cli import recipe
+    from flash_cli.commands import serve
+
+    r = recipe.load([profile, *words], env={})
+    return r, serve.plan(r, "<SNAPSHOT>")
+
+
+def render(name: str, d: Path, port: int, python: str = "python3") -> dict:
+    """One server as a plain process: {argv, env, deviations, settings}."""
+    c = CONFIGS[name]
+    ple = {"VLLM_PLE_MMAP_DIR": str(d / "ple")}
+    vllm = [python, "-m", "vllm.entrypoints.cli.main", "serve"]
+    r, spec = _spec(c["profile"], c["words"])
+    cmd = list(spec.command)
+    if cmd[:2] != ["vllm", "serve"]:
+        raise ValueError(f"{name}: the RunSpec's command starts {cmd[:2]}, not vllm serve")
+    mdir = d / ("model-hybrid" if r.settings["MODE"] == "hybrid" else "model")
+    args = cmd[3:]
+    for flag, value in (("--load-format", "dummy"), ("--host", "127.0.0.1"), ("--port", str(port)),
+                        ("--served-model-name", "bench")):
+        args = _opt(args, flag, value)
+    env = {k: v for k, v in spec.env.items() if k != "HF_HOME"} | OFFLINE_ENV | ple
+    devs = [f"model {mdir.name}/ (MODE={r.settings['MODE']}), --load-format dummy, --host/--port, --served-model-name bench",
+            "--gdn-prefill-backend triton, VLLM_USE_FLASHINFER_SAMPLER=0: offline (no FlashInfer cubins)"]
+    if c["kind"] == "stock":
+        argv = [*vllm, str(mdir), *args, "--engram-config", '{"cpu_offload":false}', *OFFLINE_ARGS]
+        env["VLLM_PLUGINS"] = ""
+        devs += ["VLLM_PLUGINS='': flash's plugin not loaded (no patch)",
+                 "--engram-config {\"cpu_offload\":false}: the table on the GPU"]
+        if c["profile"] == "nvidia":
+            devs += [f"dropped {w}: {why}" for w, why in NVIDIA_DROPPED.items()]
+            devs.append("checkpoint: the published nvidia layout (the recipe's local-inference-lab QAD export is not here)")
+    else:
+        argv = [python, "-m", "flash_vllm.launch", *vllm, str(mdir), *args, *OFFLINE_ARGS]
+        devs.append(f"VLLM_PLE_MMAP_DIR={ple['VLLM_PLE_MMAP_DIR']}: the bench's table")
+    return {"name": name, "argv": argv, "env": env, "deviations": devs,
+            "settings": {k: str(r.settings[k]) for k in ("MODE", "MTP", "CTX", "GPU_MEM", "KV_DTYPE", "DET_TOPK",
+                                                          "DRAFT_VOCAB", "PLE_MODE")}}
+
+
+# --- prepare ---------------------------------------------------------------------------------------
+
+def side_modules(layers: int) -> list[str]:
+    """The side-layer linears `flash prepare hybrid` converts (checkpoint.layout.SIDE_LAYER)."""
+    out = []
+    for i in range(layers):
+        p = f"{model.P}layers.{i}."
+        if model.is_qsa(i):
+            out += [p + f"self_attn.{m}" for m in ("q_proj", "k_proj", "v_proj", "o_proj", "indexer.index_qk_proj")]
+        else:
+            out += [p + f"linear_attn.{m}" for m in ("in_proj_qkv", "in_proj_z", "out_proj")]
+        out += [p + f"mlp.shared_expert.{m}" for m in ("gate_proj", "up_proj", "down_proj")]
+    return out
+
+
+def write_hybrid(d: Path, layers: int) -> dict:
+    """model-hybrid/: model/'s files, the configs edited as `flash prepare hybrid` edits them."""
+    from flash_cli.checkpoint import layout, quantcfg
+
+    src, dst = d / "model", d / "model-hybrid"
+    modules = side_modules(layers)
+    bad = [m for m in modules if not layout.SIDE_LAYER.fullmatch(m + ".weight")]
+    if bad:
+        raise SystemExit(f"not side layers by flash's own rule: {bad[:3]}")
+    cfg = json.loads((src / "config.json").read_text())
+    hq = json.loads((src / "hf_quant_config.json").read_text())
+    summary = quantcfg.edit(cfg, hq, modules, [f"{model.P}layers.{i}.mlp.experts" for i in range(layers)])
+    problems = quantcfg.problems(cfg, hq, modules)
+    if problems:
+        raise SystemExit(f"the hybrid config fails flash's own gate: {problems[:3]}")
+    dst.mkdir(exist_ok=True)
+    for f in src.iterdir():
+        target = dst / f.name
+        if f.name in ("config.json", "hf_quant_config.json") or target.exists():
+            continue
+        target.symlink_to(f.resolve())
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    (dst / "hf_quant_config.json").write_text(json.dumps(hq, indent=1))
+    return summary
+
+
+def prepare(args) -> int:
+    d = Path(args.dir)
+    d.mkdir(parents=True, exist_ok=True)  # bench_decode's disk check reads the parent
+    rc = model.prepare(argparse.Namespace(dir=str(d), quant="nvfp4", ple_rows=args.ple_rows, layers=LAYERS))
+    if rc:
+        return rc
+    summary = write_hybrid(d, LAYERS)
+    print(json.dumps({"hybrid": summary | {"excludes_dropped": len(summary["excludes_dropped"])}}))
+    return 0
+
+
+def plan_cmd(args) -> int:
+    d = Path(args.dir).resolve()
+    print(json.dumps([render(c, d, args.port + i, args.python) for i, c in enumerate(_configs(args.configs))], indent=1))
+    return 0
+
+
+# --- run -------------------------------------------------------------------------------------------
+
+def _configs(text: str) -> list[str]:
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in names if c not in CONFIGS]
+    if bad or not names or len(set(names)) < len(names):
+        raise SystemExit(f"--configs {text!r}: give a comma-separated subset of {', '.join(CONFIGS)}, each once")
+    return names
+
+
+def cells(levels: list[int], long_levels: list[int], long_prompt: int) -> list[tuple[int, int]]:
+    """(concurrency, prompt tokens) measured in every round, short prompts first."""
+    return [(c, SHORT_PROMPT) for c in levels] + [(c, long_prompt) for c in long_levels]
+
+
+def _gpu_mib() -> int | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout
+        return int(out.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
+def _log_facts(log: Path) -> dict:
+    """What the boot log says about the kernels that ran and the KV pool (as printed)."""
+    facts: dict = {}
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return facts
+    keys = ("MoE backend", "moe backend", "Using ", "KV cache", "maximum concurrency", "flash_vllm", "applied [")
+    lines = [ln.strip()[-300:] for ln in text.splitlines() if any(k in ln for k in keys)]
+    facts["log_lines"] = lines[:40]
+    return facts
+
+
+class Server:
+    def __init__(self, spec: dict, log: Path):
+        self.spec, self.log = spec, log
+        self.port = int(spec["argv"][spec["argv"].index("--port") + 1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        fh = open(self.log, "a")  # noqa: SIM115 - the child owns it
+        self.proc = subprocess.Popen(self.spec["argv"], env={**os.environ, **self.spec["env"]}, stdout=fh,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, timeout: float) -> str | None:
+        """None once /health answers 200; else why not (exited, timed out)."""
+        import requests
+
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                return f"exited {self.proc.returncode}"
+            try:
+                if requests.get(self.url + "/health", timeout=3).status_code == 200:
+                    return None
+            except requests.RequestException:
+                pass
+            time.sleep(2)
+        return f"no /health after {timeout:.0f} s"
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+
+
+def run(args) -> int:
+    d = Path(args.dir).resolve()
+    meta = json.loads((d / "meta.json").read_text())
+    configs = _configs(args.configs)
+    grid = cells(client.parse_levels(args.levels), client.parse_levels(args.long_levels) if args.long_levels else [], args.long_prompt)
+    sink = client.jsonl_sink(args.out)
+    logs = Path(args.logs or Path(args.out).parent)
+    logs.mkdir(parents=True, exist_ok=True)
+    base = {"layers": meta.get("layers", LAYERS), "quant": meta.get("quant"), "ple_rows": meta.get("ple_rows"),
+            "commit": schedule.tree_measured(), "design": "blocks"}
+    t0 = time.monotonic()
+    deadline = t0 + args.deadline
+    boot_s: dict[str, float] = {}
+    block_s: list[float] = []
+
+    def left() -> float:
+        return deadline - time.monotonic()
+
+    def emit(row: dict) -> None:
+        sink(row)
+        print(json.dumps(row)[:600], flush=True)
+
+    cycle = 0
+    while left() > 0 and (not args.cycles or cycle < args.cycles):
+        ran = 0
+        for name in configs:
+            need = boot_s.get(name, args.boot_guess) + (max(block_s) if block_s else args.block_guess)
+            if left() < need:
+                emit({"event": "skipped", "label": name, "cycle": cycle, "left_s": round(left()), "need_s": round(need), **base})
+                continue
+            spec = render(name, d, args.port, sys.executable)
+            srv = Server(spec, logs / f"{name}-c{cycle}.log")
+            b0 = time.monotonic()
+            srv.start()
+            try:
+                why = srv.wait(min(args.boot_timeout, left()))
+                if why:
+                    tail = srv.log.read_text(errors="replace")[-2000:]
+                    emit({"event": "boot_failed", "label": name, "cycle": cycle, "why": why, "tail": tail, **base})
+                    continue
+                boot_s[name] = time.monotonic() - b0
+                emit({"event": "booted", "label": name, "cycle": cycle, "boot_s": round(boot_s[name], 1),
+                      "gpu_mib": _gpu_mib(), "argv": spec["argv"], "env": spec["env"],
+                      "deviations": spec["deviations"], "settings": spec["settings"], **_log_facts(srv.log), **base})
+                k0 = time.monotonic()
+                settle = client.PLE_SETTLE_S if CONFIGS[name]["kind"] == "recipe" else 0.0
+                extra = {**base, "cycle": cycle}
+                for conc, plen in grid:  # the first batch of each shape pays one-time costs: untimed
+                    client.warm(srv.url, name, conc, args.warmup_tokens, sink, extra | {"prompt_tokens": plen}, settle, plen)
+                # each config sees the same prompts in the same order within a cycle
+                rng = random.Random(1000 + cycle)
+                for rep in range(args.repeats):
+                    turn = rep % len(grid)
+                    for conc, plen in grid[turn:] + grid[:turn]:
+                        if left() < 5:
+                            break
+                        client.measure_one(srv.url, name, conc, args.tokens, cycle * args.repeats + rep, rng, sink,
+                                       extra | {"prompt_tokens": plen, "round": rep}, settle, plen)
+                block_s.append(time.monotonic() - k0)
+                ran += 1
+            finally:
+                srv.stop()
+        if not ran:
+            break
+        cycle += 1
+    emit({"event": "end", "at_s": round(time.monotonic() - t0, 1), "cycles": cycle, "boot_s": boot_s, **base})
+    return 0
+
+
+# --- report ----------------------------------------------------------------------------------------
+
+GOAL, FLOOR = 1.00, 0.95  # issue 33: the recipe >= 1.00x stock, the interval's lower end >= 0.95
+
+
+def _cell(r: dict) -> str:
+    return f"c={r['concurrency']} p={r.get('prompt_tokens', SHORT_PROMPT)}"
+
+
+def pairs(rows: list[dict], ref: str) -> dict:
+    """{label: {cell: [ratio, ...]}}: per-stream tok/s over `ref`'s at the same cell and repeat
+    (repeat = cycle x REPEATS + round: the adjacent blocks of one cycle) and file."""
+    tok = {(r["label"], _cell(r), r["repeat"], r.get("run", 0)): r["per_stream_tok_s"]
+           for r in rows if r.get("per_stream_tok_s") and "repeat" in r}
+    out: dict = {}
+    for (label, cell, rep, run), v in tok.items():
+        other = tok.get((ref, cell, rep, run))
+        if label != ref and other:
+            out.setdefault(label, {}).setdefault(cell, []).append(v / other)
+    return out
+
+
+def verdict(ratios: list[float], resamples: int = 20_000, seed: int = 0) -> dict:
+    """Geometric mean, 95% bootstrap interval; met: mean >= GOAL and lower end >= FLOOR; missed:
+    the upper end under GOAL; else open."""
+    import numpy as np
+
+    logs = np.log(np.asarray(ratios))
+    g = math.exp(float(logs.mean()))
+    row = {"pairs": len(ratios), "geomean": round(g, 3)}
+    if len(ratios) < 2:
+        return row | {"verdict": "open", "why": "one pair: no interval"}
+    lo, hi = (math.exp(q) for q in np.quantile(stats.boot_means(logs, resamples, seed), [0.025, 0.975]))
+    row["ci95"] = [round(lo, 3), round(hi, 3)]
+    row["verdict"] = "met" if g >= GOAL and lo >= FLOOR else "missed" if hi < GOAL else "open"
+    return row
+
+
+def report(rows: list[dict]) -> dict:
+    out: dict = {"goal": f"geomean >= {GOAL} and 95% lower end >= {FLOOR}"}
+    for ref in ("stock", "nvidia"):
+        table = {}
+        for label, by in sorted(pairs(rows, ref).items()):
+            if ref == "nvidia" and label == "stock":
+                continue
+            allr = [x for v in by.values() for x in v]
+            table[label] = {"pooled": verdict(allr)} | {cell: verdict(v) for cell, v in sorted(by.items())}
+        out[f"vs_{ref}"] = table
+    med: dict = {}
+    for r in rows:
+        if r.get("per_stream_tok_s"):
+            med.setdefault(r["label"], {}).setdefault(_cell(r), []).append(r["per_stream_tok_s"])
+    out["per_stream_tok_s_median"] = {lab: {c: round(statistics.median(v), 1) for c, v in sorted(by.items())}
+                                      for lab, by in med.items()}
+    out["boots"] = [{k: r.get(k) for k in ("label", "cycle", "boot_s", "gpu_mib")} for r in rows if r.get("event") == "booted"]
+    return out
+
+
+def report_cmd(args) -> int:
+    rows = [json.loads(line) | {"run": i} for i, f in enumerate(args.files) for line in open(f) if line.strip()]
+    rep = report(rows)
+    print(json.dumps(rep, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rep, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    med = rep["per_stream_tok_s_median"]
+    labels = [c for c in CONFIGS if c in med]
+    cellnames = sorted({c for by in med.values() for c in by},
+                       key=lambda c: (int(c.split("p=")[1]), int(c.split()[0][2:])))
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    width = 0.8 / max(1, len(labels))
+    for i, lab in enumerate(labels):
+        xs = [j + i * width for j in range(len(cellnames))]
+        ys = [med[lab].get(c, 0) for c in cellnames]
+        bars = ax.bar(xs, ys, width, label=lab)
+        vs = rep["vs_stock"].get(lab, {})
+        for b, c in zip(bars, cellnames):
+            if c in vs:
+                ax.annotate(f"{vs[c]['geomean']:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
+                            ha="center", va="bottom", fontsize=6)
+    ax.set_xticks([j + width * (len(labels) - 1) / 2 for j in range(len(cellnames))])
+    ax.set_xticklabels(cellnames, fontsize=8)
+    ax.set_ylabel("decode tok/s per stream (median)")
+    ax.set_title("48 layers, NVFP4 experts, dummy weights, H200: ratios vs stock (paired geomean)")
+    ax.legend(fontsize=8, ncol=len(labels))
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=120)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("dir")
+    p.add_argument("--ple-rows", default="32000000", help="'full' (320,001,536 rows, 47.68 GiB) or a row count")
+    p.set_defaults(func=prepare)
+    p = sub.add_parser("configs", help="the servers --configs accepts; with a list, check it (exit 2 naming the bad one)")
+    p.add_argument("list", nargs="?")
+    p.set_defaults(func=lambda a: print(",".join(_configs(a.list) if a.list else CONFIGS)) or 0)
+    p = sub.add_parser("plan")
+    p.add_argument("dir")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--port", type=int, default=18700)
+    p.add_argument("--python", default="python3")
+    p.set_defaults(func=plan_cmd)
+    p = sub.add_parser("run")
+    p.add_argument("dir")
+    p.add_argument("--configs", default="stock,default,nvidia")
+    p.add_argument("--out", required=True)
+    p.add_argument("--logs")
+    p.add_argument("--port", type=int, default=18700)
+    p.add_argument("--levels", default="1,4,8,16")
+    p.add_argument("--long-levels", default="1,4", help="concurrencies measured with --long-prompt ('' for none)")
+    p.add_argument("--long-prompt", type=int, default=LONG_PROMPT)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=2, help="rounds over the cells per block")
+    p.add_argument("--warmup-tokens", type=int, default=32)
+    p.add_argument("--boot-timeout", type=float, default=900)
+    p.add_argument("--boot-guess", type=float, default=300, help="s a first boot is assumed to take")
+    p.add_argument("--block-guess", type=float, default=120, help="s a block is assumed to take before one ran")
+    p.add_argument("--deadline", type=float, default=1500)
+    p.add_argument("--cycles", type=int, default=0, help="stop after this many cycles (0: cycle until the deadline)")
+    p.set_defaults(func=run)
+    p = sub.add_parser("report")
+    p.add_argument("files", nargs="+")
+    p.add_argument("--out", required=True)
+    p.add_argument("--json")
+    p.set_defaults(func=report_cmd)
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
