@@ -1288,8 +1288,8 @@ def boot(ns: argparse.Namespace, env: dict) -> None:
             sys.exit(int(die))
     log("INFO", "default_loader.py:268", f"Loading weights took {seconds / 3:.2f} seconds")
     if env.get("VLLM_PLE_MMAP") == "1":
-        # the real line's shape (H200 run40; patch 1's guard.py, named _ple_guard.py then), which the gpu-e2e fleet's ple_memory reads
-        log("INFO", "guard.py:55", "flash_vllm patch 1: PLE mmap: 128 shards, 320001536 rows x 160 B (47.68 GiB on "
+        # the real line's shape (H200 run40, _ple_guard.py), which the gpu-e2e fleet's ple_memory reads
+        log("INFO", "_ple_guard.py:55", "flash_vllm patch 1: PLE mmap: 128 shards, 320001536 rows x 160 B (47.68 GiB on "
             "disk), dtype F8_E4M3, scale 0.0001, io uring, madvise %s" % env.get("VLLM_PLE_MMAP_MADVISE", "random"))
     kv = int(env.get("STANDIN_KV_TOKENS", "1234567"))
     log("INFO", "kv_cache_utils.py:1087", f"GPU KV cache size: {kv:,} tokens")
