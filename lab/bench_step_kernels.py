@@ -272,7 +272,7 @@ def stock_head(torch, weight, vocab: int, device: str):
 def draft_ids(plan: Plan):
     import numpy as np
 
-    from flash_vllm.patches import draft_vocab
+    from flash_vllm.patches import p10_mtp_draft_vocab as draft_vocab
 
     if (plan.vocab, plan.n_ids) != (VOCAB, DRAFT_IDS):  # smoke shapes: a seeded random id set
         rng = np.random.default_rng(10)
@@ -310,7 +310,7 @@ def check_reduced(torch, full, reduced, ids) -> dict:
 
 
 def bench_draft_head(torch, sink: Sink, plan: Plan) -> None:
-    from flash_vllm.patches import draft_vocab
+    from flash_vllm.patches import p10_mtp_draft_vocab as draft_vocab
 
     ids_np, source = draft_ids(plan)
     gen = torch.Generator(device=plan.device).manual_seed(0)
@@ -411,7 +411,7 @@ def _rows_as_sets(block_indices) -> list[list[int]]:
 
 
 def bench_qsa_topk(torch, sink: Sink, plan: Plan) -> None:
-    from flash_vllm.patches import _qsa_topk
+    from flash_vllm.patches.p05_qsa_exact_topk import hook as _qsa_topk
 
     if plan.device == "cuda":
         import vllm._custom_ops  # noqa: F401  loads vllm._C, which registers torch.ops._C.*
@@ -485,7 +485,7 @@ def bench_qsa_topk(torch, sink: Sink, plan: Plan) -> None:
 
 def serial_repair(stock: Callable) -> Callable:
     """`stock`, then the repair as run43 timed it (one program per row): the before of the sliced one."""
-    from flash_vllm.patches import _qsa_radix
+    from flash_vllm.patches.p08_qsa_det_topk import radix as _qsa_radix
 
     def fn(logits, visible_blocks, token_topk, compress_ratio, block_indices, topk_workspace):
         stock(logits, visible_blocks, token_topk, compress_ratio, block_indices, topk_workspace)

@@ -158,7 +158,7 @@ def main() -> int:
 
     stub_vllm()
     from tests.vllm.release import qsa_ref as ref
-    from flash_vllm.patches.qsa_fp8_kv import fp8_ops
+    from flash_vllm.patches.p07_qsa_fp8_kv import fp8_ops
 
     o29, o30, o31 = load(args.ops029, "ops029"), load(args.ops030, "ops030"), load(args.ops031, "ops031")
     o31._is_sm90 = lambda: False       # same tile table as 0.29/0.30 (and 0.31 on sm_121)

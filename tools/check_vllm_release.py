@@ -249,7 +249,7 @@ def _qsa_fp8_native(read) -> bool:
 
 
 def _ple_storage(read, names) -> str | None:
-    """Patch 1's targets (ple_mmap.PINNED; ple_mmap_v029.STORAGE and IDS_OP), as names in the modules."""
+    """Patch 1's targets (p01_ple_mmap.PINNED; its v029.STORAGE and IDS_OP), as names in the modules."""
     ngram = read("vllm/models/qwen4_exp/nvidia/ngram_embedding.py") or ""
     if "Qwen4ExpPLEPinnedHostEmbedding" in ngram and "vllm/compilation/breakable_cudagraph.py" in names:
         return "storage"
@@ -271,7 +271,7 @@ PROBES = {
         read("vllm/config/speculative.py") or ""),
     "spec_eagle_block_drop_flag": lambda read, names: "disable_eagle_block_drop:" in (
         read("vllm/config/speculative.py") or ""),
-    # patch 1's hoisted mode hooks the V2 runner's model state (ple_hoist.PREPARE) on the storage flavour
+    # patch 1's hoisted mode hooks the V2 runner's model state (p01_ple_mmap/hoist.py PREPARE) on the storage flavour
     "ple_hoisted": lambda read, names: _ple_storage(read, names) == "storage" and "def prepare_inputs" in (
         read("vllm/models/qwen4_exp/nvidia/model_state.py") or ""),
     # 0.30+ resolve the PLE table's FP8 through ModelOpt's per-layer quant_algo; 0.29 only under Fp8Config
@@ -283,6 +283,11 @@ PROBES = {
     "block_size_prefix_groups": lambda read, names: ((read("vllm/v1/engine/core.py") or "").split(
         "cache_config.block_size = min(", 1) + [""])[1].split()[:1] == ["participating"],
     "overhead_fitted": lambda read, names: False,  # a new release has not been calibrated on hardware
+    # the QSA block top-k that patches 5 and 8 hook (p05_qsa_exact_topk/hook.py's targets)
+    "qsa_topk_site": lambda read, names: (
+        "indexer" if "def _topk(" in (read("vllm/models/qwen4_exp/nvidia/ops/qsa_indexer.py") or "")
+        else "select-paged-tokens" if "def qsa_select_paged_tokens(" in (read("vllm/models/qwen4_exp/nvidia/ops/qsa.py")
+                                                                          or "") else None),
 }
 NOT_FROM_SOURCE = {"overhead_fitted": "not calibrated on this release",
                    "ring_state_bucket": "no source marker: copied from the newest catalogued release"}

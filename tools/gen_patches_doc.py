@@ -16,7 +16,7 @@ from pathlib import Path
 # dry run in tests/unit/test_release_catalogue.py puts one there)
 from flash_common import releases
 from flash_vllm import compile_key
-from flash_vllm.registry import DISABLE_ENV, catalogue, patchset_hash
+from flash_vllm.registry import DISABLE_ENV, catalogue, module_of, patchset_hash
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,8 @@ ARG = re.compile(r"^ARG PATCHSET=\S*$", re.M)
 BASE_ARG = re.compile(r"^ARG BASE_IMAGE=\S*$", re.M)
 LINE_ARG = re.compile(r"^ARG FLASH_VLLM_BASE=\S*$", re.M)
 
-# What adding a vLLM release touches (counted on the dry run of tests/unit/test_release_catalogue.py).
+# What adding a vLLM release touches: tests/unit/test_release_files.py counts it on a copy of the
+# repository and holds the two numbers and the files named below equal to what it counts.
 ADDING = """\
 ## Adding a vLLM release
 
@@ -35,27 +36,33 @@ One catalogue entry, then the patches that really change:
 1. `tools/check_vllm_release.py X.Y.Z --propose` prints the `_release(...)` entry from the release's
    own wheel (torch pin, image, capabilities read from its source); review it and paste it into
    `src/flash_common/releases.py` (move `CURRENT` there too if it becomes the default).
-2. `tools/gen_patches_doc.py && tools/gen_settings_doc.py`: this page, the Dockerfiles' stamps and the
-   settings reference follow (patches declare ranges, so an open range takes the new release in;
-   a patch whose ranges leave it unclassified stops the registry from loading, naming the patch).
-3. `tools/check_vllm_release.py X.Y.Z` (and `tests/run vllm -- -k X.Y.Z`): every patch that applies
-   must still fit; only a patch that breaks needs code.
+2. Run every generator: `for g in tools/gen_*.py; do python3 "$g"; done`. This page, the
+   Dockerfiles' stamps and the settings reference follow (patches declare ranges, so an open range
+   takes the new release in; a patch whose ranges leave it unclassified stops the registry from
+   loading, naming the patch).
+3. `tests/run vllm`: the tier reads its release list from the catalogue, so it sets up and checks
+   the new release with the others (`tools/check_vllm_release.py X.Y.Z` checks it alone). Every
+   patch that applies must still fit; only a patch that breaks needs code. The release checks ask
+   the catalogue for capabilities, never for release names, so they follow too.
 
-Files a real addition touches: **5** — 1 edited by hand (`src/flash_common/releases.py`) and 4
-regenerated (`docs/PATCHES.md`, `docs/SETTINGS.md`, `Dockerfile`, `Dockerfile.v0.29`: the patch-set
-stamp covers the catalogue), plus the patches that really change (counted by adding a 0.34.0 entry
-to a copy of the tree and running the generators). Making it the current base too (`CURRENT`, still
-in that one file) also regenerates what names the current base: the 7 golden run specs
-(`FLASH_UPDATE_GOLDEN=1`, image tag and base label) and `docs/PLAN.md`'s profile table
-(`tools/gen_plan_doc.py`): 13 files, 1 by hand. Profiles say `# base: current` and follow. Before
-the catalogue it was about 30 files, found by grep.
+Files a real addition touches: **5**: `src/flash_common/releases.py` (by hand) and, regenerated,
+`docs/PATCHES.md`, `docs/SETTINGS.md`, `Dockerfile` and `Dockerfile.v0.29` (the patch-set stamp
+covers the catalogue); plus the patches that really change.
+
+Making it the current base too (`CURRENT`, in the same file) changes what names the current base:
+**22** files: the 5 above, `docs/PLAN.md` (its profile table) and the 16 golden run specs
+(`FLASH_UPDATE_GOLDEN=1`: image tag and base label). Profiles say `# base: current` and follow.
+
+`tests/unit/test_release_files.py` counts both on a copy of the repository (the catalogue entry,
+every generator, the golden tests) and fails when this section names other files or numbers.
+Before the catalogue it was about 30 files, found by grep.
 """
 
 
 def compile_key_section() -> list[str]:
     """The compile-cache key (flash_vllm/compile_key.py): not a numbered patch, always on."""
     traced = "; ".join(f"patch {n}: " + ", ".join(f"`{v}`" for v in names)
-                       for n, (_, names) in sorted(compile_key.TRACED.items()))
+                       for n, names in sorted(compile_key.traced().items()))
     lines = [
         "## The compile-cache key (always on, not a numbered patch)",
         "",
@@ -79,8 +86,9 @@ def compile_key_section() -> list[str]:
         f"- traced knobs: {traced}.",
         "- left out on purpose (a boot that moves them must not recompile):",
     ]
-    lines += [f"  - `{v}`: {cell(why)}" for v, why in sorted(compile_key.NOT_TRACED.items())]
-    lines += ["", "The unit tier fails when a patch reads a variable that is in neither list "
+    lines += [f"  - `{v}`: {cell(why)}" for v, why in sorted(compile_key.untraced().items())]
+    lines += ["", "Each patch declares both on itself (`traced`, with `knobs()`, and `untraced`, with the "
+              "reason); the unit tier fails when a patch's folder reads a variable its Patch declares in neither "
               "(`tests/unit/test_compile_key.py`); `tests/vllm/release/check_compile_key.py` shows on each "
               "release that vLLM's own `aot_compile_hash_factors` cannot tell two patch states apart and "
               "tells them apart with the key."]
@@ -98,8 +106,9 @@ def render() -> str:
         "",
         "<!-- generated by tools/gen_patches_doc.py from src/flash_vllm/registry.py; do not edit -->",
         "",
-        f"Patch set `{patchset_hash()}` (the images' `org.flash.patchset` label). Every patch is a unit in",
-        "`src/flash_vllm/patches/`, applied at runtime by `flash_vllm.register()` (vLLM's",
+        f"Patch set `{patchset_hash()}` (the images' `org.flash.patchset` label). Every patch is a folder",
+        "`src/flash_vllm/patches/pNN_name/` (its `PATCH`, helpers and per-release variants; the registry",
+        "finds the folders), applied at runtime by `flash_vllm.register()` (vLLM's",
         "`vllm.general_plugins` entry point) in every vLLM process; nothing in vLLM is rewritten on disk.",
         "An enabled patch whose target is missing stops the process at boot, naming the patch.",
         f"`{DISABLE_ENV}=4,12` switches patches off by number (an operator's kill switch).",
@@ -121,6 +130,9 @@ def render() -> str:
         lines.append(f"- gate: `{cell(p.gate.doc)}`" + (f" (env `{p.gate.env}`)" if p.gate.env else ""))
         lines.append(f"- upstream: {cell(p.upstream)}")
         lines.append("- targets: " + ", ".join(f"`{t}`" for t in p.targets))
+        lines.append(f"- code: `src/flash_vllm/patches/{p.folder}/`")
+        if p.traced:
+            lines.append("- compile key: traces " + ", ".join(f"`{v}`" for v in p.traced))
         if p.applies_to:
             lines.append("- ships code for: " + ", ".join(b for b in bases if b in p.applies_to))
         if p.upstream_in:
@@ -129,7 +141,7 @@ def render() -> str:
             lines.append(f"- not ported to {b}: {cell(why)}")
         if p.notes:
             lines.append(f"- notes: {cell(p.notes)}")
-        doc = (sys.modules[f"flash_vllm.patches.{_module_of(p)}"].__doc__ or "").strip().splitlines()
+        doc = (module_of(p).__doc__ or "").strip().splitlines()
         body = [ln.rstrip() for ln in doc[1:]]
         while body and not body[0]:
             body.pop(0)
@@ -137,15 +149,6 @@ def render() -> str:
             lines += ["", *body]
     lines += ["", *compile_key_section(), "", ADDING]
     return "\n".join(lines).rstrip() + "\n"
-
-
-def _module_of(patch) -> str:
-    import flash_vllm.registry as r
-
-    for name in r.PATCH_MODULES:
-        if sys.modules[f"flash_vllm.patches.{name}"].PATCH is patch:
-            return name
-    raise KeyError(patch.number)
 
 
 def default_release(dockerfile: str) -> releases.Release:

@@ -120,7 +120,7 @@ def fp8_kv_gap(base: str) -> str | None:
 
 
 CC_FLAGS = ("--compilation-config", "-cc")
-PLE_OP_V029 = "vllm::flash_ple_mmap_lookup"  # patch 1's splitting op where ple_storage=splitting-op (ple_mmap_v029.SPLIT_OP)
+PLE_OP_V029 = "vllm::flash_ple_mmap_lookup"  # patch 1's splitting op where ple_storage=splitting-op (p01_ple_mmap.v029.SPLIT_OP)
 
 
 def compilation_config(argv: list[str]) -> dict:

@@ -56,6 +56,10 @@ CAPS: Mapping[str, tuple[tuple[object, ...], str]] = MappingProxyType({
                                    "0.29's config forbids unknown keys, so the boot would fail"),
     "overhead_fitted": ((True, False),
                         "the planner's runtime-overhead constant was fitted on pools measured on this release"),
+    "qsa_topk_site": (("select-paged-tokens", "indexer", None),
+                      "where QSA picks its blocks, the hook patches 5 and 8 replace: inline in "
+                      "ops/qsa.py's qsa_select_paged_tokens (0.29), or ops/qsa_indexer.py's _topk, whose "
+                      "selection is packed with a trailing count (0.30+); None: not ported"),
 })
 
 
@@ -99,14 +103,15 @@ def _release(version: str, torch: str, **caps: object) -> Release:
 
 _NEWER = dict(dockerfile="Dockerfile", ple_storage="storage", ring_state_bucket=True, overhead_fitted=False,
               spec_tokens_per_batch_size=True, spec_eagle_block_drop_flag=True, ple_hoisted=True,
-              ple_fp8_modelopt=True, block_size_prefix_groups=True)
+              ple_fp8_modelopt=True, block_size_prefix_groups=True, qsa_topk_site="indexer")
 
 # Oldest first. 0.29.0 is the first release with qwen4_exp.
 RELEASES: tuple[Release, ...] = (
     _release("0.29.0", "2.13.0", dockerfile="Dockerfile.v0.29", ple_storage="splitting-op", qsa_fp8_kv="patch",
              reasoning_effort_map=False, mamba_prefill_checkpoints=False, ring_state_bucket=False,
              overhead_fitted=True, spec_tokens_per_batch_size=True, spec_eagle_block_drop_flag=False,
-             ple_hoisted=False, ple_fp8_modelopt=False, block_size_prefix_groups=False),
+             ple_hoisted=False, ple_fp8_modelopt=False, block_size_prefix_groups=False,
+             qsa_topk_site="select-paged-tokens"),
     _release("0.30.0", "2.13.0", **_NEWER, qsa_fp8_kv="patch", reasoning_effort_map=False,
              mamba_prefill_checkpoints=False),
     _release("0.31.0", "2.13.0", **_NEWER, qsa_fp8_kv="native", reasoning_effort_map=False,

@@ -16,14 +16,15 @@ tells patch states apart. The key is the sha256 of `signature()`:
 - `base`: the release line the patches were chosen for;
 - `applied`: the numbers of the patches applied in this process;
 - `knobs`: per applied patch, the env-selected state that changes the code torch.compile traces
-  (`TRACED`), normalised (unset and the default are the same state);
+  (the patch's `traced` variables through its `knobs()`), normalised (unset and the default are
+  the same state);
 - `source`: a hash of the plugin's own source (`flash_vllm/**/*.py`, `flash_common/*.py`), so a
   new flash version never reuses an old artifact.
 
-Everything else is left out on purpose (`NOT_TRACED` says why for each variable the patches
-read): ports, paths, worker counts and I/O tuning do not change the traced code, and hashing
-them would recompile on every boot that moves them. The unit tier fails when a patch reads a
-variable that is in neither table.
+Everything else is left out on purpose (each patch's `untraced` says why for each other variable
+it reads): ports, paths, worker counts and I/O tuning do not change the traced code, and hashing
+them would recompile on every boot that moves them. The unit tier fails when a patch's folder
+reads a variable its Patch declares neither traced nor untraced.
 
 Why a wrap of `compute_hash` and not `additional_config["flash"]` (which `compute_hash` also
 hashes): the wrap acts in the process that compiles, from that process's own applied patches,
@@ -44,7 +45,8 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from .registry import Context, TargetMissing, install as _install, is_ours, resolve
+from .registry import (DISABLE_ENV, UNTRACED_GATE, Context, TargetMissing, catalogue, install as _install,
+                       is_ours, resolve)
 
 log = logging.getLogger("vllm.flash")
 
@@ -53,61 +55,35 @@ MARK = 0  # the registry's replacement mark; 0: not a numbered patch (patches co
 VERSION = 1  # of the signature's layout
 
 
-def _ple(env: Mapping[str, str]) -> dict:
-    from .ple.config import config_from_env
-
-    cfg = config_from_env(env)
-    # mode: eager gathers inside the forward, hoisted before it (0.30+); debug swaps in the
-    # cross-checking forward; hoist_check adds the id comparison to the hoisted forward.
-    return {"mode": cfg.mode, "debug": cfg.debug, "hoist_check": cfg.hoist_check}
+# The registry's kill switch is read by no patch; every other variable is declared on its patch.
+REGISTRY_UNTRACED: dict[str, str] = {DISABLE_ENV: UNTRACED_GATE}
 
 
-def _qsa_topk(env: Mapping[str, str]) -> dict:
-    from .patches._qsa_topk import mode
+def traced() -> dict[int, tuple[str, ...]]:
+    """Patch number -> the variables whose value changes the code torch.compile traces (each
+    patch's `traced`)."""
+    return {p.number: p.traced for p in catalogue() if p.traced}
 
-    return {"topk": mode(env) or "stock"}  # patches 5 and 8 share one hook; the mode picks its body
 
-
-# patch number -> the traced-code state it takes from the env, and the variables that state reads.
-TRACED: dict[int, tuple[Callable[[Mapping[str, str]], dict], tuple[str, ...]]] = {
-    1: (_ple, ("VLLM_PLE_MMAP_MODE", "VLLM_PLE_MMAP_DEBUG", "VLLM_PLE_MMAP_HOIST_CHECK")),
-    5: (_qsa_topk, ("VLLM_QSA_EXACT_TOPK", "VLLM_QSA_DET_TOPK")),
-    8: (_qsa_topk, ("VLLM_QSA_EXACT_TOPK", "VLLM_QSA_DET_TOPK")),
-}
-
-_GATE = "a patch's on/off gate: whether it applies is in `applied`"
-_PLE_ENGINE = ("the PLE engine's {}: the gather runs outside the traced graph (an eager break on "
-               "0.30+, the vllm::flash_ple_mmap_lookup splitting op on 0.29)")
-NOT_TRACED: dict[str, str] = {
-    "FLASH_DISABLE_PATCHES": _GATE,
-    "VLLM_PLE_MMAP": _GATE,
-    "FLASH_EFFORT_ALIAS": _GATE + " (and patch 12 rewrites requests, not the model)",
-    "VLLM_FP8_HYBRID": "informational: patch 6 ships no code (the checkpoint's quant config decides)",
-    "VLLM_MTP_DRAFT_VOCAB": ("patch 10's id set (a path) is read by Qwen4ExpMTP.compute_logits, which vLLM "
-                             "does not compile; whether patch 10 applies is in `applied`"),
-    "VLLM_PLE_MMAP_DIR": _PLE_ENGINE.format("source directory (a path)"),
-    "VLLM_PLE_MMAP_WORKERS": _PLE_ENGINE.format("thread pool size"),
-    "VLLM_PLE_MMAP_PREWARM": _PLE_ENGINE.format("page-cache prewarm"),
-    "VLLM_PLE_MMAP_MADVISE": _PLE_ENGINE.format("madvise advice"),
-    "VLLM_PLE_MMAP_FAST_ROWS": _PLE_ENGINE.format("inline-read threshold"),
-    "VLLM_PLE_MMAP_STATS_SEC": _PLE_ENGINE.format("stats log interval"),
-    "VLLM_PLE_MMAP_PROMETHEUS": _PLE_ENGINE.format("Prometheus export"),
-    "VLLM_PLE_MMAP_RING_DEPTH": _PLE_ENGINE.format("io_uring depth"),
-    "VLLM_PLE_MMAP_CHUNK": _PLE_ENGINE.format("rows per pool task"),
-    "VLLM_PLE_MMAP_IO": _PLE_ENGINE.format("I/O method"),
-    "VLLM_PLE_MMAP_NATIVE": _PLE_ENGINE.format("compiled (numba) gather loops"),
-    "VLLM_PLE_MMAP_DEDUP_MIN": _PLE_ENGINE.format("Stager dedup threshold (its own small CUDA graphs are "
-                                                  "captured by the Stager, not by torch.compile)"),
-}
+def untraced() -> dict[str, str]:
+    """Every other variable the patches read -> why the key leaves it out (each patch's `untraced`,
+    plus the registry's kill switch). Patches sharing a variable give one reason; the first wins."""
+    out = dict(REGISTRY_UNTRACED)
+    for p in catalogue():
+        for name, why in p.untraced.items():
+            out.setdefault(name, why)
+    return out
 
 
 def traced_env() -> frozenset[str]:
     """Every variable some patch's traced-code state reads."""
-    return frozenset(v for _, names in TRACED.values() for v in names)
+    return frozenset(v for names in traced().values() for v in names)
 
 
 def knobs(applied: Iterable[int], env: Mapping[str, str]) -> dict[str, dict]:
-    return {str(n): TRACED[n][0](env) for n in sorted(set(applied)) if n in TRACED}
+    by_number = {p.number: p for p in catalogue()}
+    return {str(n): by_number[n].knobs(env) for n in sorted(set(applied))
+            if n in by_number and by_number[n].knobs is not None}
 
 
 def _package_files() -> list[tuple[str, Path]]:

@@ -13,6 +13,15 @@ and three functions:
 `upstream_check(ctx)`, where given, proves the upstream fix is present on the bases listed in
 `upstream_in` (so "upstream" in the matrix is read from the release, not assumed).
 
+What a patch means for the compile-cache key (flash_vllm/compile_key.py) is declared on it too:
+`traced` names the env variables whose value changes the code torch.compile traces once the patch
+is applied, and `knobs(env)` normalises them into the key; `untraced` says, per other variable the
+patch reads, why the key leaves it out.
+
+Each patch is a folder `patches/pNN_name/` (NN its number, name its `name` with `_` for `-`); the
+package holds `PATCH`, its sibling modules the helpers and per-release variants. `catalogue()`
+finds the folders; nothing lists them.
+
 Nothing here imports vLLM; targets are imported lazily by the patch modules.
 """
 
@@ -22,6 +31,7 @@ import functools
 import hashlib
 import importlib
 import inspect
+import re
 import sys
 import types
 from dataclasses import dataclass, field
@@ -32,6 +42,8 @@ from .compat import ORDER, Base
 STATUSES = ("applies", "upstream", "not-needed", "not-ported", "broken")
 TRUE = ("1", "true", "yes", "on")
 DISABLE_ENV = "FLASH_DISABLE_PATCHES"  # comma list of patch numbers: an operator's kill switch
+# Why a gate variable stays out of the compile key (a patch's `untraced` reason for its own gate).
+UNTRACED_GATE = "a patch's on/off gate: whether it applies is in `applied`"
 
 
 class Unclassified(RuntimeError):
@@ -90,6 +102,22 @@ class Patch:
     verify: Callable[[Context], None] = _nothing
     upstream_check: Callable[[Context], None] | None = None
     notes: str = ""
+    traced: tuple[str, ...] = ()        # env variables whose value changes the code torch.compile traces
+    knobs: Callable[[Mapping[str, str]], dict] | None = None  # their normalised state, for the compile key
+    untraced: Mapping[str, str] = field(default_factory=dict)  # other variables read -> why the key omits them
+
+    def __post_init__(self) -> None:
+        if bool(self.traced) != (self.knobs is not None):
+            raise ValueError(f"patch {self.number}: `traced` and `knobs` come together (the variables and "
+                             f"their normalised state)")
+        both = set(self.traced) & set(self.untraced)
+        if both:
+            raise ValueError(f"patch {self.number}: {sorted(both)} both traced and untraced")
+
+    @property
+    def folder(self) -> str:
+        """The package under flash_vllm/patches/ that holds this patch."""
+        return folder_name(self.number, self.name)
 
     def meant_for(self, base: str) -> bool:
         return base in self.applies_to
@@ -241,19 +269,43 @@ def wraps(orig: Callable) -> Callable[[Callable], Callable]:
 
 # --- the catalogue -----------------------------------------------------------------------
 
-PATCH_MODULES = (
-    "ple_mmap", "fla_sm121", "mamba_guard", "block_size", "qsa_topk", "fp8_hybrid", "qsa_fp8_kv", "qsa_det_topk", "m4_pad",
-    "draft_vocab", "block_fp8_mtp", "effort_alias", "tool_marker_guard",
-)
+FOLDER = re.compile(r"^p(\d{2})_([a-z0-9]+(?:_[a-z0-9]+)*)$")
+
+
+def folder_name(number: int, name: str) -> str:
+    return f"p{number:02d}_{name.replace('-', '_')}"
+
+
+def folders() -> list[str]:
+    """The patch folders under flash_vllm/patches/, in number order (read from disk, not a list)."""
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent / "patches"
+    found = sorted(d.name for d in here.iterdir() if (d / "__init__.py").is_file())
+    odd = [d for d in found if not FOLDER.match(d)]
+    if odd:
+        raise RuntimeError(f"flash_vllm/patches/{odd[0]} is not a patch folder; patch folders are named "
+                           f"pNN_name (NN the patch number, name the patch name with _ for -)")
+    return found
+
+
+def module_of(patch: Patch) -> types.ModuleType:
+    """The package that declares `patch` (its docstring is the patch's long description)."""
+    return importlib.import_module(f"{__package__}.patches.{patch.folder}")
 
 
 @functools.cache
 def catalogue() -> tuple[Patch, ...]:
     patches = []
-    for name in PATCH_MODULES:
-        mod = importlib.import_module(f"flash_vllm.patches.{name}")
-        patches.append(mod.PATCH)
-    patches.sort(key=lambda p: p.number)
+    for folder in folders():
+        mod = importlib.import_module(f"{__package__}.patches.{folder}")
+        patch = getattr(mod, "PATCH", None)
+        if not isinstance(patch, Patch):
+            raise RuntimeError(f"flash_vllm/patches/{folder} has no PATCH (a flash_vllm.registry.Patch)")
+        if patch.folder != folder:
+            raise RuntimeError(f"flash_vllm/patches/{folder} declares patch {patch.number} ({patch.name}); "
+                               f"its folder must be named {patch.folder}")
+        patches.append(patch)
     numbers = [p.number for p in patches]
     if len(set(numbers)) != len(numbers):
         raise RuntimeError(f"duplicate patch numbers: {numbers}")
@@ -289,7 +341,7 @@ def patchset_hash() -> str:
     common = here.parent / "flash_common"
     files = sorted([here / "registry.py", here / "compat.py", here / "plugin.py", here / "compile_key.py",
                     common / "releases.py",
-                    common / "effort.py"] + list((here / "patches").glob("*.py")))
+                    common / "effort.py"] + list((here / "patches").rglob("*.py")))
     for f in files:
         h.update(f.relative_to(here.parent).as_posix().encode() + b"\0")
         h.update(f.read_bytes().replace(b"\r\n", b"\n") + b"\0")

@@ -11,7 +11,7 @@ a throwaway process: the Dockerfile's last build step, the verification tier, an
 `flash patches` (inside the image). Exit status 1 if any patch meant for this base is broken.
 The compile-cache key's hook (flash_vllm/compile_key.py, not a numbered patch) is checked too. The
 last line of `--json` output is one JSON object: {"release", "base", "patchset", "patches":
-[{"number", "name", "status", "detail"}], "compile_key": {"status", "detail"}}.
+[{"number", "name", "status", "detail", "folder", "traced"}], "compile_key": {"status", "detail"}}.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def evaluate(ctx: Context) -> list[dict]:
             status, detail = "broken", f"{type(e).__name__}: {e}"
             if os.environ.get("FLASH_DEBUG"):
                 traceback.print_exc()
-        rows.append({"number": p.number, "name": p.name, "status": status, "detail": detail})
+        rows.append({"number": p.number, "name": p.name, "status": status, "detail": detail, "folder": p.folder,
+                     "traced": list(p.traced)})
     return rows
 
 

@@ -19,20 +19,12 @@ def with_cap(monkeypatch, base: str, **caps: object) -> releases.Release:
     return new
 
 
-def fake_catalogue(root, version: str = "0.34.0", alias: str = "0.33.0", current: bool = True):
-    """A copy of flash_common under `root` whose catalogue has one more release, `version`, with
-    `alias`'s pins and capabilities (what a release that changes nothing we depend on looks like),
-    made current when asked. The copy differs from the real package in releases.py alone: put
-    `root` first on PYTHONPATH and every reader (settings, profiles, run spec, registry, docs
-    generator, compat) sees the new release with no other edit."""
+def with_release(text: str, version: str = "0.34.0", alias: str = "0.33.0", current: bool = True) -> str:
+    """releases.py's `text` with one more entry, `version`, holding `alias`'s pins and capabilities
+    (what a release that changes nothing we depend on looks like), made CURRENT when asked: the
+    edit a real addition makes by hand."""
     import re
-    import shutil
-    from pathlib import Path
 
-    src = Path(releases.__file__).resolve().parent
-    dest = Path(root) / "flash_common"
-    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))
-    text = (dest / "releases.py").read_text()
     old = releases.by_version(alias)
     major, minor, _ = version.split(".")
     caps = ", ".join(f"{k}={v!r}" for k, v in old.caps.items())
@@ -44,5 +36,20 @@ def fake_catalogue(root, version: str = "0.34.0", alias: str = "0.33.0", current
     if current:
         text, n = re.subn(r'^CURRENT = "[^"]+"', f'CURRENT = "v{major}.{minor}"', text, flags=re.M)
         assert n == 1
-    (dest / "releases.py").write_text(text)
+    return text
+
+
+def fake_catalogue(root, version: str = "0.34.0", alias: str = "0.33.0", current: bool = True):
+    """A copy of flash_common under `root` whose catalogue has one more release (`with_release`).
+    The copy differs from the real package in releases.py alone: put `root` first on PYTHONPATH
+    and every reader (settings, profiles, run spec, registry, docs generator, compat) sees the new
+    release with no other edit."""
+    import shutil
+    from pathlib import Path
+
+    src = Path(releases.__file__).resolve().parent
+    dest = Path(root) / "flash_common"
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    path = dest / "releases.py"
+    path.write_text(with_release(path.read_text(), version, alias, current))
     return Path(root)

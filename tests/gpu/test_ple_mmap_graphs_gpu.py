@@ -18,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flash_vllm.patches import ple_mmap  # noqa: E402
+from flash_vllm.patches import p01_ple_mmap as ple_mmap  # noqa: E402
 from flash_vllm.ple.stager import Stager  # noqa: E402
 from flash_vllm.ple.synth import reference_rows, write_checkpoint  # noqa: E402
 from flash_vllm.ple.table import PLETable  # noqa: E402

@@ -34,7 +34,7 @@ def reference(logits, visible, k):
 
 
 def _radix():
-    from flash_vllm.patches import _qsa_radix
+    from flash_vllm.patches.p08_qsa_det_topk import radix as _qsa_radix
 
     return _qsa_radix.radix_block_topk
 

@@ -44,13 +44,13 @@ def _stock_op(which: str):
 
 
 def _repair_hook(which: str):
-    from flash_vllm.patches import _qsa_topk
+    from flash_vllm.patches.p05_qsa_exact_topk import hook as _qsa_topk
 
     return _qsa_topk.make_hook(_stock_op(which), "repair", "v0.30")
 
 
 def _radix(scores, vis):
-    from flash_vllm.patches import _qsa_radix
+    from flash_vllm.patches.p08_qsa_det_topk import radix as _qsa_radix
 
     out = torch.full((scores.shape[0], K), 7, dtype=torch.int32, device="cuda")
     _qsa_radix.radix_block_topk(scores, vis, out, K, scores.shape[1])
@@ -117,7 +117,7 @@ def test_every_slicing_writes_what_the_serial_pass_writes(slice_columns, scores_
     """The sliced repair (two launches over rows x slices, the default) against run43's one program
     per row, compiled: the same output element for element after the real stock op, at flash's row
     width with visible counts from 0 to the whole row, tie-heavy and continuous scores."""
-    from flash_vllm.patches import _qsa_radix
+    from flash_vllm.patches.p08_qsa_det_topk import radix as _qsa_radix
 
     stock = _stock_op("dispatch")
     rows, columns = 24, 125_056
@@ -140,7 +140,7 @@ def test_a_stock_selection_that_dropped_candidates_is_repaired_exactly(slice_col
     """vllm#51782: the stock kernel can drop top-k candidates. Damaged stock outputs (a dropped slot,
     the best column swapped for the (k+1)-th, a row of -1) fail the certificate and the kernel finds
     the k-th key itself, compiled, in a graph replay too: the reference, not merely a well-formed row."""
-    from flash_vllm.patches import _qsa_radix
+    from flash_vllm.patches.p08_qsa_det_topk import radix as _qsa_radix
 
     stock = _stock_op("dispatch")
     rows, columns = 12, 125_056

@@ -86,7 +86,7 @@ TINY_CONTAINER_ENV = ("VLLM_USE_FLASHINFER_SAMPLER=0",)
 # Patch 1's forward anchor moved to an equivalent spelling (same code, other source): the plugin must
 # refuse. Keyed by the catalogue's `ple_storage` (patch 1's flavour): on 0.30+ its check reads
 # Qwen4ExpNGramEmbedding.forward in ngram_embedding.py; 0.29 has no such module, and its flavour
-# (ple_mmap_v029.check) reads the same line of Qwen4ExpNGramEmbedding.forward in ple_layer.py.
+# (p01_ple_mmap.v029.check) reads the same line of Qwen4ExpNGramEmbedding.forward in ple_layer.py.
 # Each occurs once in its module (tests/vllm/test_gpu_e2e_breaker.py proves the refusal per release).
 _MOVED = {"old": "embedding(ngram_ids).flatten(-2)", "new": "embedding(ngram_ids).flatten(start_dim=-2)",
           "patch": 1, "name": "ple-mmap"}

@@ -183,7 +183,7 @@ def test_patched_qsa_is_patch_8s_installed_hook(bk, monkeypatch, capsys):
     """The `patched` side is what patch 8 installs: `_qsa_topk.make_hook(stock, "det", ...)`; the
     `radix` and `repair` sides what it installs with VLLM_QSA_DET_TOPK=radix / =repair, around the
     same stock function (here the CPU stand-in: the stock CUDA ops do not exist on CPU)."""
-    from flash_vllm.patches import _qsa_topk
+    from flash_vllm.patches.p05_qsa_exact_topk import hook as _qsa_topk
 
     seen = []
     real = _qsa_topk.make_hook
@@ -218,7 +218,7 @@ def test_a_candidate_that_cannot_run_is_reported_and_the_rest_are_timed(bk, monk
     """run38: the radix kernel did not compile on the GPU and the whole qsa_topk bench was lost
     (no patch-8 ratio at all). A failing candidate is now a setup record of its own (both Triton
     candidates fail here)."""
-    from flash_vllm.patches import _qsa_topk
+    from flash_vllm.patches.p05_qsa_exact_topk import hook as _qsa_topk
 
     real = _qsa_topk.make_hook
 
@@ -257,7 +257,7 @@ def test_the_serial_repair_is_judged_beside_the_sliced_one(bk):
 
 
 def test_the_serial_repair_runs_the_stock_op_then_the_one_program_per_row_pass(bk, monkeypatch):
-    from flash_vllm.patches import _qsa_radix
+    from flash_vllm.patches.p08_qsa_det_topk import radix as _qsa_radix
 
     calls = []
     monkeypatch.setattr(_qsa_radix, "repair_block_topk",

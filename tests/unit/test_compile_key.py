@@ -116,31 +116,56 @@ def test_source_hash_follows_the_plugin_source_not_its_location(tmp_path):
     assert _source_hash(b) != h
 
 
-def _env_names_read_by_patches() -> set[str]:
-    pat = re.compile(r"^(VLLM|FLASH)_[A-Z0-9_]*[A-Z0-9]$")
-    files = [*(SRC / "flash_vllm" / "patches").glob("*.py"), SRC / "flash_vllm" / "ple" / "config.py",
-             SRC / "flash_vllm" / "registry.py"]
+PATTERN = re.compile(r"^(VLLM|FLASH)_[A-Z0-9_]*[A-Z0-9]$")
+# The PLE engine reads patch 1's variables: its config is patch 1's to classify.
+ENGINE_OF = {1: [SRC / "flash_vllm" / "ple" / "config.py"]}
+
+
+def _env_names_read(files) -> set[str]:
     names = set()
     for f in files:
         for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and pat.match(node.value):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and PATTERN.match(node.value):
                 names.add(node.value)
     return names
 
 
-def test_every_variable_a_patch_reads_is_classified():
-    traced, untraced = compile_key.traced_env(), set(compile_key.NOT_TRACED)
-    assert not traced & untraced
-    read = _env_names_read_by_patches()
-    assert {"VLLM_PLE_MMAP_MODE", "VLLM_QSA_EXACT_TOPK", "VLLM_MTP_DRAFT_VOCAB", "FLASH_DISABLE_PATCHES"} <= read
-    unclassified = read - traced - untraced
-    assert not unclassified, (f"classify {sorted(unclassified)} in flash_vllm/compile_key.py: TRACED (changes "
-                              "what torch.compile traces) or NOT_TRACED (with the reason)")
-    numbers = {p.number for p in catalogue()}
-    assert set(compile_key.TRACED) <= numbers
-    for p in catalogue():  # a gate variable is either traced state or covered by `applied`
-        if p.gate.env:
-            assert p.gate.env in traced | untraced, p.number
+def test_every_variable_a_patch_reads_is_classified_on_that_patch():
+    """Each patch folder (plus the engine it drives) reads only variables its Patch classifies:
+    `traced` (changes what torch.compile traces) or `untraced` (with the reason)."""
+    every = set()
+    for p in catalogue():
+        folder = SRC / "flash_vllm" / "patches" / p.folder
+        read = _env_names_read([*folder.rglob("*.py"), *ENGINE_OF.get(p.number, [])])
+        every |= read
+        unclassified = read - set(p.traced) - set(p.untraced)
+        assert not unclassified, (f"patch {p.number} reads {sorted(unclassified)}: declare each on its Patch "
+                                  f"(src/flash_vllm/patches/{p.folder}/): traced= (changes what torch.compile "
+                                  "traces, with knobs=) or untraced= (with the reason)")
+        if p.gate.env:  # a gate variable is either traced state or covered by `applied`
+            assert p.gate.env in set(p.traced) | set(p.untraced), p.number
+    assert {"VLLM_PLE_MMAP_MODE", "VLLM_QSA_EXACT_TOPK", "VLLM_MTP_DRAFT_VOCAB"} <= every
+    registry_reads = _env_names_read([SRC / "flash_vllm" / "registry.py"])
+    assert registry_reads == set(compile_key.REGISTRY_UNTRACED) == {"FLASH_DISABLE_PATCHES"}
+
+
+def test_traced_and_untraced_are_read_off_the_patches():
+    traced, untraced = compile_key.traced_env(), set(compile_key.untraced())
+    assert not traced & untraced  # no variable traced by one patch and left out by another
+    assert compile_key.traced() == {1: ("VLLM_PLE_MMAP_MODE", "VLLM_PLE_MMAP_DEBUG", "VLLM_PLE_MMAP_HOIST_CHECK"),
+                                    5: ("VLLM_QSA_EXACT_TOPK", "VLLM_QSA_DET_TOPK"),
+                                    8: ("VLLM_QSA_EXACT_TOPK", "VLLM_QSA_DET_TOPK")}
+    assert {"VLLM_PLE_MMAP", "VLLM_PLE_MMAP_DIR", "FLASH_EFFORT_ALIAS", "FLASH_DISABLE_PATCHES"} <= untraced
+    assert compile_key.knobs([1, 3, 5], {"VLLM_QSA_EXACT_TOPK": "fill"}) == {
+        "1": {"mode": "eager", "debug": False, "hoist_check": False}, "5": {"topk": "fill"}}
+
+
+def test_a_patch_declares_traced_variables_with_their_knobs():
+    base = dict(number=99, name="x", title="x", why="x", upstream="x", gate=Gate.always(), targets=("m:f",))
+    with pytest.raises(ValueError, match="`traced` and `knobs` come together"):
+        Patch(**base, traced=("VLLM_X",))
+    with pytest.raises(ValueError, match=r"\['VLLM_X'\] both traced and untraced"):
+        Patch(**base, traced=("VLLM_X",), knobs=lambda env: {}, untraced={"VLLM_X": "why"})
 
 
 # --- the hook, on a fake vllm.config.vllm ---------------------------------------------------

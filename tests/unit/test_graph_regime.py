@@ -66,7 +66,7 @@ def test_unquoted_json_is_named_with_a_quoting_hint():
 
 
 def test_op_name_is_the_plugins():
-    from flash_vllm.patches import ple_mmap_v029
+    from flash_vllm.patches.p01_ple_mmap import v029 as ple_mmap_v029
 
     assert preflight.PLE_OP_V029 == f"vllm::{ple_mmap_v029.OP_NAME}"
 

@@ -109,7 +109,7 @@ def test_the_check_sees_a_circle():
 
 def test_the_graph_reads_function_local_and_relative_imports():
     g = graph()
-    assert "flash_vllm.patches._ple_guard" in g["flash_vllm.patches.ple_mmap_v029"]  # inside a function
+    assert "flash_vllm.patches.p01_ple_mmap.guard" in g["flash_vllm.patches.p01_ple_mmap.v029"]  # inside a function
     assert "flash_vllm.ple.consts" in g["flash_vllm.ple.native_nb"]
     assert "flash_common.releases" in g["flash_cli.settings"]
 

@@ -164,7 +164,7 @@ def test_registry_entry_always_on_everywhere_with_kill_switch():
 
 
 def test_rewrite_threads_the_guard_through_kernels_and_launchers(mini):
-    from flash_vllm.patches import mamba_guard as g
+    from flash_vllm.patches import p03_mamba_copy_guard as g
 
     mini()
     src = g.rewritten_sources()
@@ -182,7 +182,7 @@ def test_rewrite_threads_the_guard_through_kernels_and_launchers(mini):
 
 
 def test_apply_installs_launches_with_guard_args_and_is_idempotent(mini):
-    from flash_vllm.patches import mamba_guard as g
+    from flash_vllm.patches import p03_mamba_copy_guard as g
 
     mod = mini()
     patch, ctx = by_number(3), _ctx()
@@ -233,7 +233,7 @@ def test_check_fails_loudly_when_an_anchor_moves(mini, old, new, match):
 
 
 def test_partly_installed_is_refused(mini):
-    from flash_vllm.patches import mamba_guard as g
+    from flash_vllm.patches import p03_mamba_copy_guard as g
     from flash_vllm.registry import install
 
     mini()

@@ -11,7 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from flash_vllm.patches import ple_hoist, ple_mmap  # noqa: E402
+from flash_vllm.patches.p01_ple_mmap import hoist as ple_hoist  # noqa: E402
+from flash_vllm.patches import p01_ple_mmap as ple_mmap  # noqa: E402
 from flash_vllm.ple import PLETable, Stager  # noqa: E402
 from flash_vllm.ple.hashing import PLELayout, ngram_ids, ngram_ids_batch  # noqa: E402
 from flash_vllm.ple.synth import write_checkpoint  # noqa: E402

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from flash_vllm.patches import ple_mmap
+from flash_vllm.patches import p01_ple_mmap as ple_mmap
 from flash_vllm.registry import by_number
 
 
@@ -52,7 +52,7 @@ def test_gather_guard_refuses_a_stream_capture_and_calls_the_stager(monkeypatch)
     """The guard both flavours gather through (no vLLM here: no breakable capture either)."""
     import torch  # the test extra pins it
 
-    from flash_vllm.patches import ple_mmap_v029
+    from flash_vllm.patches.p01_ple_mmap import v029 as ple_mmap_v029
 
     calls = []
 
@@ -64,7 +64,7 @@ def test_gather_guard_refuses_a_stream_capture_and_calls_the_stager(monkeypatch)
     out = torch.zeros(2, 4)
     ple_mmap.gather_into(lambda device: FakeStager(), "ids", out, raw=True)
     assert calls == [("ids", True)] and bool((out == 3).all())
-    from flash_vllm.patches import _ple_guard
+    from flash_vllm.patches.p01_ple_mmap import guard as _ple_guard
 
     monkeypatch.setattr(_ple_guard, "_is_capturing", lambda torch: True)
     with pytest.raises(RuntimeError, match="PIECEWISE") as e:

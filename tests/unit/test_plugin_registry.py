@@ -184,7 +184,7 @@ def test_patchset_hash_is_stable():
 def test_draft_vocab_ids_validation(tmp_path):
     import numpy as np
 
-    from flash_vllm.patches.draft_vocab import DraftVocabError, load_ids, resolve_path
+    from flash_vllm.patches.p10_mtp_draft_vocab import DraftVocabError, load_ids, resolve_path
 
     p = tmp_path / "ids.npy"
     np.save(p, np.array([5, 1, 3], dtype=np.int32))
@@ -202,7 +202,7 @@ def test_draft_vocab_ids_validation(tmp_path):
 def test_effort_map_arg_matches_map():
     import json
 
-    from flash_vllm.patches.effort_alias import EFFORT_MAP, REASONING_EFFORT_MAP_ARG
+    from flash_vllm.patches.p12_effort_alias import EFFORT_MAP, REASONING_EFFORT_MAP_ARG
 
     assert json.loads(REASONING_EFFORT_MAP_ARG) == EFFORT_MAP == {"high": "xhigh", "max": "xhigh", "minimal": "low"}
 
@@ -230,6 +230,48 @@ def test_flash_patches_expected_matrix_json():
     assert out["base"] == "v0.29" and out["patchset"] == patchset_hash()
     by = {p["number"]: p["status"] for p in out["patches"]}
     assert by[11] == "applies" and by[7] == "applies" and by[9] == "upstream"
+    row = next(p for p in out["patches"] if p["number"] == 1)
+    assert row["folder"] == "p01_ple_mmap" and "VLLM_PLE_MMAP_MODE" in row["traced"]
+    text = subprocess.run([sys.executable, "-m", "flash_cli", "patches", "--expected", "--base", "v0.29"],
+                          capture_output=True, text=True, cwd=root, check=True).stdout
+    assert "traces VLLM_QSA_EXACT_TOPK, VLLM_QSA_DET_TOPK" in text and "src/flash_vllm/patches/pNN_name/" in text
     bad = subprocess.run([sys.executable, "-m", "flash_cli", "patches", "--expected", "--base", "v0.28"],
                          capture_output=True, text=True, cwd=root)
     assert bad.returncode == 2 and "v0.28" in bad.stderr
+
+
+def test_patches_are_the_folders_on_disk():
+    """Each folder is one patch, named for its number and name; the registry lists nothing by hand."""
+    from pathlib import Path
+
+    from flash_vllm import registry
+
+    here = Path(registry.__file__).resolve().parent / "patches"
+    on_disk = sorted(d.name for d in here.iterdir() if (d / "__init__.py").is_file())
+    assert [p.folder for p in catalogue()] == on_disk == registry.folders()
+    assert registry.folder_name(1, "ple-mmap") == "p01_ple_mmap"
+    assert registry.module_of(catalogue()[0]).PATCH is catalogue()[0]
+    assert not [f for f in here.glob("*.py") if f.name != "__init__.py"], "patch code lives in its folder"
+
+
+@pytest.mark.parametrize("folder, body, match", [
+    ("extra", "", r"patches/extra is not a patch folder; patch folders are named pNN_name"),
+    ("p14_orphan", "", r"patches/p14_orphan has no PATCH"),
+    ("p14_wrong_name", "from flash_vllm.patches.p02_fla_sm121 import PATCH\n",
+     r"patches/p14_wrong_name declares patch 2 \(fla-sm121\); its folder must be named p02_fla_sm121"),
+])
+def test_a_stray_or_misnamed_folder_stops_the_registry(tmp_path, folder, body, match):
+    import shutil
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[2] / "src"
+    for pkg in ("flash_vllm", "flash_common"):
+        shutil.copytree(src / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "flash_vllm" / "patches" / folder).mkdir()
+    (tmp_path / "flash_vllm" / "patches" / folder / "__init__.py").write_text(body)
+    proc = subprocess.run([sys.executable, "-c", "from flash_vllm.registry import catalogue; catalogue()"],
+                          capture_output=True, text=True, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 1
+    import re
+
+    assert re.search(match, proc.stderr), proc.stderr[-800:]

@@ -13,7 +13,7 @@ import pytest
 from flash_cli import preflight
 from flash_cli.errors import ConfigError
 from flash_cli.settings import resolve
-from flash_vllm.patches import qsa_fp8_kv as p7
+from flash_vllm.patches import p07_qsa_fp8_kv as p7
 from flash_vllm.registry import TargetMissing
 
 

@@ -1,4 +1,4 @@
-"""Patch 8's radix top-k kernel (src/flash_vllm/patches/_qsa_radix.py) on CPU, through Triton's
+"""Patch 8's radix top-k kernel (src/flash_vllm/patches/p08_qsa_det_topk/radix.py) on CPU, through Triton's
 interpreter: the same kernel source the GPU compiles, run op by op in numpy.
 
 TRITON_INTERPRET is read when `@triton.jit` wraps a function and cannot be switched afterwards in
@@ -55,8 +55,9 @@ def case_inputs(case: str):
 def kernel_results() -> dict:
     """Runs in the child (TRITON_INTERPRET=1): every case through the kernel, plus the batch
     independence, the refusals and patch 8's hook in radix mode."""
-    import flash_vllm.patches._qsa_radix as radix
-    from flash_vllm.patches import _qsa_topk, qsa_det_topk
+    from flash_vllm.patches.p08_qsa_det_topk import radix
+    from flash_vllm.patches.p05_qsa_exact_topk import hook as _qsa_topk
+    from flash_vllm.patches import p08_qsa_det_topk as qsa_det_topk
 
     assert type(radix._radix_block_topk).__name__ == "InterpretedFunction", type(radix._radix_block_topk)
     res: dict = {"cases": {}}
@@ -157,7 +158,7 @@ from triton._C.libtriton import ir
 from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.compiler.compiler import ASTSource
-from flash_vllm.patches import _qsa_radix as q
+from flash_vllm.patches.p08_qsa_det_topk import radix as q
 target = GPUTarget("cuda", 90, 32)  # the H200; the front end needs no GPU
 backend = make_backend(target)
 options = backend.parse_options({{}})

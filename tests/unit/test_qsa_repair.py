@@ -80,8 +80,9 @@ def broken_stock(logits, visible, k: int, width: int) -> dict[str, list[list[int
 def kernel_results() -> dict:
     """Runs in the child (TRITON_INTERPRET=1): the repair of every case's scrambled and broken stock
     outputs, k = 0, and patch 8's hook in repair mode (stock op first, then the kernel)."""
-    import flash_vllm.patches._qsa_radix as q
-    from flash_vllm.patches import _qsa_topk, qsa_det_topk
+    from flash_vllm.patches.p08_qsa_det_topk import radix as q
+    from flash_vllm.patches.p05_qsa_exact_topk import hook as _qsa_topk
+    from flash_vllm.patches import p08_qsa_det_topk as qsa_det_topk
 
     for kernel in (q._repair_serial, q._repair_count, q._repair_write):
         assert type(kernel).__name__ == "InterpretedFunction", type(kernel)
@@ -235,7 +236,7 @@ from triton._C.libtriton import ir
 from triton.backends.compiler import GPUTarget
 from triton.compiler import make_backend
 from triton.compiler.compiler import ASTSource
-from flash_vllm.patches import _qsa_radix as q
+from flash_vllm.patches.p08_qsa_det_topk import radix as q
 target = GPUTarget("cuda", 90, 32)  # the H200; the front end needs no GPU
 backend = make_backend(target)
 options = backend.parse_options({{}})

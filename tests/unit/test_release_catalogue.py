@@ -56,7 +56,7 @@ def test_capabilities_and_ranges():
 
 
 def test_registry_refuses_a_release_a_patch_leaves_unclassified(monkeypatch):
-    from flash_vllm.patches import block_fp8_mtp
+    from flash_vllm.patches import p11_block_fp8_mtp as block_fp8_mtp
 
     p = block_fp8_mtp.PATCH
     assert p.expected_status("v0.33") == "upstream"
@@ -166,6 +166,7 @@ def test_propose_reads_capabilities_from_source_markers():
         "vllm/models/qwen4_exp/nvidia/ngram_embedding.py": "from ..common import Qwen4ExpPLEPinnedHostEmbedding",
         "vllm/models/qwen4_exp/common/ngram_embedding.py": "if isinstance(quant_config, ModelOptMixedPrecisionConfig):",
         "vllm/models/qwen4_exp/nvidia/qsa.py": 'supported_kv_cache_dtypes = [\n "auto",\n "fp8_e4m3",\n]\n',
+        "vllm/models/qwen4_exp/nvidia/ops/qsa_indexer.py": "def _topk(\n",
         "vllm/renderers/params.py": "return effort_map.get(effort, effort)",
         "vllm/model_executor/layers/mamba/abstract.py": "def get_mamba_prefill_checkpoint_alignment(",
         "vllm/models/qwen4_exp/nvidia/model_state.py": "    def prepare_inputs(\n",
@@ -180,7 +181,9 @@ def test_propose_reads_capabilities_from_source_markers():
     assert "ring_state_bucket: no source marker" in entry
     bare = {k: v for k, v in files.items() if "qsa" not in k and "ngram" not in k}
     caps, entry = _tool().propose_from("0.34.0", "2.15.0", bare.get, set(bare))
-    assert caps["qsa_fp8_kv"] is None and caps["ple_storage"] is None
+    assert caps["qsa_fp8_kv"] is None and caps["ple_storage"] is None and caps["qsa_topk_site"] is None
+    inline = dict(bare, **{"vllm/models/qwen4_exp/nvidia/ops/qsa.py": "def qsa_select_paged_tokens(\n"})
+    assert _tool().propose_from("0.34.0", "2.15.0", inline.get, set(inline))[0]["qsa_topk_site"] == "select-paged-tokens"
     assert caps["spec_tokens_per_batch_size"] and caps["spec_eagle_block_drop_flag"]
     assert not caps["ple_hoisted"]  # no storage flavour, no hoisted mode
     assert not caps["ple_fp8_modelopt"]  # 0.29's gate: the fp8 table only under Fp8Config

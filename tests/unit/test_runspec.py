@@ -154,6 +154,6 @@ def test_container_env_passthrough_and_secret_refusal():
 
 
 def test_effort_map_is_the_plugins():
-    from flash_vllm.patches.effort_alias import EFFORT_MAP
+    from flash_vllm.patches.p12_effort_alias import EFFORT_MAP
 
     assert spec.EFFORT_MAP is EFFORT_MAP  # the run spec's --reasoning-effort-map and patch 12: one map

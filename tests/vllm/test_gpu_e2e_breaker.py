@@ -48,8 +48,9 @@ def test_breaker_makes_patch_1_refuse(version, broken, tmp_path):
     if broken:
         assert proc.returncode == 7, proc.stdout + proc.stderr[-3000:]
         assert f"flash_vllm patch 1 ({brk['name']}) cannot apply on {base}" in proc.stdout
-        # the anchor patch 1's check names there (ple_mmap.check / ple_mmap_v029.check)
-        anchor = {"v0.29": "self.ngram_embedding(ngram_ids).flatten(-2)"}.get(base, "embedding(ngram_ids).flatten(-2)")
+        # the anchor patch 1's check names there (p01_ple_mmap.check / p01_ple_mmap.v029.check)
+        splitting = releases.cap(base, "ple_storage") == "splitting-op"
+        anchor = "self.ngram_embedding(ngram_ids).flatten(-2)" if splitting else "embedding(ngram_ids).flatten(-2)"
         assert f"Qwen4ExpNGramEmbedding.forward no longer contains [{anchor!r}]" in proc.stdout, proc.stdout
         assert f"FLASH_E2E_BREAK applied: {brk['module']}" in proc.stderr
     else:

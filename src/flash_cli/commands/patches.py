@@ -2,8 +2,10 @@
 
 Runs `python3 -m flash_vllm.selfcheck --json` inside the image (no GPU needed; the same check
 the Dockerfile's last step ran) and prints, per patch, its status on that image's vLLM:
-applies / upstream / not-needed / not-ported / broken. `--expected` prints what the registry
-declares for a base instead, without Docker. Exit 1 when a patch is broken.
+applies / upstream / not-needed / not-ported / broken, and the env variables each one hands the
+compile-cache key (`traces`). `--expected` prints what the registry declares for a base instead,
+without Docker. Each patch's code is its folder `src/flash_vllm/patches/pNN_name/`. Exit 1 when a
+patch is broken.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def expected(base: str) -> dict:
 
     return {"release": None, "base": base, "patchset": patchset_hash(), "source": "registry",
             "patches": [{"number": p.number, "name": p.name, "status": p.expected_status(base),
-                         "detail": p.not_ported.get(base, "")} for p in catalogue()]}
+                         "detail": p.not_ported.get(base, ""), "folder": p.folder, "traced": list(p.traced)}
+                        for p in catalogue()]}
 
 
 def from_image(image: str) -> dict:
@@ -86,7 +89,10 @@ def run(args: argparse.Namespace) -> int:
     release = f"vLLM {result['release']}, " if result.get("release") else ""
     print(f"{where}: {release}base {result['base']}, patch set {result['patchset']}")
     for p in result["patches"]:
-        print(f"  {p['number']:>2}  {p['name']:<20} {p['status']:<11} {p.get('detail', '')}".rstrip())
+        traces = f"traces {', '.join(p['traced'])}" if p.get("traced") and p["status"] == "applies" else ""
+        print(f"  {p['number']:>2}  {p['name']:<20} {p['status']:<11} {p.get('detail', '') or traces}".rstrip())
+    if any(p.get("folder") for p in result["patches"]):  # an image built before the folders has none
+        print("  code: src/flash_vllm/patches/pNN_name/; traces: env the compile-cache key hashes")
     if result.get("label_patchset") and result["label_patchset"] != result["patchset"]:
         print(f"  note: image label org.flash.patchset={result['label_patchset']} differs from the code inside")
     return 1 if broken else 0

@@ -1,7 +1,7 @@
 """PLE engine: serve Qwen3.8-Flash-Next's 47.68 GiB n-gram (PLE) table from the checkpoint on disk.
 
 Importable without vLLM and without torch: numpy is imported by the modules that need it, torch
-only by the GPU stager. The vLLM integration (plugin patch 1, ``flash_vllm/patches/``) calls this.
+only by the GPU stager. The vLLM integration (plugin patch 1, ``flash_vllm/patches/p01_ple_mmap/``) calls this.
 
 Public API (the contract patch 1 codes against)
 -----------------------------------------------

@@ -31,7 +31,7 @@ class PLEConfig:
     io: str = "auto"  # auto | uring | direct | mmap (mmap = madvise WILLNEED + faults, no io_uring)
     native: bool = True  # compiled (numba) gather loops when numba is importable
     debug: bool = False  # patch 1: cross-check every gather's ids (device sync + host reference); slow
-    mode: str = "eager"  # eager: gather inside the forward | hoisted: before it (patches/ple_hoist.py)
+    mode: str = "eager"  # eager: gather inside the forward | hoisted: before it (patch 1's hoist.py)
     hoist_check: bool = False  # hoisted: eager forwards compare the ids with those gathered for (syncs)
     # Stager: batches of >= this many rows upload distinct rows + an inverse (eager device part);
     # smaller ones replay a captured graph. Just past the graph limit: every batch that can replay a

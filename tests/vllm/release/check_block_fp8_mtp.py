@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from flash_vllm.registry import by_number
+
 NUM_LAYERS = 48
 
 
@@ -26,7 +28,7 @@ def _remap(layers: dict) -> dict:
 
     if hasattr(mtp, "_remap_quantized_layers"):  # 0.30+: upstream
         return mtp._remap_quantized_layers(layers, NUM_LAYERS)
-    from flash_vllm.patches.block_fp8_mtp import remap_quantized_layers
+    from flash_vllm.patches.p11_block_fp8_mtp import remap_quantized_layers
 
     return remap_quantized_layers(layers, NUM_LAYERS)
 
@@ -56,7 +58,7 @@ def test_mtp_experts_get_the_block_fp8_moe_method(registered, base, algo, monkey
     method = cfg.get_quant_method(experts, prefix)
     assert isinstance(method, Recorder)
     assert made[0][0] is cfg.fp8_block_config and made[0][1] is experts
-    if base == "v0.29":
+    if by_number(11).expected_status(base) == "applies":
         assert type(cfg).get_quant_method.__flash_patch__ == 11
 
 
@@ -75,7 +77,7 @@ def test_draft_config_remap_is_wired(registered, base):
     import inspect
 
     fn = mtp._make_draft_vllm_config
-    if base == "v0.29":
+    if by_number(11).expected_status(base) == "applies":
         assert fn.__flash_patch__ == 11
     else:
         assert "_remap_quantized_layers(" in inspect.getsource(fn)

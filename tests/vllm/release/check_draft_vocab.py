@@ -69,7 +69,7 @@ def test_probabilistic_drafting_sees_a_proper_distribution(registered, draft_ids
 
 
 def test_sharded_or_quantized_head_passes_through(registered, draft_ids):
-    from flash_vllm.patches.draft_vocab import _PASS, build_reduced
+    from flash_vllm.patches.p10_mtp_draft_vocab import _PASS, build_reduced
 
     model = _mtp()
     model.lm_head.tp_size = 2  # vocab-parallel head: the slice would be per rank
@@ -82,7 +82,7 @@ def test_sharded_or_quantized_head_passes_through(registered, draft_ids):
 
 
 def test_bad_id_files_are_refused(tmp_path):
-    from flash_vllm.patches.draft_vocab import DraftVocabError, load_ids, resolve_path
+    from flash_vllm.patches.p10_mtp_draft_vocab import DraftVocabError, load_ids, resolve_path
 
     bad = tmp_path / "dup.npy"
     np.save(bad, np.array([1, 2, 2]))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from flash_common import releases
+
 TEMPLATE = (
     "{%- set effort = reasoning_effort | default('xhigh') -%}"
     "{%- if effort not in ['xhigh', 'medium', 'low'] -%}"
@@ -30,10 +32,10 @@ def render(tokenizer, base, effort):
     from vllm.renderers.hf import resolve_chat_template_kwargs
 
     kwargs = {"reasoning_effort": effort}
-    if base == "v0.33":  # native: the run spec passes --reasoning-effort-map with our map
+    if releases.has(base, "reasoning_effort_map"):  # native: the run spec passes --reasoning-effort-map with our map
         from vllm.renderers.params import map_reasoning_effort
 
-        from flash_vllm.patches.effort_alias import EFFORT_MAP
+        from flash_vllm.patches.p12_effort_alias import EFFORT_MAP
 
         kwargs["reasoning_effort"] = map_reasoning_effort(effort, EFFORT_MAP)
     resolved = resolve_chat_template_kwargs(tokenizer, TEMPLATE, kwargs)
@@ -59,7 +61,7 @@ def test_other_efforts_render_byte_identically(registered, tokenizer, base):
     import vllm.renderers.hf as hf
 
     fn = hf.resolve_chat_template_kwargs
-    if base == "v0.33":
+    if releases.has(base, "reasoning_effort_map"):
         assert not hasattr(fn, "__flash_patch__")
         return
     assert fn.__flash_patch__ == 12

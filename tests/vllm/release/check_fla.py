@@ -34,7 +34,7 @@ def test_shared_memory_gate(registered, monkeypatch, smem, arch, expected):
 def test_chunk_delta_h_autotunes_num_warps_2_only(registered):
     from vllm.third_party.flash_linear_attention.ops import chunk_delta_h
 
-    from flash_vllm.patches.fla_sm121 import autotuner
+    from flash_vllm.patches.p02_fla_sm121 import autotuner
 
     tuner = autotuner(chunk_delta_h.chunk_gated_delta_rule_fwd_kernel_h_blockdim64)
     warps = [c.num_warps for c in tuner.configs]

@@ -44,7 +44,7 @@ def _ctx():
 def test_installed_on_the_real_kernels_and_idempotent(registered):
     from vllm.v1.worker import mamba_utils as mu
 
-    from flash_vllm.patches import mamba_guard as g
+    from flash_vllm.patches import p03_mamba_copy_guard as g
     from flash_vllm.registry import by_number
 
     assert 3 in registered["applied"]
@@ -123,7 +123,7 @@ def test_guarded_kernels_compile_for_gb10(registered, kernel, consts):
      lambda s: s.replace("self.is_initialized = True", "self.ready = True"), "exactly one"),
 ])
 def test_check_fails_loudly_when_the_release_changes(registered, monkeypatch, target, mutate, match):
-    from flash_vllm.patches import mamba_guard as g
+    from flash_vllm.patches import p03_mamba_copy_guard as g
     from flash_vllm.registry import TargetMissing
 
     real = g._source

@@ -80,7 +80,7 @@ def cpu_capture(monkeypatch):
 
 
 def _flavour(base):
-    from flash_vllm.patches import ple_mmap
+    from flash_vllm.patches import p01_ple_mmap as ple_mmap
 
     return ple_mmap.FLAVOURS.get(base)
 
@@ -178,7 +178,7 @@ def test_lookup_returns_table_rows_without_storage(layer, checkpoint, base, patc
     buf = emb._flash_out
     assert buf.shape == (16, 2, WIDTH)
     assert emb(ids[:2]).untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
-    from flash_vllm.patches import ple_mmap
+    from flash_vllm.patches import p01_ple_mmap as ple_mmap
 
     total = ple_mmap.TABLES.stats.snapshot()["total"]
     assert total["ops"] >= 4 and total["rows"] >= 1 + 3 * 2 + 16 * 2  # one op per lookup, every row
@@ -322,13 +322,23 @@ def _v029_dequant(v, layer, rows):
 
 
 def test_v029_flavour_matches_base(base, v029):
-    assert (v029 is not None) == (base == "v0.29") == (_flavour(base) == "splitting-op")
+    """Patch 1's flavour is the catalogue's, and the splitting-op one is what this release's source has."""
+    import importlib.util
+    from pathlib import Path
+
+    from flash_common import releases
+
+    splitting = releases.cap(base, "ple_storage") == "splitting-op"
+    assert (v029 is not None) == splitting == (_flavour(base) == "splitting-op")
+    layer = importlib.util.find_spec("vllm.models.qwen4_exp.nvidia.ple_layer")  # read, not imported
+    src = Path(layer.origin).read_text() if layer else ""
+    assert splitting == ("PLEVocabParallelEmbedding" in src and "qwen4_exp_compute_ple_ngram_ids" in src)
 
 
 def test_v029_apply_is_idempotent_and_lists_our_splitting_op(v029):
     if v029 is None:
         return
-    from flash_vllm.patches import ple_mmap_v029 as m
+    from flash_vllm.patches.p01_ple_mmap import v029 as m
     from vllm.config import CompilationConfig
     from vllm.config.compilation import CompilationMode
 
@@ -378,7 +388,7 @@ def test_v029_table_is_meta_and_loader_skips_the_shards(v029):
 def test_v029_rows_are_the_tables_and_dequantise_as_029(v029):
     if v029 is None:
         return
-    from flash_vllm.patches import ple_mmap
+    from flash_vllm.patches import p01_ple_mmap as ple_mmap
     from flash_vllm.ple import synth
 
     before = ple_mmap.TABLES.stats.snapshot()["total"]["ops"]
@@ -420,7 +430,7 @@ def test_v029_forward_compiles_to_one_graph_around_our_op(v029):
     our op is a node of the FX graph (where the splitting-op list cuts it out); same rows."""
     if v029 is None:
         return
-    from flash_vllm.patches import ple_mmap_v029 as m
+    from flash_vllm.patches.p01_ple_mmap import v029 as m
     from vllm.forward_context import set_forward_context
 
     graphs = []
@@ -452,7 +462,7 @@ def test_v029_forward_compiles_to_one_graph_around_our_op(v029):
 def test_v029_capture_zero_fills_replays_and_refuses_full(v029, monkeypatch):
     if v029 is None:
         return
-    from flash_vllm.patches import ple_mmap
+    from flash_vllm.patches import p01_ple_mmap as ple_mmap
     from flash_vllm.ple import synth
     from vllm.compilation import breakable_cudagraph as bc
 
@@ -476,7 +486,7 @@ def test_v029_capture_zero_fills_replays_and_refuses_full(v029, monkeypatch):
     want = synth.reference_rows(v029.ckpt, ids.numpy()).reshape(4, 2, V029_WIDTH)
     assert np.array_equal(emb._flash_out[:4].view(torch.uint8).numpy(), want)
     # inside a plain stream capture (FULL graph, or splitting ops without ours): refuse, loudly
-    from flash_vllm.patches import _ple_guard
+    from flash_vllm.patches.p01_ple_mmap import guard as _ple_guard
 
     monkeypatch.setattr(_ple_guard, "_is_capturing", lambda torch: True)
     with pytest.raises(RuntimeError, match="PIECEWISE"):

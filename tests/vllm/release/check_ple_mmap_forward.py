@@ -29,7 +29,7 @@ EOS, VOCAB, BASE, HEADS_PER, PARTS, HEAD_DIM = 511, 512, 20000, 8, 4, 16  # BASE
 
 
 def _storage_base(base):
-    from flash_vllm.patches import ple_mmap
+    from flash_vllm.patches import p01_ple_mmap as ple_mmap
 
     return ple_mmap.FLAVOURS.get(base) == "storage"
 
@@ -84,7 +84,7 @@ def layers(base, request, tmp_path_factory, cpu_world, restore_ple_storage):
         return
     hf_config, checkpoint = request.getfixturevalue("hf_config"), request.getfixturevalue("checkpoint")
     from flash_vllm import compat
-    from flash_vllm.patches import ple_mmap
+    from flash_vllm.patches import p01_ple_mmap as ple_mmap
     from flash_vllm.registry import Context, original
 
     ng = importlib.import_module(NGRAM)
@@ -169,7 +169,7 @@ def test_patched_layer_forward_matches_stock(layers, base, case, request):
         flat = row_ids.reshape(-1)
         assert flat.numel() >= 256 and flat.unique().numel() == flat.numel(), "case lost its point"
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # bitwise, fp8 NaNs included
-    from flash_vllm.patches.ple_mmap_debug import check_ids
+    from flash_vllm.patches.p01_ple_mmap.debug import check_ids
 
     rep = check_ids(layers.ours, ids, qsl, ctx, checkpoint.rows, calls=0)
     assert rep["late_oob"] == rep["early_oob"] == 0 and rep["late_equal_ref"] and rep["early_equal_late"], rep

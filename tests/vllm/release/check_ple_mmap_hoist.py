@@ -50,7 +50,7 @@ def _ctx(env=ENV):
 
 @pytest.fixture(scope="module")
 def hoist():
-    from flash_vllm.patches import ple_hoist
+    from flash_vllm.patches.p01_ple_mmap import hoist as ple_hoist
 
     return ple_hoist
 

@@ -29,12 +29,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from flash_common import releases
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import qsa_ref  # noqa: E402
 
 QSA = "vllm.models.qwen4_exp.nvidia.qsa"
 OPS = "vllm.models.qwen4_exp.nvidia.ops.qsa"
-PORTED = ("v0.29", "v0.30")
+PORTED = releases.where("qsa_fp8_kv", "patch")
 HQ, HKV, D, PAGE, BLOCKS, SEQ, ROWS = 4, 2, 64, 16, 24, 96, 6
 
 
@@ -258,7 +260,7 @@ def _counted() -> bool:
 
 @pytest.fixture(autouse=True)
 def _set_counted(base):
-    _COUNTED["counted"] = base != "v0.29"     # 0.30+: packed selection with a trailing count
+    _COUNTED["counted"] = releases.cap(base, "qsa_topk_site") == "indexer"  # packed selection + trailing count
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.125])
@@ -278,7 +280,7 @@ def test_write_read_round_trip(build, monkeypatch, scale, base):
     assert [w["dtype"] for w in w16] == ["auto"]
     # the read: same bytes viewed as e4m3, the host scales handed to the launcher
     # (0.29-0.31 view it as e4m3 here; 0.32+ hand the raw uint8 on devices below sm_89, CPU included)
-    e4m3 = torch.float8_e4m3fn if base in PORTED + ("v0.31",) else r8[0]["k_dtype"]
+    e4m3 = torch.float8_e4m3fn if base in releases.span("0.29.0", until="0.32.0") else r8[0]["k_dtype"]
     assert e4m3 in (torch.float8_e4m3fn, torch.uint8)
     assert r8 == [dict(k_dtype=e4m3, v_dtype=e4m3, k_scale=scale, v_scale=scale, idx_width=sel.shape[1])]
     assert r16[0]["k_dtype"] == torch.bfloat16 and r16[0]["k_scale"] is None
@@ -318,7 +320,7 @@ def test_rewritten_kernel_is_compiled_triton(base, qsa):
         return
     import triton
 
-    from flash_vllm.patches import qsa_fp8_kv as p7
+    from flash_vllm.patches import p07_qsa_fp8_kv as p7
 
     ops = importlib.import_module(OPS)
     disp = ops.qsa_sparse_paged_attention
@@ -354,7 +356,7 @@ def test_anchor_drift_is_refused(base, qsa):
     """A release whose kernel no longer carries an anchor fails check() loudly, naming it."""
     if base not in PORTED:
         return
-    from flash_vllm.patches import qsa_fp8_kv as p7
+    from flash_vllm.patches import p07_qsa_fp8_kv as p7
     from flash_vllm.registry import TargetMissing
 
     src = p7.function_source(importlib.import_module(OPS), p7.KERNEL)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flash_vllm.patches.p05_qsa_exact_topk import hook
+
 VISIBLE = [1000, 600, 128, 8, 3, 0]
 TOKEN_TOPK, RATIO = 32, 4          # block_topk = 8
 BLOCK_TOPK = TOKEN_TOPK // RATIO
@@ -43,7 +45,7 @@ def _check_rows(blocks: torch.Tensor, logits: torch.Tensor):
 def _run_hook(base, logits):
     visible = torch.tensor(VISIBLE, dtype=torch.int32)
     blocks = torch.full((len(VISIBLE), BLOCK_TOPK), 12345, dtype=torch.int32)
-    if base == "v0.29":
+    if hook.inline(base):  # the catalogue's qsa_topk_site: the whole selection is replaced
         import vllm.models.qwen4_exp.nvidia.ops.qsa as m
 
         fn = m.qsa_select_paged_tokens
@@ -83,7 +85,7 @@ def test_exact_topk_is_identical_across_calls(registered, base):
 
 
 def test_det_mode_routes_to_the_exact_path(registered):
-    from flash_vllm.patches import _qsa_topk
+    from flash_vllm.patches.p05_qsa_exact_topk import hook as _qsa_topk
 
     assert _qsa_topk.mode({"VLLM_QSA_DET_TOPK": "1"}) == "det"
     assert _qsa_topk.mode({"VLLM_QSA_DET_TOPK": "1", "VLLM_QSA_EXACT_TOPK": "fill"}) == "fill"
@@ -92,7 +94,7 @@ def test_det_mode_routes_to_the_exact_path(registered):
 
 
 def test_fill_masks_never_written_columns():
-    from flash_vllm.patches._qsa_topk import fill_invisible
+    from flash_vllm.patches.p05_qsa_exact_topk.hook import fill_invisible
 
     logits = _logits()
     fill_invisible(logits, torch.tensor(VISIBLE, dtype=torch.int32), 1000)
@@ -104,7 +106,7 @@ def test_hook_replaced_the_stock_dispatch_source(registered, base):
     """The stock dispatch the hook replaces is still what the release calls."""
     import inspect
 
-    if base == "v0.29":
+    if hook.inline(base):  # the catalogue's qsa_topk_site: the whole selection is replaced
         import vllm.models.qwen4_exp.nvidia.ops.qsa as m
 
         src = inspect.getsource(m.qsa_select_paged_tokens.__flash_original__)

@@ -310,7 +310,7 @@ def bench(mu, device, layers, conv_shape, temp_shape, dtype, reqs, rounds=7, ite
 
 
 def mamba_guard_counter(ctx):
-    from flash_vllm.patches import mamba_guard
+    from flash_vllm.patches import p03_mamba_copy_guard as mamba_guard
 
     return mamba_guard.guard_of(ctx).counter.item()
 
@@ -343,7 +343,7 @@ def main() -> int:
 
     # 2. the patch, through the registry
     from flash_vllm import compat
-    from flash_vllm.patches import mamba_guard
+    from flash_vllm.patches import p03_mamba_copy_guard as mamba_guard
     from flash_vllm.registry import Context, by_number
 
     patch = by_number(3)

@@ -24,7 +24,7 @@ on 0.29): PIECEWISE. Qwen4Exp backends report UNIFORM_BATCH, so under vLLM's def
 FULL_AND_PIECEWISE uniform decode batches are captured FULL, where an eager break does not break and
 a host gather would be baked into the graph. The run spec therefore forces
 `--compilation-config {"cudagraph_mode":"PIECEWISE"}` with it. The hoisted mode
-(`VLLM_PLE_MMAP_MODE=hoisted`, `ple_hoist.py`, 0.30-0.33; the recipe's default there, PLE_MODE=auto)
+(`VLLM_PLE_MMAP_MODE=hoisted`, `hoist.py`, 0.30-0.33; the recipe's default there, PLE_MODE=auto)
 gathers before the forward from the model runner's inputs; the forward only reads the buffer, so the
 run spec keeps FULL_AND_PIECEWISE.
 
@@ -32,7 +32,7 @@ Bases, and the one place that tells them apart (`FLAVOURS`):
 - 0.30-0.33, "storage": the storage classes above are replaced (the abstract base is in
   `nvidia/` on 0.30 and `common/` on 0.31+, found through the replaced class's MRO;
   `reduce_results` exists from 0.32 and is passed through).
-- 0.29, "splitting-op" (`ple_mmap_v029.py`): the table is a `VocabParallelEmbedding` inside
+- 0.29, "splitting-op" (`v029.py`): the table is a `VocabParallelEmbedding` inside
   `ple_layer.py`'s `Qwen4ExpNGramEmbedding`, looked up after the `qwen4_exp_compute_ple_ngram_ids`
   splitting op. Its class is replaced the same way (meta weight, shard rows skipped) and the lookup
   moves into a splitting op of ours (`vllm::flash_ple_mmap_lookup`, appended to 0.29's
@@ -49,12 +49,12 @@ import threading
 
 from flash_common import releases
 
-from ..registry import (Context, Gate, Patch, TargetMissing, expect_installed, expect_source, install,
-                        original, resolve)
-from ._ple_guard import TABLES, Tables, _is_capturing, eager_break, gather_into, layer_of, table_dir  # noqa: F401
-from .ple_hoist import BASES as HOIST_BASES
-from .ple_hoist import TARGETS as HOIST_TARGETS
-from .ple_mmap_v029 import TARGETS as V029_TARGETS
+from ...registry import (UNTRACED_GATE, Context, Gate, Patch, TargetMissing, expect_installed, expect_source,
+                         install, original, resolve)
+from .guard import TABLES, Tables, _is_capturing, eager_break, gather_into, layer_of, table_dir  # noqa: F401
+from .hoist import BASES as HOIST_BASES
+from .hoist import TARGETS as HOIST_TARGETS
+from .v029 import TARGETS as V029_TARGETS
 
 NUMBER = 1
 ENV = "VLLM_PLE_MMAP"
@@ -66,6 +66,38 @@ DEVICE = (NGRAM, "Qwen4ExpPLEDeviceEmbedding")
 INIT = (NGRAM, "Qwen4ExpNGramEmbedding.__init__")
 FORWARD = (NGRAM, "Qwen4ExpNGramEmbedding.forward")
 LOAD = (NGRAM, "Qwen4ExpNGramEmbedding.load_weights")
+
+# For the compile key: what of patch 1's env changes the code torch.compile traces.
+TRACED = ("VLLM_PLE_MMAP_MODE", "VLLM_PLE_MMAP_DEBUG", "VLLM_PLE_MMAP_HOIST_CHECK")
+_ENGINE = ("the PLE engine's {}: the gather runs outside the traced graph (an eager break on "
+           "0.30+, the vllm::flash_ple_mmap_lookup splitting op on 0.29)")
+UNTRACED = {
+    ENV: UNTRACED_GATE,
+    "VLLM_PLE_MMAP_DIR": _ENGINE.format("source directory (a path)"),
+    "VLLM_PLE_MMAP_WORKERS": _ENGINE.format("thread pool size"),
+    "VLLM_PLE_MMAP_PREWARM": _ENGINE.format("page-cache prewarm"),
+    "VLLM_PLE_MMAP_MADVISE": _ENGINE.format("madvise advice"),
+    "VLLM_PLE_MMAP_FAST_ROWS": _ENGINE.format("inline-read threshold"),
+    "VLLM_PLE_MMAP_STATS_SEC": _ENGINE.format("stats log interval"),
+    "VLLM_PLE_MMAP_PROMETHEUS": _ENGINE.format("Prometheus export"),
+    "VLLM_PLE_MMAP_RING_DEPTH": _ENGINE.format("io_uring depth"),
+    "VLLM_PLE_MMAP_CHUNK": _ENGINE.format("rows per pool task"),
+    "VLLM_PLE_MMAP_IO": _ENGINE.format("I/O method"),
+    "VLLM_PLE_MMAP_NATIVE": _ENGINE.format("compiled (numba) gather loops"),
+    "VLLM_PLE_MMAP_DEDUP_MIN": _ENGINE.format("Stager dedup threshold (its own small CUDA graphs are "
+                                              "captured by the Stager, not by torch.compile)"),
+}
+
+
+def knobs(env) -> dict:
+    """mode: eager gathers inside the forward, hoisted before it (0.30+); debug swaps in the
+    cross-checking forward; hoist_check adds the id comparison to the hoisted forward."""
+    from ...ple.config import config_from_env
+
+    cfg = config_from_env(env)
+    return {"mode": cfg.mode, "debug": cfg.debug, "hoist_check": cfg.hoist_check}
+
+
 def make_storage(upstream_cls):
     """A subclass of the release's `Qwen4ExpPLEEmbedding` serving rows from the mmapped table.
 
@@ -115,7 +147,7 @@ def make_storage(upstream_cls):
 
         def stager(self, device):
             if self._flash_stager is None:
-                from ..ple import Stager
+                from ...ple import Stager
 
                 table = TABLES.get(self._flash_model_path, self._flash_layer)
                 if table.num_rows < self.org_vocab_size:
@@ -167,15 +199,15 @@ def storage_base(upstream_cls):
 
 
 def _hoist():
-    from . import ple_hoist
+    from . import hoist
 
-    return ple_hoist
+    return hoist
 
 
 def _v029():
-    from . import ple_mmap_v029
+    from . import v029
 
-    return ple_mmap_v029
+    return v029
 
 
 def check(ctx: Context) -> None:
@@ -213,7 +245,7 @@ def apply(ctx: Context) -> None:
     if hoisted:
         _hoist().apply(ctx)
     if ctx.flag("VLLM_PLE_MMAP_DEBUG"):
-        from .ple_mmap_debug import make_forward
+        from .debug import make_forward
 
         install(NUMBER, *FORWARD, make_forward)
 
@@ -247,8 +279,9 @@ PATCH = Patch(
     not_ported={b: "no port of patch 1 to this release (catalogue: ple_storage=None)"
                 for b in releases.where("ple_storage", None)},
     check=check, apply=apply, verify=verify,
+    traced=TRACED, knobs=knobs, untraced=UNTRACED,
     notes="Graph regime: hoisted mode (env VLLM_PLE_MMAP_MODE=hoisted; served on " + ", ".join(sorted(HOIST_BASES))
-          + " only, ple_hoist.BASES; the recipe's PLE_MODE=auto picks it there): FULL_AND_PIECEWISE. Eager mode "
+          + " only, hoist.BASES; the recipe's PLE_MODE=auto picks it there): FULL_AND_PIECEWISE. Eager mode "
           "(the plugin's default when the env is unset; auto's on the other bases; PLE_MODE=eager): the run spec "
           "forces cudagraph_mode=PIECEWISE (and leaves splitting_ops unset, so 0.29 copies its list with our "
           "op). An explicit PLE_MODE=hoisted where not served is refused by preflight (the plugin stays eager).",

@@ -9,7 +9,7 @@ accepted for compatibility and does nothing.
 
 from flash_common import releases
 
-from ..registry import Context, Gate, Patch, expect_source
+from ...registry import Context, Gate, Patch, expect_source
 
 TARGET = ("vllm.model_executor.kernels.linear.scaled_mm.pytorch",
           "BlockWiseTorchFP8ScaledMMLinearKernel.apply_block_scaled_mm")

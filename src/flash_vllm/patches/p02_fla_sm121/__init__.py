@@ -17,7 +17,7 @@ import sys
 
 from flash_common import releases
 
-from ..registry import Context, Gate, Patch, TargetMissing, expect_installed, expect_source, install
+from ...registry import Context, Gate, Patch, TargetMissing, expect_installed, expect_source, install
 
 NUMBER = 2
 UTILS = "vllm.third_party.flash_linear_attention.ops.utils"

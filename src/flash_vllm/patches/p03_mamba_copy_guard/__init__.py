@@ -45,7 +45,7 @@ from typing import Any
 
 from flash_common import releases
 
-from ..registry import (Context, Gate, Patch, TargetMissing, expect_installed, import_target,
+from ...registry import (Context, Gate, Patch, TargetMissing, expect_installed, import_target,
                         install, is_ours, original, resolve)
 
 NUMBER = 3

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from flash_common import releases
 
-from ..registry import Context, Gate, Patch, TargetMissing, expect_absent, expect_installed, \
+from ...registry import Context, Gate, Patch, TargetMissing, expect_absent, expect_installed, \
     expect_source, install
 
 NUMBER = 11

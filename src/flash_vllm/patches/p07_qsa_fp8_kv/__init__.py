@@ -41,7 +41,7 @@ import linecache
 
 from flash_common import releases
 
-from ..registry import (Context, Gate, Patch, TargetMissing, expect_installed, import_target,
+from ...registry import (Context, Gate, Patch, TargetMissing, expect_installed, import_target,
                         install, is_ours, resolve)
 
 NUMBER = 7

@@ -19,7 +19,7 @@ import logging
 
 from flash_common import releases
 
-from ..registry import Context, Gate, Patch, expect_installed, expect_source, install
+from ...registry import Context, Gate, Patch, expect_installed, expect_source, install
 
 NUMBER = 4
 SCHED = ("vllm.v1.core.sched.scheduler", "Scheduler._mamba_block_aligned_split")

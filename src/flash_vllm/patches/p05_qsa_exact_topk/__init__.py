@@ -2,10 +2,12 @@
 
 from flash_common import releases
 
-from ..registry import Gate, Patch
-from . import _qsa_topk
+from ...registry import Gate, Patch
+from . import hook
 
-ALL = releases.since("0.29.0")
+ALL = hook.PORTED  # the catalogue's qsa_topk_site: where there is a block top-k to hook
+NOT_PORTED = {b: "no port of the QSA top-k hook to this release (catalogue: qsa_topk_site=None)"
+              for b in releases.where("qsa_topk_site", None)}
 
 PATCH = Patch(
     number=5,
@@ -24,7 +26,10 @@ PATCH = Patch(
     targets=("vllm.models.qwen4_exp.nvidia.ops.qsa:qsa_select_paged_tokens (v0.29)",
              "vllm.models.qwen4_exp.nvidia.ops.qsa_indexer:_topk (v0.30+)"),
     applies_to=ALL,
-    check=_qsa_topk.check,
-    apply=_qsa_topk.install_hook,
-    verify=_qsa_topk.verify,
+    not_ported=NOT_PORTED,
+    check=hook.check,
+    apply=hook.install_hook,
+    verify=hook.verify,
+    traced=hook.TRACED,
+    knobs=hook.knobs,
 )

@@ -10,12 +10,12 @@ replaces that dispatch; the mode is read from the environment when the hook is i
   stock kernel runs (a diagnostic: does the stock kernel read past `visible`?).
 - otherwise `VLLM_QSA_DET_TOPK=1`: the same exact path (patch 8 routes here instead of building
   an external kernel; see docs/PATCHES.md).
-- `VLLM_QSA_DET_TOPK=radix`: patch 8 through `_qsa_radix.radix_block_topk`, a Triton radix select
-  over the visible columns only (deterministic, ties to the lowest column). Measured on the H200
+- `VLLM_QSA_DET_TOPK=radix`: patch 8 through `radix_block_topk` (patch 8's `radix.py`), a Triton
+  radix select over the visible columns only (deterministic, ties to the lowest column). Measured on the H200
   (run4): faster than `det` up to 32k context, 11x stock at 128k, so it stays opt-in.
 - `VLLM_QSA_DET_TOPK=repair` (the recipe's default): the stock kernel, then
-  `_qsa_radix.repair_block_topk` in place on its output: the same answer as `radix` for stock's cost
-  plus two reads of the visible columns (a radix select only where the stock selection fails the
+  `repair_block_topk` (patch 8's `radix.py`) in place on its output: the same answer as `radix` for
+  stock's cost plus two reads of the visible columns (a radix select only where the stock selection fails the
   kernel's certificate). Run44, graphs: 1.9-3.4x the stock kernel alone, against 10-40x for `1`.
 - neither: the stock kernel, untouched (the hook passes through).
 
@@ -26,19 +26,29 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from ..registry import TRUE, Context, TargetMissing, expect_installed, expect_source, install
+from flash_common import releases
+
+from ...registry import TRUE, Context, TargetMissing, expect_installed, expect_source, install
 
 HOOK_NUMBER = 5  # the hook is installed once, under patch 5's mark, whichever patch asks first
 M029 = "vllm.models.qwen4_exp.nvidia.ops.qsa"
 M030 = "vllm.models.qwen4_exp.nvidia.ops.qsa_indexer"
 
-# Where the stock dispatch lives per base (0.29: inline; 0.30+: `_topk`).
-TARGET = {"v0.29": (M029, "qsa_select_paged_tokens")}
-TARGET_030 = (M030, "_topk")
+# Where the stock dispatch lives, by the catalogue's `qsa_topk_site` (0.29: inline; 0.30+: `_topk`).
+SITES = {"select-paged-tokens": (M029, "qsa_select_paged_tokens"), "indexer": (M030, "_topk")}
+PORTED = frozenset(b for b in releases.ORDER if releases.cap(b, "qsa_topk_site") in SITES)
+
+
+def inline(base: str) -> bool:
+    """The selection is inline in `qsa_select_paged_tokens` (the whole function is replaced)."""
+    return releases.cap(base, "qsa_topk_site") == "select-paged-tokens"
 
 
 def target(base: str) -> tuple[str, str]:
-    return TARGET.get(base, TARGET_030)
+    site = releases.cap(base, "qsa_topk_site")
+    if site not in SITES:
+        raise TargetMissing(f"no QSA top-k hook for {base} (catalogue: qsa_topk_site={site!r})")
+    return SITES[site]
 
 
 def mode(env: Mapping[str, str]) -> str | None:
@@ -55,6 +65,15 @@ def mode(env: Mapping[str, str]) -> str | None:
     return None
 
 
+# The hook's body is picked by these, once, when it is installed: they change the traced code.
+TRACED = ("VLLM_QSA_EXACT_TOPK", "VLLM_QSA_DET_TOPK")
+
+
+def knobs(env: Mapping[str, str]) -> dict:
+    """The compile key's state for patches 5 and 8 (one hook; the mode picks its body)."""
+    return {"topk": mode(env) or "stock"}
+
+
 def det_enabled(env: Mapping[str, str]) -> bool:
     """Patch 8's gate: VLLM_QSA_DET_TOPK=1 (the exact path), =radix or =repair (the Triton kernels)."""
     return mode({"VLLM_QSA_DET_TOPK": env.get("VLLM_QSA_DET_TOPK", "")}) is not None  # det, radix or repair
@@ -64,9 +83,9 @@ def _kernel(hook_mode: str | None):
     """The Triton kernel a mode runs (radix: instead of the stock op; repair: after it), else None."""
     if hook_mode not in ("radix", "repair"):
         return None
-    from . import _qsa_radix  # Triton: only when asked for
+    from ..p08_qsa_det_topk import radix  # Triton: only when asked for
 
-    return _qsa_radix.radix_block_topk if hook_mode == "radix" else _qsa_radix.repair_block_topk
+    return radix.radix_block_topk if hook_mode == "radix" else radix.repair_block_topk
 
 
 def exact_block_topk(logits, visible_blocks, block_indices, block_topk: int, columns: int) -> None:
@@ -108,7 +127,7 @@ def fill_invisible(logits, visible_blocks, columns: int) -> None:
 
 def check(ctx: Context) -> None:
     module, name = target(ctx.base.name)
-    if ctx.base.name == "v0.29":
+    if inline(ctx.base.name):
         expect_source(module, name, "torch.ops._C.persistent_topk", "qsa_mqa_paged(",
                       "expand_qsa_block_indices_cuda(",
                       "topk_op(logits, visible_blocks, blocks, topk_workspace, block_topk, columns)")
@@ -207,7 +226,7 @@ def _make_029(orig, hook_mode):
 def make_hook(orig, hook_mode: str | None, base: str):
     """The replacement `install_hook` puts in place of `orig` on `base` (0.29: the whole
     `qsa_select_paged_tokens`; 0.30+: `_topk`). tools/bench_step_kernels.py times the 0.30+ one."""
-    return (_make_029 if base == "v0.29" else _make_030)(orig, hook_mode)
+    return (_make_029 if inline(base) else _make_030)(orig, hook_mode)
 
 
 def install_hook(ctx: Context) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from flash_common import releases
 
-from ..registry import Context, Gate, Patch, TargetMissing, expect_installed, expect_source, install
+from ...registry import Context, Gate, Patch, TargetMissing, expect_installed, expect_source, install
 
 NUMBER = 10
 TARGET = ("vllm.models.qwen4_exp.nvidia.mtp", "Qwen4ExpMTP.compute_logits")
@@ -41,7 +41,7 @@ class DraftVocabError(ValueError):
 
 
 def data_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "data"
+    return Path(__file__).resolve().parents[2] / "data"  # flash_vllm/data
 
 
 def resolve_path(value: str | None) -> Path | None:
@@ -183,4 +183,6 @@ PATCH = Patch(
     targets=(":".join(TARGET),),
     applies_to=releases.since("0.29.0"),
     check=check, apply=apply, verify=verify,
+    untraced={ENV: ("patch 10's id set (a path) is read by Qwen4ExpMTP.compute_logits, which vLLM does not "
+                    "compile; whether patch 10 applies is in `applied`")},
 )

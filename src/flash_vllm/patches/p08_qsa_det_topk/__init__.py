@@ -1,9 +1,8 @@
 """Patch 8: deterministic QSA block selection: the stock kernel repaired by the Triton kernels in
-`_qsa_radix.py` (the default), or patch 5's exact path, or the radix select alone."""
+`radix.py` (the default), or patch 5's exact path, or the radix select alone."""
 
-from ..registry import Gate, Patch
-from . import _qsa_topk
-from .qsa_topk import ALL
+from ...registry import Gate, Patch
+from ..p05_qsa_exact_topk import ALL, NOT_PORTED, hook
 
 PATCH = Patch(
     number=8,
@@ -13,7 +12,7 @@ PATCH = Patch(
          "compiles a deterministic `persistent_topk` (vllm#55122) inside the image build; we build "
          "nothing (no network or nvcc in the image build). `VLLM_QSA_DET_TOPK=repair` (flash's "
          "default) keeps the stock kernel and rewrites its output with two Triton launches over the "
-         "visible columns (`_qsa_radix.py`): the smallest selected score t is the k-th largest exactly "
+         "visible columns (`radix.py`): the smallest selected score t is the k-th largest exactly "
          "when fewer than k scores of the row are above t and at least k reach it (a certificate read "
          "off the counts); then every score above t is taken and the ties at t go to the lowest "
          "columns. Where the certificate fails (the stock kernel dropped a candidate, vllm#51782) the "
@@ -26,10 +25,13 @@ PATCH = Patch(
          "differences rather than ties, so this makes selection exact and repeatable, not the whole "
          "forward. `VLLM_QSA_EXACT_TOPK` wins when both are set."),
     upstream="vllm#55122 (deterministic persistent_topk, open); vllm#54521 (issue, open)",
-    gate=Gate("VLLM_QSA_DET_TOPK", "VLLM_QSA_DET_TOPK=repair (or =1, =radix)", _qsa_topk.det_enabled),
+    gate=Gate("VLLM_QSA_DET_TOPK", "VLLM_QSA_DET_TOPK=repair (or =1, =radix)", hook.det_enabled),
     targets=("same hook as patch 5",),
     applies_to=ALL,
-    check=_qsa_topk.check,
-    apply=_qsa_topk.install_hook,
-    verify=_qsa_topk.verify,
+    not_ported=NOT_PORTED,
+    check=hook.check,
+    apply=hook.install_hook,
+    verify=hook.verify,
+    traced=hook.TRACED,
+    knobs=hook.knobs,
 )

@@ -46,7 +46,7 @@ import time
 
 from flash_common import releases
 
-from ..registry import Context, expect_installed, expect_source, install
+from ...registry import Context, expect_installed, expect_source, install
 
 MODE_ENV = "VLLM_PLE_MMAP_MODE"
 CHECK_ENV = "VLLM_PLE_MMAP_HOIST_CHECK"
@@ -114,7 +114,7 @@ def apply(ctx: Context) -> None:
     global ACTIVE, CHECK
     install(NUMBER, *PREPARE, make_prepare_inputs)
     install(NUMBER, *PREPARE_DUMMY, make_prepare_dummy_inputs)
-    from ..ple import config_from_env
+    from ...ple import config_from_env
 
     CHECK = config_from_env(ctx.env).hoist_check
     ACTIVE = True
@@ -143,7 +143,7 @@ def wanted(ctx: Context) -> bool:
 # --- runtime --------------------------------------------------------------------------------------
 
 def _capturing() -> bool:
-    from ._ple_guard import _in_breakable_capture, _is_capturing
+    from .guard import _in_breakable_capture, _is_capturing
     import torch
 
     return _is_capturing(torch) or _in_breakable_capture()
@@ -243,7 +243,7 @@ def hoister(state):
 
 
 def make_prepare_inputs(orig):
-    from ..registry import wraps
+    from ...registry import wraps
 
     @wraps(orig)
     def prepare_inputs(self, input_batch, req_states):
@@ -261,7 +261,7 @@ def make_prepare_dummy_inputs(orig):
     """Capture's warm-up forward runs eagerly on these inputs after whatever step was staged last
     (H200, real-shape boot: "the forward reads 32 PLE rows but the runner's hook staged 1"):
     mark the step a dummy, as the runner's own dummy batches are."""
-    from ..registry import wraps
+    from ...registry import wraps
 
     @wraps(orig)
     def prepare_dummy_inputs(self, num_reqs, num_tokens):

@@ -1,8 +1,8 @@
 """Deterministic QSA block top-k kernels that read only the visible columns (patch 8's `repair` and
 `radix` modes).
 
-Patch 8's `1` mode (`_qsa_topk.exact_block_topk`) masks the whole scores row and runs `torch.topk`
-over it: its cost follows the row width, which is max_model_len / compress_ratio (125,056 columns
+Patch 8's `1` mode (`exact_block_topk` in patch 5's `hook.py`) masks the whole scores row and runs
+`torch.topk` over it: its cost follows the row width, which is max_model_len / compress_ratio (125,056 columns
 at flash's CTX=500000), not the context. On the H200 that is 10-40x the stock kernels in graphs
 (run44; benchmarks/decode-h200/KERNELS.md). Two kernels here, each looping over
 `min(visible, columns)` columns only:

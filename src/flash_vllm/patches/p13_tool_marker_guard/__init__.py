@@ -21,7 +21,7 @@ import re
 
 from flash_common import releases
 
-from ..registry import Context, Gate, Patch, expect_installed, expect_source, install
+from ...registry import Context, Gate, Patch, expect_installed, expect_source, install
 
 NUMBER = 13
 MODULE = "vllm.parser.engine.streaming_parser_engine"

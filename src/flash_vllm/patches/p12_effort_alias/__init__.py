@@ -16,7 +16,7 @@ import json
 from flash_common.effort import EFFORT_MAP
 from flash_common import releases
 
-from ..registry import Context, Gate, Patch, expect_installed, expect_source, install
+from ...registry import UNTRACED_GATE, Context, Gate, Patch, expect_installed, expect_source, install
 
 NUMBER = 12
 TARGET = ("vllm.renderers.hf", "resolve_chat_template_kwargs")
@@ -66,4 +66,5 @@ PATCH = Patch(
     upstream_in=releases.where("reasoning_effort_map", True),
     check=check, apply=apply, verify=verify, upstream_check=upstream_check,
     notes=f"v0.33: `--reasoning-effort-map '{REASONING_EFFORT_MAP_ARG}'`.",
+    untraced={"FLASH_EFFORT_ALIAS": UNTRACED_GATE + " (and patch 12 rewrites requests, not the model)"},
 )

@@ -1,5 +1,5 @@
 """Patch 1's shared guard: the per-process PLE tables and the guarded host gather, used by both
-flavours (`ple_mmap.py` for 0.30+, `ple_mmap_v029.py` for 0.29), as `_qsa_topk.py` is for 5 and 8.
+flavours (`__init__.py` for 0.30+, `v029.py` for 0.29), as patch 5's `hook.py` is for 5 and 8.
 A leaf: it imports neither flavour, so the two never import each other back."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Tables:
         self.config = None
 
     def get(self, model_path: str | None, layer: int | None, env=None):
-        from .. import ple
+        from ... import ple
 
         with self._lock:
             if self.config is None:

@@ -18,7 +18,7 @@ followed by `F.embedding` inside the next piecewise CUDA graph. With the gate on
   (`Stager.lookup(raw=True)`) into a persistent per-layer buffer and copies them into the op's
   output. The op is appended to `CompilationConfig._attention_ops` (0.29's splitting ops), so under
   PIECEWISE it runs eagerly between graph segments, like the ids op it replaces.
-- The gather itself is the same guarded call as on 0.30+ (`_ple_guard.gather_into`): an eager break
+- The gather itself is the same guarded call as on 0.30+ (`guard.gather_into`): an eager break
   when breakable graphs are on, zeros during a breakable capture, a loud error inside a plain
   stream capture (a FULL graph, or splitting ops given without our op).
 
@@ -29,7 +29,7 @@ list, ours included.
 
 import inspect  # no `from __future__ import annotations`: the op schema is read from real annotations
 
-from ..registry import TargetMissing, expect_installed, expect_source, install, original, resolve
+from ...registry import TargetMissing, expect_installed, expect_source, install, original, resolve
 
 LAYER = "vllm.models.qwen4_exp.nvidia.ple_layer"
 STORAGE = (LAYER, "PLEVocabParallelEmbedding")
@@ -49,7 +49,7 @@ TARGETS = (STORAGE, INIT, FORWARD, LOAD, DEQUANT, IDS_OP, SPLITTING)
 
 
 def _attention_ops() -> list:
-    from ..registry import import_target
+    from ...registry import import_target
 
     cc = import_target(COMPILATION).CompilationConfig
     ops = inspect.getattr_static(cc, "_attention_ops", None)
@@ -151,7 +151,7 @@ def make_storage(upstream_cls):
     import torch
     from vllm.config import get_current_vllm_config
 
-    from . import _ple_guard as ple_mmap
+    from . import guard as ple_mmap
 
     class FlashMmapPLEVocabParallelEmbedding(upstream_cls):
         """0.29's PLE table, served from the checkpoint's mmapped shards by flash's PLE engine."""
@@ -179,7 +179,7 @@ def make_storage(upstream_cls):
             if table.dtype == "F8_E5M2":
                 raise ValueError("VLLM_PLE_MMAP on vLLM 0.29: the PLE layer dequantises float8_e4m3fn "
                                  "tables only; this checkpoint's table is F8_E5M2")
-            from ..ple.stager import torch_dtype
+            from ...ple.stager import torch_dtype
 
             self.flash_rows_dtype = torch_dtype(table.dtype)
             fp8 = table.dtype == "F8_E4M3"
@@ -203,7 +203,7 @@ def make_storage(upstream_cls):
 
         def stager(self, device):
             if self._flash_stager is None:
-                from ..ple import Stager
+                from ...ple import Stager
 
                 table = ple_mmap.TABLES.get(self._flash_model_path, self._flash_layer)
                 self._flash_stager = Stager(table, device, stats=ple_mmap.TABLES.stats)
