@@ -92,6 +92,9 @@ def code_changes(commit: str, paths: list[str]) -> list[str]:
         moved, touched = pure_moves(sha)
         if any(under(p, followed) for p in touched) or not any(under(p, followed) for p in moved):
             changed.append(sha[:7])
+    # an edit later undone (the code where it was, byte for byte) changed nothing that was measured
+    if changed and followed == set(paths) and git("diff", "--quiet", commit, "HEAD", "--", *paths).returncode == 0:
+        return []
     return changed
 
 
@@ -151,4 +154,13 @@ def test_a_pure_move_is_not_a_change_but_edits_before_and_after_it_are(tmp_path,
     renames.cache_clear()
     edit_a = commit("edit a")
     assert code_changes(taken, ["lab/a.py"]) == [edit_a]
+    # an edit undone at the same path: no net change since the row's commit, so none counted
+    (repo / "lab" / "c.py").write_text("c = 1\n")
+    at_c = commit("add c")
+    (repo / "lab" / "c.py").write_text("c = 2\n")
+    edit_c = commit("edit c")
+    assert code_changes(at_c, ["lab/c.py"]) == [edit_c]
+    (repo / "lab" / "c.py").write_text("c = 1\n")
+    commit("undo c")
+    assert code_changes(at_c, ["lab/c.py"]) == []
     renames.cache_clear()
