@@ -62,13 +62,8 @@ def stream(url: str, prompt: list[int], tokens: int, stamps: list[float] | None 
     with requests.post(url + "/v1/completions", json=body, stream=True, timeout=900) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
-        for line in r.iter_lines(decode_unicode=True):
-            if not line or not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            if json.loads(data).get("choices"):
+        for chunk in client.sse_chunks(r):
+            if chunk.get("choices"):
                 now = time.perf_counter()
                 first = first if first is not None else now
                 stamps.append(now)

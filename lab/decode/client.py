@@ -48,6 +48,17 @@ def ple_phases(before: dict, after: dict) -> dict | None:
     return {"ops": int(ops), **per, "rows_per_op": round((after.get(PLE["rows"], 0.0) - before.get(PLE["rows"], 0.0)) / ops, 1)}
 
 
+def sse_chunks(response):
+    """The JSON chunks of an OpenAI-style server-sent event stream, up to `data: [DONE]`."""
+    for line in response.iter_lines(decode_unicode=True):
+        if not line or not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
 def stream_one(url: str, prompt: list[int], tokens: int, rec: dict) -> None:
     import requests
 
@@ -59,13 +70,7 @@ def stream_one(url: str, prompt: list[int], tokens: int, rec: dict) -> None:
             if r.status_code != 200:
                 rec["error"] = f"HTTP {r.status_code}: {r.text[:200]}"
                 return
-            for line in r.iter_lines(decode_unicode=True):
-                if not line or not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
+            for chunk in sse_chunks(r):
                 if chunk.get("usage"):
                     rec["tokens"] = chunk["usage"].get("completion_tokens")
                 if chunk.get("choices") and rec.get("first") is None:
