@@ -20,11 +20,7 @@ LABEL org.flash.selfcheck=skipped
 FROM selfcheck-${SELFCHECK}
 ARG FLASH_VLLM_BASE=v0.33
 ARG SELFCHECK=1
-<<<<<<< HEAD
 ARG PATCHSET=5547408ac79214bf
-=======
-ARG PATCHSET=5547408ac79214bf
->>>>>>> main
 ENV FLASH_VLLM_BASE=${FLASH_VLLM_BASE}
 LABEL qwen38.base=${FLASH_VLLM_BASE} \
       org.flash.base=${FLASH_VLLM_BASE} \
