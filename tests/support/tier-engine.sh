@@ -34,7 +34,12 @@ if [ ! -x "$VENV/bin/sparkrun" ]; then
       PY312=$(command -v "$py"); break
     fi
   done
-  [ -n "$PY312" ] || { echo "tier-engine: no Python >= 3.12 for sparkrun $SPARKRUN (python3 is $(python3 --version 2>&1))" >&2; exit 1; }
+  if [ -z "$PY312" ]; then  # none here (Debian 12): uv fetches a standalone CPython 3.12 (from GitHub)
+    UV=${FLASH_TEST_CACHE:-$HOME/.cache/flash-tests}/uv-0.13.9
+    [ -x "$UV/bin/uv" ] || { python3 -m venv "$UV" && "$UV/bin/pip" install --quiet --disable-pip-version-check uv==0.13.9; }
+    PY312=$("$UV/bin/uv" python find 3.12 2>/dev/null || { "$UV/bin/uv" python install 3.12 >&2 && "$UV/bin/uv" python find 3.12; }) || PY312=""
+  fi
+  [ -n "$PY312" ] || { echo "tier-engine: no Python >= 3.12 for sparkrun $SPARKRUN (python3 is $(python3 --version 2>&1); uv could not install one)" >&2; exit 1; }
   rm -rf "$VENV"
   "$PY312" -m venv "$VENV"
   "$VENV/bin/pip" install --quiet --disable-pip-version-check "sparkrun==$SPARKRUN"
