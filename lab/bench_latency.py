@@ -145,17 +145,12 @@ def run(args) -> int:
     for name in configs:
         spec = br.render(name, d, args.port, sys.executable)
         srv = br.Server(spec, logs / f"latency-{name}.log")
-        t0 = time.monotonic()
         srv.start()
         try:
-            why = srv.wait(args.boot_timeout)
-            if why:
-                sink({**base, "event": "boot_failed", "label": name, "why": why,
-                      "tail": srv.log.read_text(errors="replace")[-2000:]})
+            row = srv.boot_row(args.boot_timeout)
+            sink({**base, **row, "label": name})
+            if row["event"] != "booted":
                 continue
-            sink({**base, "event": "booted", "label": name, "boot_s": round(time.monotonic() - t0, 1),
-                  "argv": spec["argv"], "env": spec["env"], "deviations": spec["deviations"],
-                  "settings": spec["settings"], **br._log_facts(srv.log)})
             stream(srv.url, _ids(random.Random(5), 64), 8)  # untimed: the first request's one-time costs
             for row in prefix_rows(srv.url, name, prefixes, args.repeats, base):
                 sink(row)

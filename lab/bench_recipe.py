@@ -252,6 +252,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
+        self.started = time.monotonic()
         fh = open(self.log, "a")  # noqa: SIM115 - the child owns it
         self.proc = subprocess.Popen(self.spec["argv"], env={**os.environ, **self.spec["env"]}, stdout=fh,
                                      stderr=subprocess.STDOUT, start_new_session=True)
@@ -271,6 +272,17 @@ class Server:
                 pass
             time.sleep(2)
         return f"no /health after {timeout:.0f} s"
+
+    def boot_row(self, timeout: float) -> dict:
+        """Wait for /health: the `booted` row (what ran, as rendered, and what its log says) or the
+        `boot_failed` one with the log's tail; the caller adds the label and its own fields."""
+        why = self.wait(timeout)
+        if why:
+            return {"event": "boot_failed", "why": why, "tail": self.log.read_text(errors="replace")[-2000:]}
+        spec = self.spec
+        return {"event": "booted", "boot_s": round(time.monotonic() - self.started, 1), "gpu_mib": _gpu_mib(),
+                "argv": spec["argv"], "env": spec["env"], "deviations": spec["deviations"],
+                "settings": spec["settings"], **_log_facts(self.log)}
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -314,18 +326,13 @@ def run(args) -> int:
                 continue
             spec = render(name, d, args.port, sys.executable)
             srv = Server(spec, logs / f"{name}-c{cycle}.log")
-            b0 = time.monotonic()
             srv.start()
             try:
-                why = srv.wait(min(args.boot_timeout, left()))
-                if why:
-                    tail = srv.log.read_text(errors="replace")[-2000:]
-                    emit({"event": "boot_failed", "label": name, "cycle": cycle, "why": why, "tail": tail, **base})
+                row = srv.boot_row(min(args.boot_timeout, left()))
+                emit({**row, "label": name, "cycle": cycle, **base})
+                if row["event"] != "booted":
                     continue
-                boot_s[name] = time.monotonic() - b0
-                emit({"event": "booted", "label": name, "cycle": cycle, "boot_s": round(boot_s[name], 1),
-                      "gpu_mib": _gpu_mib(), "argv": spec["argv"], "env": spec["env"],
-                      "deviations": spec["deviations"], "settings": spec["settings"], **_log_facts(srv.log), **base})
+                boot_s[name] = row["boot_s"]
                 k0 = time.monotonic()
                 settle = client.PLE_SETTLE_S if CONFIGS[name]["kind"] == "recipe" else 0.0
                 extra = {**base, "cycle": cycle}
