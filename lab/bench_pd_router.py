@@ -10,6 +10,11 @@ client's body plus complete kv_transfer_params), so both sides do the same decod
 router adds the prefill leg and the relay. Latency is to the last byte of the stream; an error is
 a refused/reset connection, a timeout, a status other than 200 or a stream without `[DONE]`.
 
+`--workers 1,2` runs the router once per worker count (`pdrouter --workers N`), each right after
+its own direct run, all in one invocation so the counts see the same machine; the summary keys
+are `direct`/`router` for one count, `w1`, `w2`, ... (each with its own direct, router and ratios)
+for several. The router's CPU is the supervisor's plus every worker's.
+
 Prints one table (p50/p90/p99/max per side and the router/direct ratios) and, with --json PATH,
 writes every latency. Target: 0 errors, router p99 <= 1.1 x direct p99. Exit 1 on any error.
 """
@@ -91,9 +96,20 @@ async def load(url: str, body: dict, clients: int, rounds: int, timeout: float) 
 
 
 def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far (/proc/PID/stat fields 14 and 15)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of a process and its children so far: /proc/PID/stat fields 14
+    and 15, plus the same of every live child (the router's workers; none restart during a run)."""
+    def own(p: int) -> float:
+        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = own(pid)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                total += own(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
 
 
 def measured(pids: dict, run) -> dict:
@@ -119,10 +135,10 @@ def summary(r: dict) -> dict:
             "mean": statistics.fmean(lat) if lat else float("nan")}
 
 
-def start_router(fakes: dict, log: Path) -> tuple[subprocess.Popen, str]:
+def start_router(fakes: dict, log: Path, workers: int) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "VLLM_API_KEY": KEY}
     proc = subprocess.Popen([sys.executable, "-m", "flash_vllm.pdrouter", "--host", "127.0.0.1", "--port", "0",
-                             "--prefill", fakes["prefill"], "--decode", fakes["decode"]],
+                             "--workers", str(workers), "--prefill", fakes["prefill"], "--decode", fakes["decode"]],
                             stdout=subprocess.DEVNULL, stderr=log.open("w"), env=env, cwd=ROOT)
     deadline = time.monotonic() + 30
     while not (m := re.search(r"listening on (\S+):(\d+);", log.read_text())):
@@ -137,6 +153,8 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per request before it is an error")
+    ap.add_argument("--workers", default="1", metavar="N[,N...]",
+                    help="router worker processes (pdrouter --workers); several: one router run per count")
     ap.add_argument("--json", metavar="PATH", help="write the summary and every latency here")
     ap.add_argument("--fakes", action="store_true", help=argparse.SUPPRESS)
     ns = ap.parse_args()
@@ -145,44 +163,70 @@ def main() -> int:
         return 0
     import tempfile
 
+    try:
+        counts = [int(w) for w in ns.workers.split(",")]
+    except ValueError:
+        ap.error(f"--workers {ns.workers!r}: comma-separated integers, e.g. 1,2")
+    if any(w < 1 for w in counts):
+        ap.error("--workers: each count at least 1 (0, the router's auto, would hide what was measured)")
     fk = subprocess.Popen([sys.executable, "-m", "lab.bench_pd_router", "--fakes"], stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    fakes = json.loads(fk.stdout.readline())
-    log = Path(tempfile.mkdtemp(prefix="bench-pd-")) / "router.log"
-    router, url = start_router(fakes, log)
     client = {"model": "m", "prompt": "hi", "max_tokens": WORDS, "stream": True}
+    direct = {**client, "kv_transfer_params": direct_params()}
+    results: dict[int, dict] = {}
     try:
-        # warm both paths (connection pools, first imports) outside the measurement
-        asyncio.run(load(url, client, 10, 2, ns.timeout))
-        asyncio.run(load(fakes["decode"], {**client, "kv_transfer_params": direct_params()}, 10, 2, ns.timeout))
-        pids = {"router": router.pid, "fakes": fk.pid}
-        raw = {"direct": measured(pids, lambda: asyncio.run(load(
-                   fakes["decode"], {**client, "kv_transfer_params": direct_params()}, ns.clients, ns.rounds,
-                   ns.timeout))),
-               "router": measured(pids, lambda: asyncio.run(load(url, client, ns.clients, ns.rounds, ns.timeout)))}
+        fakes = json.loads(fk.stdout.readline())
+        for w in counts:
+            log = Path(tempfile.mkdtemp(prefix="bench-pd-")) / "router.log"
+            router, url = start_router(fakes, log, w)
+            try:
+                # warm both paths (connection pools, first imports, every worker) outside the measurement
+                asyncio.run(load(url, client, 10 * w, 2, ns.timeout))
+                asyncio.run(load(fakes["decode"], direct, 10, 2, ns.timeout))
+                pids = {"router": router.pid, "fakes": fk.pid}
+                # direct right before its router run: both halves of a ratio see the same load average
+                raw = {"direct": measured(pids, lambda: asyncio.run(load(
+                           fakes["decode"], direct, ns.clients, ns.rounds, ns.timeout))),
+                       "router": measured(pids, lambda: asyncio.run(load(url, client, ns.clients, ns.rounds,
+                                                                         ns.timeout)))}
+            finally:
+                router.terminate()
+                router.wait(30)
+            results[w] = raw
     finally:
-        router.terminate()
-        router.wait(30)
         fk.stdin.close()
         fk.wait(30)
-    out = {k: summary(v) for k, v in raw.items()}
-    out["ratio_p50"] = out["router"]["p50"] / out["direct"]["p50"]
-    out["ratio_p99"] = out["router"]["p99"] / out["direct"]["p99"]
-    out["setup"] = {"clients": ns.clients, "rounds": ns.rounds, "tokens_per_stream": WORDS,
-                    "cores": os.cpu_count(), "loadavg_before": os.getloadavg()[0], "machine": platform.machine(), "python": platform.python_version(),
-                    "command": " ".join(["python3 -m lab.bench_pd_router", *sys.argv[1:]])}
-    print(f"{'':8} {'requests':>8} {'errors':>6} {'p50 s':>8} {'p90 s':>8} {'p99 s':>8} {'max s':>8} {'wall s':>7}")
-    for k in ("direct", "router"):
-        s = out[k]
-        print(f"{k:8} {s['requests']:>8} {s['errors']:>6} {s['p50']:>8.3f} {s['p90']:>8.3f} {s['p99']:>8.3f} "
-              f"{s['max']:>8.3f} {s['wall_s']:>7.2f}" + (f"  {s['error_kinds']}" if s["errors"] else ""))
-        print(f"{'':8} CPU seconds: {s['cpu_s']}")
-        for sample in s["error_samples"]:
-            print(f"    {sample}")
-    print(f"router/direct: p50 {out['ratio_p50']:.3f}x, p99 {out['ratio_p99']:.3f}x (target p99 <= 1.1x, 0 errors)")
+    setup = {"clients": ns.clients, "rounds": ns.rounds, "tokens_per_stream": WORDS, "workers": counts,
+             "cores": os.cpu_count(), "loadavg_before": os.getloadavg()[0], "machine": platform.machine(),
+             "python": platform.python_version(), "command": " ".join(["python3 -m lab.bench_pd_router", *sys.argv[1:]])}
+    runs = {}
+    for w, raw in results.items():
+        out = {k: summary(v) for k, v in raw.items()}
+        out["workers"] = w
+        out["ratio_p50"] = out["router"]["p50"] / out["direct"]["p50"]
+        out["ratio_p99"] = out["router"]["p99"] / out["direct"]["p99"]
+        out["router_cpu_ms_per_request"] = round(1000 * out["router"]["cpu_s"]["router"] / out["router"]["requests"], 3)
+        runs[w] = (out, raw)
+        print(f"--workers {w}")
+        print(f"{'':8} {'requests':>8} {'errors':>6} {'p50 s':>8} {'p90 s':>8} {'p99 s':>8} {'max s':>8} {'wall s':>7}")
+        for k in ("direct", "router"):
+            s = out[k]
+            print(f"{k:8} {s['requests']:>8} {s['errors']:>6} {s['p50']:>8.3f} {s['p90']:>8.3f} {s['p99']:>8.3f} "
+                  f"{s['max']:>8.3f} {s['wall_s']:>7.2f}" + (f"  {s['error_kinds']}" if s["errors"] else ""))
+            print(f"{'':8} CPU seconds: {s['cpu_s']}")
+            for sample in s["error_samples"]:
+                print(f"    {sample}")
+        print(f"router/direct: p50 {out['ratio_p50']:.3f}x, p99 {out['ratio_p99']:.3f}x (target p99 <= 1.1x, 0 errors);"
+              f" router CPU {out['router_cpu_ms_per_request']:.2f} ms/request")
+    if len(runs) == 1:  # the one-count shape as before: direct, router, ratios at the top
+        (out, raw), = runs.values()
+        doc = {**out, "setup": setup, "latencies": {k: v["latencies"] for k, v in raw.items()}}
+    else:
+        doc = {"setup": setup, **{f"w{w}": {**out, "latencies": {k: v["latencies"] for k, v in raw.items()}}
+                                  for w, (out, raw) in runs.items()}}
     if ns.json:
-        Path(ns.json).write_text(json.dumps({**out, "latencies": {k: v["latencies"] for k, v in raw.items()}}) + "\n")
-    return 1 if out["router"]["errors"] or out["direct"]["errors"] else 0
+        Path(ns.json).write_text(json.dumps(doc) + "\n")
+    return 1 if any(out["router"]["errors"] or out["direct"]["errors"] for out, _ in runs.values()) else 0
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@ image, where the plugin must not pull them in).
   timer: a half-sent request would be held forever); a body that stalls `body_timeout` is a 408;
   idle keep-alive connections close after uvicorn's `timeout_keep_alive`.
 - Count: connections past `max_connections` are closed at accept; uvicorn's `limit_concurrency`
-  answers 503 past the same number of requests in flight.
+  answers 503 past the same number of requests in flight. With several workers (pdrouter
+  --workers) the cap is the router's, not each worker's: every worker counts its open connections
+  in its own slot of a shared array (`Tally`) and admits one only while the sum is under the cap
+  (two workers admitting at the same instant can pass it by at most workers-1).
 """
 
 from __future__ import annotations
@@ -164,13 +167,33 @@ class Guard:
                                                        "RequestTimeout"), close=True)
 
 
-def edge_protocol(limits: Limits):
+class Tally:
+    """The open connections of every worker, one slot each in shared memory (a multiprocessing
+    RawArray made before the workers fork). A slot has one writer, so no lock is needed, and a
+    crashed worker's count is reset by its replacement instead of leaking."""
+
+    def __init__(self, slots, index: int):
+        self.slots, self.index = slots, index
+        slots[index] = 0
+
+    def admit(self, cap: int) -> bool:
+        if sum(self.slots) >= cap:
+            return False
+        self.slots[self.index] += 1
+        return True
+
+    def release(self) -> None:
+        self.slots[self.index] -= 1
+
+
+def edge_protocol(limits: Limits, tally: Tally | None = None):
     """uvicorn's httptools protocol plus a header deadline and a connection cap (see the module's
     docstring). A class built on demand so that uvicorn is imported only when the router runs."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class EdgeProtocol(HttpToolsProtocol):
         _deadline = None
+        _counted = False
 
         def _arm(self) -> None:
             if self._deadline is None:
@@ -188,7 +211,12 @@ def edge_protocol(limits: Limits):
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            if len(self.connections) > limits.max_connections:
+            if tally is not None:
+                self._counted = tally.admit(limits.max_connections)
+                over = not self._counted
+            else:
+                over = len(self.connections) > limits.max_connections
+            if over:
                 transport.abort()
                 return
             self._arm()
@@ -203,6 +231,9 @@ def edge_protocol(limits: Limits):
 
         def connection_lost(self, exc) -> None:
             self._disarm()
+            if self._counted:
+                self._counted = False
+                tally.release()
             super().connection_lost(exc)
 
     return EdgeProtocol

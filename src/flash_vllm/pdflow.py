@@ -11,8 +11,12 @@ anthropic/protocol.py) and its tests' proxy (tests/v1/kv_connector/nixl_integrat
 
 Both legs carry the same `X-Request-Id` (the client's, or a new one) and the deployment's key.
 A 4xx from a server is the client's (passed through); a 5xx, a refused connection or a timeout
-is a 502 naming the stage. The decode server's health is watched (a poll, and every failed
-connection): while it is down a request is a 503 at once, before any prefill is spent.
+is a 502 naming the stage. Several decode servers (pd3, pd4: one prefill box, N-1 decode boxes):
+each request goes to the one with the fewest requests outstanding (ties in turn), chosen before
+its prefill; a decode server that refuses the connection is marked down and the decode leg moves
+to the next one (vLLM's NIXL pull works from any decode server: the prefill server holds the blocks
+until one fetches them). The decode servers' health is watched (a poll, and every failed
+connection): while all of them are down a request is a 503 at once, before any prefill is spent.
 The legs run on aiohttp (a vLLM dependency), imported when the flow starts.
 """
 
@@ -49,7 +53,11 @@ class StageError(Exception):
 
 
 class Backend:
-    def __init__(self, stage: str, url: str):
+    """One server. With router workers, its up/down verdict lives in a byte of shared memory (`shared`,
+    slot `slot`): a server one worker saw go down (its watcher, a /health probe, a refused connection)
+    is down for every worker at once, so none spends a prefill on it (the engine tier's pd test)."""
+
+    def __init__(self, stage: str, url: str, name: str = "", shared=None, slot: int = 0):
         parsed = urllib.parse.urlsplit(url)
         try:
             port = parsed.port
@@ -58,11 +66,27 @@ class Backend:
         if parsed.scheme != "http" or not parsed.hostname or not port or parsed.path not in ("", "/"):
             raise ValueError(f"--{stage} {url!r} is not http://HOST:PORT")
         self.stage, self.url = stage, url.rstrip("/")
-        self.up: bool | None = None  # None: not checked yet
+        self.name = name or stage  # prefill, decode; decode1..decodeN when there are several
+        self._shared, self._slot = shared, slot
+        self._up: bool | None = None  # None: not checked yet
         self.why = "not checked yet"
+        self.outstanding = 0  # decode: requests assigned to it, from their prefill to their last byte
+
+    @property
+    def up(self) -> bool | None:
+        if self._shared is None:
+            return self._up
+        v = self._shared[self._slot]  # 0 not checked yet, 1 up, 2 down
+        return None if v == 0 else v == 1
 
     def mark(self, up: bool, why: str) -> None:
-        self.up, self.why = up, why
+        self._up, self.why = up, why
+        if self._shared is not None:
+            self._shared[self._slot] = 1 if up else 2
+
+    def reason(self) -> str:
+        """Why it is down: this worker's own verdict, or that another worker saw it go down."""
+        return self.why if self._up is False or self._shared is None else "down as another router worker saw it"
 
 
 def prefill_body(body: dict) -> dict:
@@ -89,12 +113,30 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-class Flow:
-    """Both servers behind one aiohttp session (its pool keeps connections to each alive)."""
+def decode_backends(decode: str | list[str] | tuple[str, ...], shared=None) -> list[Backend]:
+    """The decode servers: `decode` for one, `decode1`..`decodeN` (the pd deployment's box numbers)
+    for several. The same URL twice is refused (it would be counted as two servers)."""
+    urls = [decode] if isinstance(decode, str) else list(decode)
+    if not urls:
+        raise ValueError("--decode is required (one per decode server)")
+    seen = set()
+    for u in urls:
+        if u.rstrip("/") in seen:
+            raise ValueError(f"--decode {u!r} is given twice")
+        seen.add(u.rstrip("/"))
+    return [Backend("decode", u, "decode" if len(urls) == 1 else f"decode{i + 1}", shared, i + 1)
+            for i, u in enumerate(urls)]
 
-    def __init__(self, prefill: str, decode: str, api_key: str | None, metrics=None):
-        self.prefill, self.decode = Backend("prefill", prefill), Backend("decode", decode)
-        self.backends = (self.prefill, self.decode)
+
+class Flow:
+    """Every server behind one aiohttp session (its pool keeps connections to each alive)."""
+
+    def __init__(self, prefill: str, decode: str | list[str], api_key: str | None, metrics=None, shared=None):
+        # shared: one byte per server (prefill, then each decode), made before the workers fork
+        self.prefill = Backend("prefill", prefill, shared=shared, slot=0)
+        self.decodes = decode_backends(decode, shared)
+        self.backends = (self.prefill, *self.decodes)
+        self._turn = 0
         self.api_key = api_key or None
         self.metrics = metrics
         self.session = self.probes = None
@@ -135,7 +177,30 @@ class Flow:
     def _set_up(self, b: Backend, up: bool, why: str) -> None:
         b.mark(up, why)
         if self.metrics:
-            self.metrics.up.labels(b.stage).set(1 if up else 0)
+            self.metrics.up.labels(b.stage, b.name).set(1 if up else 0)
+
+    def pick(self, skip: tuple[Backend, ...] = ()) -> Backend | None:
+        """The decode server for the next request: of those not known to be down, the one with the
+        fewest requests outstanding; ties go in turn. None: every decode server is down."""
+        live = [b for b in self.decodes if b.up is not False and b not in skip]
+        if not live:
+            return None
+        n = len(self.decodes)
+        start, self._turn = self._turn, (self._turn + 1) % n
+        return min(live, key=lambda b: (b.outstanding, (self.decodes.index(b) - start) % n))
+
+    def _take(self, b: Backend, delta: int) -> None:
+        b.outstanding += delta
+        if self.metrics:
+            self.metrics.outstanding.labels(b.name).set(b.outstanding)
+
+    def down_error(self) -> StageError:
+        """The 503 when no decode server is up: each one's state named."""
+        if len(self.decodes) == 1:
+            d = self.decodes[0]
+            return StageError("decode", d.url, f"down ({d.reason()})")
+        return StageError("decode", ", ".join(d.url for d in self.decodes),
+                          "all down (" + "; ".join(f"{d.name}: {d.reason()}" for d in self.decodes) + ")")
 
     async def get(self, b: Backend, path: str, timeout: float = HEALTH_TIMEOUT) -> tuple[int, bytes]:
         import aiohttp
@@ -170,12 +235,21 @@ class Flow:
         """Prefill, then decode relayed to the client through `send` (ASGI); the outcome's name."""
         endpoint = PD_PATHS[path]
         anthropic = endpoint == "messages"
-        m = self.metrics
-        d = self.decode
-        if d.up is False:  # no prefill for a request that cannot be decoded
-            await self._error(send, 503, StageError("decode", d.url, f"down ({d.why})"), anthropic,
-                              "ServiceUnavailable")
+        d = self.pick()
+        if d is None:  # no prefill for a request that cannot be decoded
+            await self._error(send, 503, self.down_error(), anthropic, "ServiceUnavailable")
             return "decode_down"
+        held = [d]  # the decode server this request counts against (it moves on a refused connection)
+        self._take(d, +1)
+        try:
+            return await self._disaggregated(path, body, client, send, anthropic, held)
+        finally:
+            self._take(held[0], -1)
+
+    async def _disaggregated(self, path: str, body: dict, client: dict, send, anthropic: bool,
+                             held: list[Backend]) -> str:
+        m = self.metrics
+        d = held[0]
         rid = client.get("x-request-id") or str(uuid.uuid4())
         hdrs = self.headers(client, rid)
 
@@ -214,19 +288,36 @@ class Flow:
         elif m:
             m.kv_missing.inc()
 
-        # 2. decode: the client's request with the handoff, relayed as it comes
+        # 2. decode: the client's request with the handoff, relayed as it comes; a decode server that
+        # refuses the connection hands the request to the next one that is up (nothing was sent yet)
         t = time.monotonic()
-        outcome = await self.relay(d, "POST", path, json.dumps(body).encode(), hdrs, send, anthropic)
+        data = json.dumps(body).encode()
+        tried: tuple[Backend, ...] = ()
+        while True:
+            last = len(tried) + 1 >= len(self.decodes)
+            outcome = await self.relay(d, "POST", path, data, hdrs, send, anthropic, retry_refused=not last)
+            if outcome != "refused":
+                break
+            tried += (d,)
+            nxt = self.pick(skip=tried)
+            if nxt is None:
+                await self._error(send, 502, StageError("decode", d.url, f"{d.why}; no other decode server is up"),
+                                  anthropic)
+                return "decode_error"
+            self._take(d, -1)
+            self._take(nxt, +1)
+            d = held[0] = nxt
         if m and outcome != "decode_error":
             m.stage_seconds.labels("decode").observe(time.monotonic() - t)
         return outcome
 
     async def relay(self, b: Backend, method: str, path: str, data: bytes | None, hdrs: dict, send,
-                    anthropic: bool = False) -> str:
+                    anthropic: bool = False, retry_refused: bool = False) -> str:
         """One server's answer to the client as it comes. A server that breaks off after the
         headers cannot turn into a 502 any more: an SSE stream gets an in-stream error event
         (vLLM's shape), anything else is cut. Cancelled (the client left): the upstream
-        connection is closed, so vLLM aborts the request."""
+        connection is closed, so vLLM aborts the request. `retry_refused`: a refused connection
+        sends nothing and returns "refused" (the caller tries another decode server)."""
         m = self.metrics
         try:
             resp = await self.session.request(method, b.url + path, data=data, headers=hdrs)
@@ -237,7 +328,9 @@ class Flow:
             if m:
                 m.stage_requests.labels(b.stage, "unreachable").inc()
             if "cannot connect" in err.why:
-                self._set_up(b, False, err.why)  # the next requests are refused before their prefill
+                self._set_up(b, False, err.why)  # the next requests go elsewhere, or are refused before their prefill
+                if retry_refused:
+                    return "refused"
             await self._error(send, 502, err, anthropic)
             return f"{b.stage}_error"
         try:

@@ -1,5 +1,7 @@
 """The prefill/decode router of a `pd` deployment: one OpenAI- and Anthropic-compatible endpoint in
-front of a vLLM prefill server (NixlConnector kv_producer) and a decode server (kv_consumer).
+front of a vLLM prefill server (NixlConnector kv_producer) and one or more decode servers
+(kv_consumer; `--decode` once per server, pd3/pd4: each request to the one with the fewest
+outstanding).
 
     python3 -m flash_vllm.launch python3 -m flash_vllm.pdrouter \
         --host 127.0.0.1 --port 18300 --prefill http://10.0.0.1:18310 --decode http://10.0.0.2:18311
@@ -14,12 +16,25 @@ uvloop) and Starlette for the endpoint, aiohttp for the two upstream legs, prome
 - httpedge.py: the key, framing, size, time and connection limits, before any body byte is read;
 - pdflow.py: the prefill -> decode flow, the servers' health, the relay;
 - pdmetrics.py: /metrics;
-- here: the routes, the listening socket and the command line.
+- here: the routes, the listening socket, the workers and the command line.
+
+Workers (`--workers N`, the ROUTER_WORKERS setting; 0: min(4, CPU cores)): one event loop spends
+~1.4 ms of CPU per routed request, so at 200 simultaneous requests they queue behind each other
+(issue 34: p99 2.65x direct on a 16-core host). With N > 1 this process is a supervisor: it binds
+the socket, forks N workers that all accept on it (each its own uvicorn, Flow and health watcher;
+each picks decode servers by its own outstanding counts; the servers' up/down verdicts are shared),
+and serves nothing itself. The edge is
+the same in every worker (key before body, header/body timers per connection); the connection cap
+is shared (httpedge.Tally). /metrics combines every worker (pdmetrics: prometheus_client's
+multiprocess mode in a private directory, removed at exit). SIGTERM/SIGINT: every worker gets
+SIGTERM (uvicorn's graceful shutdown), stragglers SIGKILL after WORKER_GRACE s, exit 0. A worker
+that dies on its own is replaced at once; more than CRASH_LIMIT deaths within CRASH_WINDOW s stop
+the whole router with exit 1 (a restart policy sees it), never a router silently short of workers.
 
 Routes: POST /v1/completions, /v1/chat/completions, /v1/messages take the P/D flow. GET /health is
-200 only when both servers answer 200 (503 with each server's state otherwise). /metrics: the
-router's `flash_router_*` families plus both servers' with a `stage` label. Everything else goes to
-the decode server. A client that leaves closes the upstream request (streaming or not), so vLLM
+200 only when every server answers 200 (503 otherwise; the body names each server's state:
+`prefill`, `decode` or `decode1`..`decodeN`). /metrics: the router's `flash_router_*` families plus
+every server's with `stage` and `server` labels. Everything else goes to a decode server. A client that leaves closes the upstream request (streaming or not), so vLLM
 aborts it. The API key comes as on one box: `flash_vllm.launch` reads the mounted key file into
 VLLM_API_KEY before exec; the router requires it from clients and sends it to both servers.
 """
@@ -30,8 +45,11 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
+import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import replace
@@ -41,17 +59,23 @@ from .pdflow import HEALTH_INTERVAL, PD_PATHS, PREFILL_KV_PARAMS, Flow, StageErr
 
 __all__ = ["PD_PATHS", "PREFILL_KV_PARAMS", "prefill_body", "Router", "build_app", "serve", "main"]
 
+MAX_AUTO_WORKERS = 4
+WORKER_GRACE = 10.0  # uvicorn's graceful shutdown is 5 s; then the supervisor kills
+CRASH_LIMIT, CRASH_WINDOW = 5, 60.0
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
 
 class Router:
-    """One router's state: both servers (the flow), the key, the edge's limits, the metrics."""
+    """One router's state: the servers (the flow), the key, the edge's limits, the metrics."""
 
-    def __init__(self, prefill: str, decode: str, api_key: str | None, limits: Limits | None = None,
-                 health_interval: float = HEALTH_INTERVAL):
+    def __init__(self, prefill: str, decode: str | list[str], api_key: str | None, limits: Limits | None = None,
+                 health_interval: float = HEALTH_INTERVAL, shared_health=None):
+        from .pdflow import decode_backends
         from .pdmetrics import Metrics
 
-        self.metrics = Metrics()
-        self.flow = Flow(prefill, decode, api_key, self.metrics)
-        self.prefill, self.decode, self.backends = self.flow.prefill, self.flow.decode, self.flow.backends
+        self.metrics = Metrics([("prefill", "prefill")] + [("decode", b.name) for b in decode_backends(decode)])
+        self.flow = Flow(prefill, decode, api_key, self.metrics, shared_health)
+        self.prefill, self.decodes, self.backends = self.flow.prefill, self.flow.decodes, self.flow.backends
         self.api_key = api_key or None
         self.limits = replace(limits or Limits(), api_key=self.api_key)
         self.health_interval = health_interval
@@ -153,12 +177,13 @@ def build_app(router: Router):
             hdrs["Content-Type"] = request.headers["content-type"]
         elif data is None:
             hdrs.pop("Content-Type")
-        return Relay(lambda send: flow.relay(flow.decode, request.method, target.decode("latin-1"), data, hdrs, send),
+        target_server = flow.pick() or flow.decodes[0]  # all down: the first, whose failure is then named
+        return Relay(lambda send: flow.relay(target_server, request.method, target.decode("latin-1"), data, hdrs, send),
                      count("other", time.monotonic()))
 
     async def health(request: Request):
         states = await asyncio.gather(*(flow.check(b) for b in flow.backends))
-        state = {b.stage: s for b, s in zip(flow.backends, states)}
+        state = {b.name: s for b, s in zip(flow.backends, states)}
         ok = all(s == "ok" for s in state.values())
         return Response(json.dumps(state), 200 if ok else 503, media_type="application/json")
 
@@ -169,7 +194,7 @@ def build_app(router: Router):
             except StageError:
                 return None
         answers = await asyncio.gather(*(one(b) for b in flow.backends))
-        text = m.exposition({b.stage: a for b, a in zip(flow.backends, answers)})
+        text = m.exposition({(b.stage, b.name): a for b, a in zip(flow.backends, answers)})
         return Response(text, 200, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @asynccontextmanager
@@ -212,13 +237,13 @@ def listen(host: str, port: int, backlog: int) -> socket.socket:
     return sock
 
 
-def server_for(router: Router, sock: socket.socket):
+def server_for(router: Router, sock: socket.socket, tally=None):
     import uvicorn
 
     from .httpedge import edge_protocol
 
     lim = router.limits
-    config = uvicorn.Config(build_app(router), http=edge_protocol(lim), loop="uvloop", ws="none", lifespan="on",
+    config = uvicorn.Config(build_app(router), http=edge_protocol(lim, tally), loop="uvloop", ws="none", lifespan="on",
                             backlog=lim.backlog, timeout_keep_alive=lim.keepalive_timeout,
                             limit_concurrency=lim.max_connections, timeout_graceful_shutdown=5,
                             access_log=False, log_level="warning", server_header=False)
@@ -260,7 +285,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (IPv4 or IPv6)")
     p.add_argument("--port", type=int, default=18300, help="port to listen on (0: any free port)")
     p.add_argument("--prefill", required=True, metavar="URL", help="the prefill server, http://HOST:PORT")
-    p.add_argument("--decode", required=True, metavar="URL", help="the decode server, http://HOST:PORT")
+    p.add_argument("--decode", required=True, action="append", metavar="URL",
+                   help="a decode server, http://HOST:PORT; once per server (each request goes to the one "
+                        "with the fewest outstanding)")
     p.add_argument("--max-body", type=int, default=d.max_body, metavar="BYTES", help="largest request body (413 above)")
     p.add_argument("--header-timeout", type=float, default=d.header_timeout, metavar="S",
                    help="seconds a connection has to send its request headers")
@@ -269,31 +296,170 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-connections", type=int, default=d.max_connections, metavar="N",
                    help="open connections (more are closed at accept; requests past it get 503)")
     p.add_argument("--health-interval", type=float, default=HEALTH_INTERVAL, metavar="S",
-                   help="seconds between health checks of both servers")
+                   help="seconds between health checks of every server")
+    p.add_argument("--workers", type=int, default=0, metavar="N",
+                   help=f"worker processes accepting on the one socket (0: min({MAX_AUTO_WORKERS}, CPU cores); "
+                        "1: this process serves)")
     return p.parse_args(argv)
+
+
+def auto_workers(n: int) -> int:
+    if n:
+        return n
+    try:
+        cores = len(os.sched_getaffinity(0))  # a container's cpuset, not the host's count
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, min(MAX_AUTO_WORKERS, cores))
+
+
+def _log(msg: str) -> None:
+    print(f"pdrouter: {msg}", file=sys.stderr, flush=True)
+
+
+def _worker(ns: argparse.Namespace, limits: Limits, sock: socket.socket, slots, index: int, health=None) -> None:
+    """One worker (a forked child): its own Router, uvicorn and event loop on the shared socket."""
+    from .httpedge import Tally
+
+    # the supervisor's handlers are not this process's; the signals were blocked across the fork, so
+    # a SIGTERM sent before this point is delivered now and ends the worker (not the parent's handler)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    router = Router(ns.prefill, ns.decode, os.environ.get("VLLM_API_KEY"), limits, ns.health_interval, health)
+    server = server_for(router, sock, Tally(slots, index))
+    server.run(sockets=[sock])
+    if not server.started:  # uvicorn returns quietly when its startup failed
+        sys.exit(3)
+
+
+def supervise(ns: argparse.Namespace, limits: Limits, sock: socket.socket, workers: int, metrics_dir: str) -> int:
+    """Fork `workers` workers on `sock`, replace one that dies, stop all on SIGTERM/SIGINT."""
+    import multiprocessing
+    from multiprocessing.connection import wait
+
+    from prometheus_client.multiprocess import mark_process_dead
+
+    ctx = multiprocessing.get_context("fork")  # the socket, the imports and the slot array are inherited
+    slots = ctx.RawArray("l", workers)
+    # each server's up/down verdict, shared: a decode server one worker saw go down is down for all
+    health = ctx.RawArray("b", 1 + len(ns.decode))  # --decode is a list (append)
+    procs: dict[int, multiprocessing.Process] = {}
+    stopping: list[float] = []  # when SIGTERM/SIGINT came
+    crashes: list[float] = []
+    failed = False
+
+    def start(i: int) -> None:
+        p = ctx.Process(target=_worker, args=(ns, limits, sock, slots, i, health), name=f"pdrouter-worker{i}",
+                        daemon=False)
+        # blocked across the fork: a stop signal that lands in the child before it has reset the handlers
+        # would otherwise run the supervisor's handler there and leave the worker serving
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            p.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        procs[i] = p
+
+    def stop_all() -> None:
+        for p in procs.values():
+            if p.exitcode is None:
+                try:
+                    os.kill(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+    def on_signal(signum, frame) -> None:
+        if not stopping:
+            stopping.append(time.monotonic())
+            stop_all()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    for i in range(workers):
+        start(i)
+    while procs:
+        wait([p.sentinel for p in procs.values()], timeout=0.5)
+        for i, p in list(procs.items()):
+            if p.exitcode is None:
+                continue
+            del procs[i]
+            mark_process_dead(p.pid, metrics_dir)  # its live gauges (in flight, outstanding) leave the sums
+            slots[i] = 0  # its connections are gone with it
+            if stopping:
+                continue
+            now = time.monotonic()
+            crashes[:] = [t for t in crashes if now - t < CRASH_WINDOW] + [now]
+            if len(crashes) > CRASH_LIMIT:
+                _log(f"worker {i} (pid {p.pid}) exited with {p.exitcode}: {len(crashes)} worker deaths in "
+                     f"{CRASH_WINDOW:g} s, stopping the router")
+                failed = True
+                stopping.append(now)
+                stop_all()
+                continue
+            _log(f"worker {i} (pid {p.pid}) exited with {p.exitcode}; starting a new one")
+            start(i)
+        if stopping and time.monotonic() - stopping[0] > WORKER_GRACE:
+            for p in procs.values():
+                if p.exitcode is None:
+                    p.kill()
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(sys.argv[1:] if argv is None else argv)
     limits = Limits(max_body=ns.max_body, header_timeout=ns.header_timeout, body_timeout=ns.body_timeout,
                     max_connections=ns.max_connections)
+    metrics_dir = None
     try:
         if not (0 <= ns.port <= 65535):
             raise ValueError(f"--port {ns.port} is not in [0, 65535]")
         for name in ("max_body", "header_timeout", "body_timeout", "max_connections", "health_interval"):
             if not getattr(ns, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(ns, name)} must be above 0")
-        router = Router(ns.prefill, ns.decode, os.environ.get("VLLM_API_KEY"), limits, ns.health_interval)
+        if not 0 <= ns.workers <= 256:
+            raise ValueError(f"--workers {ns.workers} is not in [0, 256]")
+        workers = auto_workers(ns.workers)
+        from .pdflow import Backend, decode_backends
+
+        # the URLs checked here; with workers each builds its own Router (and metrics) after the fork
+        prefill, decodes = Backend("prefill", ns.prefill), decode_backends(ns.decode)
+        key = os.environ.get("VLLM_API_KEY") or None
+        router = Router(ns.prefill, ns.decode, key, limits, ns.health_interval) if workers == 1 else None
         sock = listen(ns.host, ns.port, limits.backlog)
     except ValueError as exc:
-        print(f"pdrouter: {exc}", file=sys.stderr)
+        _log(str(exc))
         return 2
-    server = server_for(router, sock)  # the HTTP stack imported before we say we listen
-    host, port = sock.getsockname()[:2]
-    print(f"pdrouter: listening on {host}:{port}; prefill {router.prefill.url}, decode {router.decode.url}, "
-          f"API key {'required' if router.api_key else 'not required'}", file=sys.stderr, flush=True)
-    server.run(sockets=[sock])  # SIGTERM/SIGINT: uvicorn's graceful shutdown
-    return 0
+    if workers > 1:
+        # before anything imports prometheus_client: it picks its value class at import. A fresh
+        # private directory, so no file of an earlier run (or of another router) is summed in.
+        metrics_dir = tempfile.mkdtemp(prefix="flash-router-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    try:
+        # the HTTP stack imported before we say we listen (and, with workers, before they fork, so
+        # each starts without importing it again)
+        if router is not None:
+            server = server_for(router, sock)
+        else:
+            import aiohttp  # noqa: F401
+            import prometheus_client  # noqa: F401
+            import starlette.routing  # noqa: F401
+            import uvicorn  # noqa: F401
+            import uvloop  # noqa: F401
+
+            from .httpedge import edge_protocol
+            edge_protocol(limits)
+        host, port = sock.getsockname()[:2]
+        _log(f"listening on {host}:{port}; prefill {prefill.url}, decode {', '.join(b.url for b in decodes)}, "
+             f"API key {'required' if key else 'not required'}, {workers} worker{'s' if workers > 1 else ''}")
+        if router is not None:
+            server.run(sockets=[sock])  # SIGTERM/SIGINT: uvicorn's graceful shutdown
+            return 0
+        return supervise(ns, limits, sock, workers, metrics_dir)
+    finally:
+        if metrics_dir:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+            shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

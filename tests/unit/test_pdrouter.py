@@ -385,3 +385,133 @@ def test_the_listen_backlog_holds_a_burst_of_a_thousand_connections():
         for c in clients:
             c.close()
         small.close()
+
+
+# -- several decode servers (pd3, pd4: one prefill box, N-1 decode boxes; issue 35) ---------------
+@pytest.fixture
+def pd3():
+    """One prefill fake and two decode fakes (both pull from that prefill server) behind one router."""
+    from fakes.pd import FakeServer
+
+    p = FakeServer("prefill").start()
+    d1, d2 = FakeServer("decode", peer=p).start(), FakeServer("decode", peer=p).start()
+    router, server, url = start(p.url, [d1.url, d2.url])
+    yield p, d1, d2, url, router
+    server.stop()
+    for f in (p, d1, d2):
+        try:
+            f.stop()
+        except OSError:
+            pass
+
+
+def complete(url: str) -> requests.Response:
+    return requests.post(f"{url}/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2}, timeout=10)
+
+
+def test_requests_go_to_the_decode_server_with_the_fewest_outstanding(pd3):
+    p, d1, d2, url, router = pd3
+    for _ in range(4):  # nothing outstanding: ties go in turn
+        assert complete(url).status_code == 200
+    assert (len(d1.seen), len(d2.seen), len(p.seen)) == (2, 2, 4)
+    d1.hold_answer = threading.Event()  # one request held on decode1 ...
+    held: list = []
+    t = threading.Thread(target=lambda: held.append(complete(url)))
+    t.start()
+    try:
+        for _ in range(100):
+            if len(d1.seen) == 3:
+                break
+            threading.Event().wait(0.05)
+        assert len(d1.seen) == 3 and router.flow.decodes[0].outstanding == 1
+        for _ in range(3):  # ... so the next ones go to decode2, whatever the turn says
+            assert complete(url).status_code == 200
+        assert (len(d1.seen), len(d2.seen)) == (3, 5)
+    finally:
+        d1.hold_answer.set()
+        t.join(10)
+    assert held[0].status_code == 200 and held[0].json()["choices"][0]["text"]
+    assert [b.outstanding for b in router.flow.decodes] == [0, 0]
+    # every decode server got exactly the handoff its request's prefill answered
+    issued = list(p.issued.values())
+    assert all(s["body"]["kv_transfer_params"] in issued for s in d1.seen + d2.seen)
+    metrics = requests.get(f"{url}/metrics", timeout=10).text
+    assert metric_value(metrics, "flash_router_backend_up", stage="decode", server="decode2") == 1
+    assert metric_value(metrics, "flash_router_decode_outstanding", server="decode1") == 0
+    assert metric_value(metrics, "flash_router_stage_requests_total", stage="decode", status="200") == 8
+    # each server's own families, told apart by the server label
+    assert metric_value(metrics, "vllm:e2e_request_latency_seconds_count", stage="decode", server="decode1") == 3
+    assert metric_value(metrics, "vllm:e2e_request_latency_seconds_count", stage="decode", server="decode2") == 5
+
+
+def test_health_names_every_decode_server(pd3):
+    p, d1, d2, url, _ = pd3
+    r = requests.get(f"{url}/health", timeout=10)
+    assert r.status_code == 200 and r.json() == {"prefill": "ok", "decode1": "ok", "decode2": "ok"}
+    d2.health = 503
+    r = requests.get(f"{url}/health", timeout=10)
+    assert r.status_code == 503 and r.json() == {"prefill": "ok", "decode1": "ok", "decode2": "HTTP 503"}
+    # decode2 unhealthy: requests still served, by decode1
+    for _ in range(3):
+        assert complete(url).status_code == 200
+    assert (len(d1.seen), len(d2.seen)) == (3, 0)
+
+
+def test_a_dead_decode_server_is_skipped_and_all_dead_is_a_503_before_any_prefill():
+    from fakes.pd import FakeServer
+
+    p = FakeServer("prefill").start()
+    d1 = FakeServer("decode", peer=p).start()
+    gone = dead_url()
+    _, server, url = start(p.url, [d1.url, gone])
+    try:
+        for _ in range(3):  # the router found decode2 down at start: every request to decode1
+            assert complete(url).status_code == 200
+        assert (len(p.seen), len(d1.seen)) == (3, 3)
+        d1.stop()
+        r = complete(url)  # decode1 still counted up: prefill, then its decode leg is refused and no other is up
+        assert r.status_code == 502 and r.json()["error"]["stage"] == "decode"
+        before = len(p.seen)
+        r = complete(url)  # now both are known to be down: 503 at once, and no prefill spent
+        assert r.status_code == 503
+        err = r.json()["error"]
+        assert err["stage"] == "decode" and "all down" in err["message"]
+        assert "decode1: cannot connect" in err["message"] and "decode2: cannot connect" in err["message"]
+        assert len(p.seen) == before
+    finally:
+        server.stop()
+        p.stop()
+
+
+def test_a_decode_server_that_refuses_hands_the_decode_leg_to_the_next():
+    """decode1 died since the last health check: the request's prefill is not wasted, its decode
+    goes to decode2 (NIXL lets any decode server pull the blocks), and decode1 is marked down."""
+    from fakes.pd import FakeServer
+
+    p = FakeServer("prefill").start()
+    d1, d2 = FakeServer("decode", peer=p).start(), FakeServer("decode", peer=p).start()
+    router = pdrouter.Router(p.url, [d1.url, d2.url], None, health_interval=3600)  # no poll notices it
+    server = pdrouter.serve("127.0.0.1", 0, router)
+    try:
+        d1.stop()
+        r = complete(server.url)  # the turn picks decode1 first
+        assert r.status_code == 200, r.text
+        assert (len(p.seen), len(d1.seen), len(d2.seen)) == (1, 0, 1)
+        assert d2.seen[0]["body"]["kv_transfer_params"] == next(iter(p.issued.values()))
+        assert router.flow.decodes[0].up is False and [b.outstanding for b in router.flow.decodes] == [0, 0]
+        assert complete(server.url).status_code == 200 and len(d2.seen) == 2
+    finally:
+        server.stop()
+        p.stop()
+        d2.stop()
+
+
+def test_the_command_line_takes_one_decode_per_server(capsys):
+    ns = pdrouter.parse_args(["--prefill", "http://a:1", "--decode", "http://b:2", "--decode", "http://c:3"])
+    assert ns.decode == ["http://b:2", "http://c:3"]
+    assert pdrouter.main(["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:10",
+                          "--decode", "http://127.0.0.1:10/"]) == 2
+    assert "--decode 'http://127.0.0.1:10/' is given twice" in capsys.readouterr().err
+    assert [b.name for b in pdrouter.Router("http://a:1", ["http://b:2", "http://c:3", "http://d:4"], None).decodes] \
+        == ["decode1", "decode2", "decode3"]
+    assert [b.name for b in pdrouter.Router("http://a:1", "http://b:2", None).decodes] == ["decode"]

@@ -64,11 +64,18 @@ class RouterProcess:
                 assert time.monotonic() < deadline, "the router does not answer"
                 time.sleep(0.05)
 
+    def workers(self) -> list[int]:
+        """The worker processes (children of the supervisor); [] when the router is one process."""
+        return children(self.proc.pid)
+
     def rss_mib(self) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        raise AssertionError("no VmRSS")
+        """The router's resident memory: the process and every worker."""
+        total = 0.0
+        for pid in (self.proc.pid, *self.workers()):
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) / 1024
+        return total
 
     def stop(self) -> float:
         """SIGTERM, as docker stop sends: seconds until the process is gone."""
@@ -83,6 +90,18 @@ class RouterProcess:
         return time.monotonic() - t
 
 
+def children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return sorted(out)
+
+
 @pytest.fixture
 def fakes():
     p, d = pair(api_key=KEY)
@@ -94,12 +113,15 @@ def fakes():
             pass
 
 
-@pytest.fixture
-def router(tmp_path, fakes):
+@pytest.fixture(params=[1, 2], ids=["1worker", "2workers"])
+def router(tmp_path, fakes, request):
+    """Every attack runs against the one-process router and against two workers on one socket."""
     started = []
 
     def start(*args: str, **kw) -> RouterProcess:
-        r = RouterProcess(tmp_path, fakes[0].url, fakes[1].url, *args, **kw)
+        r = RouterProcess(tmp_path, fakes[0].url, fakes[1].url, "--workers", str(request.param), *args, **kw)
+        if request.param > 1:
+            assert len(r.workers()) == request.param, r.log.read_text()
         started.append(r)
         return r
     yield start
@@ -380,3 +402,120 @@ def test_two_hundred_clients_five_rounds_no_errors(tmp_path):
     assert data["router"]["errors"] == 0 and data["direct"]["errors"] == 0, data
     assert data["router"]["requests"] == data["direct"]["requests"] == 1000
     assert data["ratio_p99"] < 4.0, data  # loose: other jobs share these 2 cores
+
+
+# -- workers (pdrouter --workers N: one socket, N processes) ----------------------------------------------
+def served_ok(url: str) -> float:
+    """flash_router_requests_total{endpoint="completions",outcome="ok"} in one scrape."""
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    m = re.search(r'^flash_router_requests_total\{endpoint="completions",outcome="ok"\} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_scrape_sums_the_requests_of_every_worker(tmp_path, fakes):
+    """One worker stopped (SIGSTOP) at a time, so each batch is served by the other one alone: a
+    scrape, whichever worker answers it, counts both batches."""
+    r = RouterProcess(tmp_path, fakes[0].url, fakes[1].url, "--workers", "2")
+    try:
+        a, b = r.workers()
+        closed = {**AUTH, "Connection": "close"}  # a new connection each: the one awake worker accepts it
+        for stopped, n in ((a, 7), (b, 5)):
+            os.kill(stopped, signal.SIGSTOP)
+            try:
+                for _ in range(n):
+                    assert requests.post(f"{r.url}/v1/completions", json=BODY, headers=closed,
+                                         timeout=10).status_code == 200
+                assert served_ok(r.url) == (7 if stopped == a else 12)  # answered by the awake worker
+            finally:
+                os.kill(stopped, signal.SIGCONT)
+        for _ in range(4):  # any worker now: the same sum
+            assert served_ok(r.url) == 12
+        text = requests.get(f"{r.url}/metrics", timeout=10).text
+        assert re.search(r"^flash_router_in_flight 0\.0$", text, re.M)  # livesum over both, none in flight
+        assert 'flash_router_backend_up{server="decode",stage="decode"} 1.0' in text
+    finally:
+        r.stop()
+
+
+def test_a_decode_server_one_worker_saw_go_down_is_down_for_every_worker(tmp_path, fakes):
+    """Worker A alone probes /health and sees the decode server dead; worker B, whose own watcher has
+    not run since (a 60 s interval), must answer 503 at once and spend no prefill: the verdict is
+    shared (without it B sent the prefill, then met the refused decode: 502, the engine tier's pd test)."""
+    p, d = fakes
+    r = RouterProcess(tmp_path, p.url, d.url, "--workers", "2", "--health-interval", "60")
+    try:
+        end = time.monotonic() + 10
+        while len(r.workers()) != 2 and time.monotonic() < end:  # both forked
+            time.sleep(0.05)
+        a, b = r.workers()
+        closed = {**AUTH, "Connection": "close"}
+        d.stop()
+        n = len(p.seen)
+        os.kill(b, signal.SIGSTOP)
+        try:
+            health = requests.get(f"{r.url}/health", headers={"Connection": "close"}, timeout=10)
+            assert health.status_code == 503 and health.json()["prefill"] == "ok"
+        finally:
+            os.kill(b, signal.SIGCONT)
+        os.kill(a, signal.SIGSTOP)
+        try:
+            for _ in range(3):
+                t = time.monotonic()
+                resp = requests.post(f"{r.url}/v1/completions", json=BODY, headers=closed, timeout=10)
+                assert resp.status_code == 503 and time.monotonic() - t < 0.5, resp.text
+                err = resp.json()["error"]
+                assert err["stage"] == "decode" and "another router worker" in err["message"], err
+        finally:
+            os.kill(a, signal.SIGCONT)
+        assert len(p.seen) == n  # no prefill spent by either worker
+    finally:
+        r.stop()
+
+
+def test_sigterm_stops_every_worker_in_bounded_time_and_removes_the_metrics_dir(tmp_path, fakes, monkeypatch):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))  # where the router makes its private metrics directory
+    r = RouterProcess(tmp_path, fakes[0].url, fakes[1].url, "--workers", "3")
+    workers = r.workers()
+    assert len(workers) == 3
+    (mdir,) = tmp.glob("flash-router-metrics-*")
+    assert requests.post(f"{r.url}/v1/completions", json=BODY, headers=AUTH, timeout=10).status_code == 200
+    assert any(mdir.glob("counter_*.db"))
+    assert r.stop() < 8  # idle: uvicorn's graceful shutdown is immediate; the supervisor kills after 10 s
+    assert r.proc.returncode == 0, r.log.read_text()
+    assert not any(Path(f"/proc/{w}").exists() for w in workers)
+    assert not mdir.exists()
+
+
+def test_a_killed_worker_is_replaced_and_a_crash_loop_exits_1(tmp_path, fakes):
+    r = RouterProcess(tmp_path, fakes[0].url, fakes[1].url, "--workers", "2")
+    try:
+        first = r.workers()
+        os.kill(first[0], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while len(now := r.workers()) != 2 or first[0] in now:
+            assert time.monotonic() < deadline, r.log.read_text()
+            time.sleep(0.05)
+        assert first[1] in now and "starting a new one" in r.log.read_text()
+        for _ in range(6):  # the new worker serves too: every request answered
+            assert requests.post(f"{r.url}/v1/completions", json=BODY, headers={**AUTH, "Connection": "close"},
+                                 timeout=10).status_code == 200
+        # more than 5 deaths within 60 s (this one is the 2nd..): the router stops, exit 1, no worker left
+        for _ in range(10):
+            deadline = time.monotonic() + 10
+            while len(ws := r.workers()) != 2 and r.proc.poll() is None:  # the replacement forked
+                assert time.monotonic() < deadline, r.log.read_text()
+                time.sleep(0.02)
+            if r.proc.poll() is not None:
+                break
+            os.kill(ws[0], signal.SIGKILL)
+            while ws[0] in r.workers() and r.proc.poll() is None:
+                assert time.monotonic() < deadline, r.log.read_text()
+                time.sleep(0.02)
+        assert r.proc.wait(15) == 1, r.log.read_text()
+        log = r.log.read_text()
+        assert log.count("starting a new one") == 5 and "6 worker deaths in 60 s, stopping the router" in log
+        assert not r.workers()
+    finally:
+        r.stop()
