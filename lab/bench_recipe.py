@@ -41,7 +41,6 @@ import json
 import math
 import os
 import random
-import re
 import signal
 import statistics
 import subprocess
@@ -72,22 +71,22 @@ CONFIGS: dict[str, dict] = {
     "nvidia-flash": {"kind": "recipe", "profile": "nvidia", "words": []},
     "default-no10": {"kind": "recipe", "profile": "default", "words": ["DRAFT_VOCAB=0"]},
     "default-no8": {"kind": "recipe", "profile": "default", "words": ["DET_TOPK=0"]},
+    # the c>=4 gap of run1 (benchmarks/recipe48-h200): the body's FP8 side layers (patch 6's
+    # checkpoint) and the table read from the host (patch 1), each taken back to stock's
+    "default-nvfp4": {"kind": "recipe", "profile": "default", "words": ["MODE=nvfp4"]},
+    "default-ple-gpu": {"kind": "recipe", "profile": "default",
+                        "words": ["CONTAINER_ENV=VLLM_PLE_MMAP=0", "EXTRA=--engram-config '{\"cpu_offload\":false}'"]},
 }
 
 # NVIDIA's one-Spark recipe is profiles/nvidia.env (its settings on our base): `nvidia` renders it
 # as stock renders `published` (no plugin, table on the GPU), `nvidia-flash` as a flash server. What
 # only the B12x image has is named there, one `# b12x: ITEM: why` line each (NVIDIA_DROPPED).
 NVIDIA_PROFILE = ROOT / "profiles" / "nvidia.env"
-_B12X = re.compile(r"^#\s*b12x:\s*(?P<item>.+?):\s+(?P<why>.+)$")
-
-
 def nvidia_dropped(path: Path = NVIDIA_PROFILE) -> dict[str, str]:
-    """{recipe item: why it is left out} from the profile's `# b12x:` lines."""
-    out = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        m = _B12X.match(line.strip())
-        if m:
-            out[m.group("item")] = m.group("why")
+    """{recipe item: why it is left out} from the profile's `# b12x:` lines (flash_cli.profiles)."""
+    from flash_cli.profiles import b12x_items
+
+    out = b12x_items(path)
     if not out:
         raise SystemExit(f"{path}: no '# b12x: ITEM: why' lines (what NVIDIA's recipe has that our base does not)")
     return out

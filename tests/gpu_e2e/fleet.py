@@ -71,6 +71,9 @@ for p in (ROOT / "src", ROOT / "tests"):
 from flash_common import releases  # noqa: E402 - stdlib only; the catalogue of bases
 from flash_common.provenance import tree_commit  # noqa: E402 - stdlib only
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import triggers  # noqa: E402 - stdlib only; what guard_p3/guard_p13 send (CPU-proven in tests/vllm)
+
 NEUTRAL = (1, 3, 4, 5, 8, 13)   # output-neutral patches: greedy output must not change
 ALL_PATCHES = tuple(range(1, 14))
 # Checks a random model cannot pass, declared not applicable (visibly: `flash test --untrained`
@@ -99,6 +102,7 @@ BOOT_STAGGER_S = 2.0    # between launches inside a boot wave
 POLL_S = 2.0            # health polling period while a wave boots
 HARNESS_SITE = ROOT / "tests" / "gpu_e2e" / "harness_site"  # modules the servers import (not the fleet)
 TRITON_CACHE_MANAGER = "flash_e2e_triton_cache:SharedFileCacheManager"
+INJECT_SITE = ROOT / "tests" / "gpu_e2e" / "inject"  # test-only fault injection (Server.inject), never shipped
 
 
 # --- servers -----------------------------------------------------------------------------------
@@ -106,7 +110,7 @@ TRITON_CACHE_MANAGER = "flash_e2e_triton_cache:SharedFileCacheManager"
 @dataclass(frozen=True)
 class Server:
     name: str
-    fixture: str                      # a | b | c (tests/fakes/tiny_model.py)
+    fixture: str                      # a | b | c | d (tests/fakes/tiny_model.py)
     words: tuple[str, ...] = ()       # extra settings K=V
     container_env: tuple[str, ...] = ()  # env beyond the patch switches below
     disable: tuple[int, ...] = ()     # patches off: FLASH_DISABLE_PATCHES (patch 1 also VLLM_PLE_MMAP=0)
@@ -117,6 +121,7 @@ class Server:
     # baseline boots and is right, and the others still differ from it in one patch
     baseline: bool = False
     force_off: tuple[int, ...] = ()   # ...except these, kept off even there (fix_p4's stock side)
+    inject: str = ""                  # a test-only fault injection its processes load (inject/sitecustomize.py)
 
 
 KV_OOS_WORDS = ("CTX=8192", "SEQS=8", "BATCHED_TOKENS=4096")
@@ -140,7 +145,10 @@ def _all_but(keep: int | None, among: tuple[int, ...] = ALL_PATCHES) -> tuple[in
 
 
 def _servers() -> dict[str, Server]:
-    out = {f"{x}-default": Server(f"{x}-default", x) for x in "abc"}
+    out = {f"{x}-default": Server(f"{x}-default", x) for x in "abcd"}
+    # (d) the QAD layout's NVFP4 PLE table: patch 1's codec (d-default) vs vLLM's own NVFP4 table
+    # lookup (patch 1 off), both in the default recipe's FULL_AND_PIECEWISE graphs
+    out["d-stock"] = Server("d-stock", "d", words=(_graphs("FULL_AND_PIECEWISE"),), container_env=("VLLM_PLE_MMAP=0",))
     # kv_plan out of sample (issue 33): the overhead constant was fitted on the default pools and
     # checked on identical ones; this server moves every term the plan derives (context: top-k
     # buffers; sequences; the prefill chunk: activations) away from the fitted configuration
@@ -186,6 +194,11 @@ def _servers() -> dict[str, Server]:
     out["diag-stockdev"] = Server("diag-stockdev", "a", words=(
         "EXACT_TOPK=0", "DET_TOPK=0", f"EXTRA={TINY_EXTRA} --engram-config '{{\"cpu_offload\":false}}'"),
         disable=ALL_PATCHES)
+    # patch 3's trigger (issue 33): the default recipe (MTP + prefix caching: align mode, the fused state
+    # copies) with the test-only injection that hands one fused copy an out-of-range block id; the
+    # same without patch 3 shows what stock does with it (recorded)
+    out["guard-p3"] = Server("guard-p3", "a", inject=triggers.INJECT_KIND)
+    out["guard-p3-stock"] = Server("guard-p3-stock", "a", disable=(3,), inject=triggers.INJECT_KIND)
     return out
 
 
@@ -273,6 +286,16 @@ def _na_diag(base: str) -> str | None:
                                   f"--engram-config (stock PLE storage classes) does not exist on {base}")
 
 
+def _na_qad(base: str) -> str | None:
+    """The QAD layout's NVFP4 PLE table has a serving path only where vLLM has an NVFP4 table method
+    (checkpoint/known.py; patch 1 decodes on top of it): elsewhere flash serve refuses it."""
+    from flash_cli.checkpoint import known
+
+    first = known.LAYOUTS["qad"].stock_table_from
+    return None if first is None or base in releases.upstream_from(first) else (
+        f"vLLM on {base} has no NVFP4 PLE table method (from {first} on): no serving path for the QAD layout")
+
+
 def not_applicable(chosen: list[Scenario], base: str) -> dict[str, str]:
     """Scenario name -> why it cannot run on `base`, for the chosen ones that cannot."""
     return {s.name: why for s in chosen if (why := s.na(base))}
@@ -293,6 +316,14 @@ def _scenarios() -> dict[str, Scenario]:
         sc.append(Scenario(f"kv_plan_{x}", (f"{x}-default",), f"({x}) KV pool in the boot log vs "
                            "`flash plan --hardware h200` within 2%", lambda ctx, x=x: check_kv_plan(ctx, f"{x}-default"),
                            solo=True))
+    sc.append(Scenario("boot_d", ("d-default",), "(d) the QAD export (MXFP8 side layers, NVFP4 PLE table) reaches "
+                       "/health with the default recipe; the plugin banner lists patch 1 and patch 1 opened the "
+                       "table as NVFP4 (its codec)", lambda ctx: check_boot_nvfp4(ctx, "d-default"), na=_na_qad))
+    sc.append(Scenario("flash_test_d", ("d-default",), f"`flash test --url` on (d); {', '.join(TEST_NA)} declared n/a",
+                       lambda ctx: check_flash_test(ctx, "d-default"), na=_na_qad))
+    sc.append(Scenario("ple_nvfp4_d", ("d-stock", "d-default"), "greedy probe on (d): patch 1's NVFP4 codec (the table "
+                       "read from disk, decoded by flash_vllm.ple.nvfp4) vs vLLM's own NVFP4 table (patch 1 off): "
+                       "byte-identical", lambda ctx: check_probe(ctx, "d-stock", "d-default"), na=_na_qad))
     sc.append(Scenario("kv_plan_oos", ("a-oos",), f"(a) with {' '.join(KV_OOS_WORDS)} (a configuration the "
                        "overhead was never fitted on): KV pool vs `flash plan --hardware h200` within 2%",
                        lambda ctx: check_kv_plan(ctx, "a-oos"), solo=True))
@@ -346,6 +377,17 @@ def _scenarios() -> dict[str, Scenario]:
     sc.append(Scenario("diag_ple_ids", ("diag-p1", "diag-stockdev"), "patch 1 with VLLM_PLE_MMAP_DEBUG and "
                        "stock vLLM with the PLE table on the GPU: records the id checks and how each boot ended",
                        lambda ctx: check_diag(ctx, ("diag-p1", "diag-stockdev")), na=_na_diag))
+    sc.append(Scenario("guard_p3", ("guard-p3", "guard-p3-stock"), "patch 3's trigger: the test-only injection "
+                       "(tests/gpu_e2e/inject) hands one fused Mamba state copy an out-of-range block id at the "
+                       "first decode step crossing a Mamba block; the server logs 'mamba state-copy guard: N "
+                       "out-of-range' (N >= 1), keeps /health and answers; the stock server's fate with the same "
+                       "injection is recorded", lambda ctx: check_guard_p3(ctx, "guard-p3", "guard-p3-stock"),
+                       na=_na_patch(3)))
+    sc.append(Scenario("guard_p13", ("probe-p13", "probe-off"), "patch 13's trigger: a reply forced (structured "
+                       "outputs, a Lark grammar) to a quoted `<tool_call>` and a fenced example call, the markers "
+                       "as their special tokens, tools on: with patch 13 the content is the whole text and no tool "
+                       "call; without it (the neutral-off baseline) what stock returns is recorded",
+                       lambda ctx: check_guard_p13(ctx, "probe-p13", "probe-off"), na=_na_neutral(13)))
     sc.append(Scenario("broken_patch_p1", ("broken-p1",), "patch 1's anchor moved (BREAKS, by the base's patch 1 "
                        "flavour): the boot refuses, naming the patch", lambda ctx: check_broken(ctx, "broken-p1"),
                        na=_na_broken))
@@ -420,8 +462,8 @@ def words_for(ctx: Context, server: Server, index: int, solo: bool = False) -> l
 
     fx = tiny_model.recipe_for(server.fixture, ctx.snaps) if ctx.snaps else {
         "MODEL": {"a": "nvidia/Qwen3.8-Flash-Next-NVFP4", "b": "nvidia/Qwen3.8-Flash-Next-NVFP4",
-                  "c": "RadixArk/Qwen3.8-Flash-Next-NVFP4"}[server.fixture],
-        "MODE": {"a": "nvfp4", "b": "hybrid", "c": "hybrid-mtp"}[server.fixture]}
+                  "c": "RadixArk/Qwen3.8-Flash-Next-NVFP4", "d": "local-inference-lab/Qwen3.8-Flash-Next-NVFP4"}[server.fixture],
+        "MODE": {"a": "nvfp4", "b": "hybrid", "c": "hybrid-mtp", "d": "nvfp4"}[server.fixture]}
     words = list(TINY_WORDS) + [f"BASE={ctx.base}"] + [f"{k}={v}" for k, v in fx.items()]
     words += [f"HF_CACHE={ctx.cache}", f"PORT={ctx.port0 + index}", f"NAME=e2e-{server.name}",
               f"GPU_MEM={(ctx.solo_gpu_mem if solo else ctx.gpu_mem):.2f}", f"DRAFT_VOCAB={draft_vocab(ctx)}",
@@ -461,6 +503,7 @@ def render(ctx: Context, server: Server, index: int, solo: bool = False) -> dict
     spec_env = {k: _translate(v, binds) for k, v in spec.env.items()}
     harness = {
         "PYTHONPATH": os.pathsep.join([*([str(ROOT / "tests" / "gpu_e2e" / "breaker")] if server.breaks else []),
+                                       *([str(INJECT_SITE)] if server.inject else []),
                                        str(ctx.work / "plugin-site"), str(ROOT / "src"), str(HARNESS_SITE)]
                                       + ([ctx.base_env["PYTHONPATH"]] if ctx.base_env.get("PYTHONPATH") else [])),
         "VLLM_CACHE_ROOT": str(ctx.work / "vllm-cache" / server.name),
@@ -468,6 +511,8 @@ def render(ctx: Context, server: Server, index: int, solo: bool = False) -> dict
         # under each server's compile cache): harness_site/flash_e2e_triton_cache.py
         "TRITON_CACHE_MANAGER": TRITON_CACHE_MANAGER,
     }
+    if server.inject:
+        harness.update({triggers.INJECT_ENV: server.inject, "FLASH_E2E_INJECT_BLOCK_ID": str(triggers.BAD_BLOCK_ID)})
     if server.breaks:
         brk = breaker(ctx.base)
         if brk is None:
@@ -842,6 +887,20 @@ def check_boot(ctx: Context, name: str) -> dict:
             "ple_init": PLE_INIT.findall(text), "nvfp4_moe_backend": sorted(set(MOE_BACKEND.findall(text)))}
 
 
+PLE_NVFP4 = re.compile(r"flash_vllm patch 1: PLE mmap: NVFP4, (\d+) shards, (\d+) rows x (\d+) B")
+
+
+def check_boot_nvfp4(ctx: Context, name: str) -> dict:
+    """check_boot, and patch 1 opened the table with its NVFP4 codec (90 B rows at full size)."""
+    res = check_boot(ctx, name)
+    found = PLE_NVFP4.findall(log_text(need_up(ctx, name)))
+    assert found, "patch 1 never opened the PLE table as NVFP4 (no 'PLE mmap: NVFP4' line in the log)"
+    cfg = json.loads((ctx.snaps[ctx.procs[name].spec["fixture"]] / "config.json").read_text())["text_config"]
+    head_dim = cfg["ple_embed_dim"] // (2 * cfg["heads_per_ngram"])
+    assert int(found[0][2]) == head_dim // 2 + head_dim // 16, found[0]
+    return {**res, "ple_nvfp4": found[0]}
+
+
 def flash_test_args() -> list[str]:
     raw = os.environ.get("FLASH_E2E_TEST_ARGS")
     return shlex.split(raw) if raw is not None else list(TEST_NA_ARGS)
@@ -1191,6 +1250,151 @@ def check_broken(ctx: Context, name: str) -> dict:
     assert "FLASH_E2E_BREAK applied" in text, "the breaker's sitecustomize did not run"
     return {"exit": p.exited, "refused_after_s": round((p.ended_at or time.monotonic()) - p.started, 1),
             "line": next(line for line in text.splitlines() if want in line)[:400]}
+
+
+def mamba_block(url: str) -> int | None:
+    """The server's Mamba block (vllm:cache_config_info's mamba_block_size label), None if it does not say."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("vllm:cache_config_info"):
+                try:
+                    return int(sample.labels.get("mamba_block_size") or 0) or None
+                except ValueError:
+                    return None
+    return None
+
+
+def _post(url: str, path: str, body: dict, timeout: float = 120) -> dict:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _crossing(p: Proc, block: int, seed: int) -> dict:
+    """One greedy request whose prompt ends PROMPT_SLACK tokens before a Mamba block boundary and whose
+    decode runs past it: the step that crosses makes vLLM's align mode copy state between block columns
+    (the fused precopy the injection targets). Random plain ids (below the tiny vocabulary's added ones),
+    a fresh prompt each time."""
+    import random
+
+    rng = random.Random(seed)
+    prompt = [rng.randrange(16, 1024) for _ in range(block - triggers.PROMPT_SLACK)]
+    body = {"model": p.spec["model"], "prompt": prompt, "max_tokens": triggers.P3_MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True}
+    return _post(p.spec["url"], "/v1/completions", body)
+
+
+def _inject(p: Proc, want_guard: bool, wait_s: float = 60.0) -> dict:
+    """Send crossing requests until the injection fired, then (want_guard) keep the engine busy until patch
+    3's asynchronous report (every 5 s, read one launch later) shows in the log; then /health and one
+    more request. Errors are recorded, not raised (the stock side is expected to die)."""
+    out: dict = {"requests": 0, "errors": []}
+    url = p.spec["url"]
+    try:
+        declared = mamba_block(url)
+    except Exception as exc:  # noqa: BLE001 - recorded
+        declared, out["errors"] = None, [f"metrics: {exc}"]
+    # a server that does not say its Mamba block: try the candidates (0.33's 256-token KV block, 0.29's 512)
+    out["mamba_block"] = declared
+    # the first crossing should do; a second boundary (2 blocks) in case that step copied nothing
+    for i, block in enumerate([declared, 2 * declared] if declared else [256, 512, 1024]):
+        try:
+            _crossing(p, block, seed=1000 + i)
+            out["requests"] += 1
+        except Exception as exc:  # noqa: BLE001 - the stock engine may die here
+            out["errors"].append(f"crossing ({block}): {type(exc).__name__}: {exc}"[:400])
+        if triggers.fired(log_text(p)):
+            break
+    t0 = time.monotonic()
+    while want_guard and not triggers.guard_counts(log_text(p)) and time.monotonic() - t0 < wait_s:
+        if poll(p) == "exited":
+            break
+        try:
+            _post(url, "/v1/completions", {"model": p.spec["model"], "prompt": [101, 202, 303], "max_tokens": 32,
+                                           "temperature": 0, "ignore_eos": True})
+            out["requests"] += 1
+        except Exception as exc:  # noqa: BLE001
+            out["errors"].append(f"follow-up: {type(exc).__name__}: {exc}"[:400])
+            time.sleep(1)
+    out["guard_wait_s"] = round(time.monotonic() - t0, 1)
+    out["health_after"] = _health(url)
+    try:
+        after = _post(url, "/v1/completions", {"model": p.spec["model"], "prompt": [5, 6, 7], "max_tokens": 8,
+                                               "temperature": 0, "ignore_eos": True}, timeout=60)
+        out["answered_after"] = bool(after.get("choices")) and after["choices"][0].get("finish_reason") == "length"
+    except Exception as exc:  # noqa: BLE001
+        out["answered_after"] = False
+        out["errors"].append(f"after: {type(exc).__name__}: {exc}"[:400])
+    return out
+
+
+def check_guard_p3(ctx: Context, on: str, stock: str) -> dict:
+    """Patch 3 met its trigger: the injected out-of-range id reached a fused copy (the injection's `fired`
+    line), the guard counted it (its own log line, N >= 1), and the server lives on. The stock server
+    with the same injection is recorded: its state, exit and the log lines that say how it ended."""
+    p = need_up(ctx, on)
+    text = log_text(p)
+    refused = triggers.INJECT_REFUSED.findall(text)
+    assert not refused, f"the injection refused to install: {refused}"
+    assert triggers.INJECT_READY.search(text), ("no 'FLASH_E2E_MAMBA_INJECT ready' line: the fused state-copy context "
+                                                "was never built (not align mode with spec decode?) or the hook did not load")
+    run = _inject(p, want_guard=True)
+    text = log_text(p)
+    res = {"on": {**run, "ready": triggers.INJECT_READY.findall(text), "fired": triggers.fired(text),
+                  "guard_counts": triggers.guard_counts(text), "state": poll(p)}}
+    keep(ctx, "guard-p3.json", json.dumps(res, indent=2))
+    sp = ctx.procs.get(stock)
+    if sp is not None and poll(sp) == "healthy":
+        srun = _inject(sp, want_guard=False)
+        time.sleep(10)  # let an engine that died take the API server down with it
+        stext = log_text(sp)
+        res["stock"] = {**srun, "fired": triggers.fired(stext), "guard_counts": triggers.guard_counts(stext),
+                        "state": poll(sp), "exit": sp.exited,
+                        "death_lines": [ln[:400] for ln in stext.splitlines() if triggers.STOCK_DEATH.search(ln)][:12]}
+    else:
+        res["stock"] = {"state": poll(sp) if sp else "never started"}
+    keep(ctx, "guard-p3.json", json.dumps(res, indent=2))
+    on_res = res["on"]
+    assert on_res["fired"], f"the injection never fired (no crossing precopy launch?): {on_res}"
+    assert on_res["guard_counts"] and max(on_res["guard_counts"]) >= 1, \
+        f"no 'mamba state-copy guard: N out-of-range' line after the injection: {on_res}"
+    assert on_res["state"] == "healthy" and on_res["health_after"], f"{on} did not survive the injection: {on_res}"
+    assert on_res["answered_after"], f"{on} no longer answers after the injection: {on_res}"
+    return res
+
+
+def check_guard_p13(ctx: Context, on: str, off: str) -> dict:
+    """Patch 13 met its trigger: the reply carries `<tool_call>` (and `</tool_call>`) as their special tokens,
+    quoted and inside a fence, with tools on (what stock turns into a call, tests/vllm shows it); with
+    patch 13 the content is the whole text and no tool call comes out. The patch-13-off server's answer
+    is recorded."""
+    res: dict = {}
+    for name in (on, off):
+        p = need_up(ctx, name)
+        ids = {t: _post(p.spec["url"], "/tokenize", {"model": p.spec["model"], "prompt": t,
+                                                     "add_special_tokens": False})["tokens"] for t in triggers.SPECIAL}
+        res[name] = {"special_ids": ids}
+        for case in triggers.P13_CASES:
+            reply = _post(p.spec["url"], "/v1/chat/completions", triggers.p13_body(p.spec["model"], case))
+            choice = reply["choices"][0]
+            token_ids = choice.get("token_ids")
+            single = {v[0] for v in ids.values() if len(v) == 1}
+            res[name][case] = {**triggers.p13_verdict(case, choice["message"]), "finish_reason": choice.get("finish_reason"),
+                               "special_ids_in_output": None if token_ids is None else [i for i in token_ids if i in single]}
+    keep(ctx, "guard-p13.json", json.dumps(res, indent=2))
+    for case, text in triggers.P13_CASES.items():
+        got = res[on][case]
+        want = sum(text.count(t) for t in triggers.SPECIAL)
+        # the trigger was met: the markers came as their special tokens (what stock opens a call on)
+        assert got["special_ids_in_output"] is not None, f"{case}: the reply has no token_ids (return_token_ids)"
+        assert len(got["special_ids_in_output"]) == want, f"{case}: special tokens {got['special_ids_in_output']}, want {want}"
+        assert got["kept_as_text"], f"{case}: with patch 13 the reply was {got['content']!r} + tool calls {got['tool_calls']}"
+    res["stock_cut"] = {case: not res[off][case]["kept_as_text"] for case in triggers.P13_CASES}
+    return res
 
 
 # --- running the scenarios ---------------------------------------------------------------------------

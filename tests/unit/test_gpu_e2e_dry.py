@@ -210,8 +210,27 @@ def test_selection_is_pytest_like():
     assert names("probe and not repair") == [f"probe_p{n}" for n in fleet.NEUTRAL]
     assert names("boot_a or broken") == ["boot_a", "broken_patch_p1"]
     # + probe_p8_repair, prefix_hit_a/off, ple_memory, ple_memory_p1, diag_ple_ids, broken_patch_p1, fix_p4,
-    # qsa_past_budget, kv_plan_oos, 3 hoist_exact
-    assert len(names(None)) == len(fleet.SCENARIOS) == 3 * 3 + len(fleet.NEUTRAL) + 1 + 9 + 3
+    # qsa_past_budget, kv_plan_oos, 3 hoist_exact, the QAD layout's boot_d, flash_test_d, ple_nvfp4_d,
+    # and the guards' triggers guard_p3, guard_p13
+    assert len(names(None)) == len(fleet.SCENARIOS) == 3 * 3 + len(fleet.NEUTRAL) + 1 + 9 + 3 + 3 + 2
+    assert names("_d") == ["boot_d", "flash_test_d", "ple_nvfp4_d"]
+
+
+def test_qad_servers_serve_the_nvfp4_table_with_patch_1_on_and_off(planned):
+    """(d): the default recipe on the QAD export keeps patch 1 on (its NVFP4 codec) and passes
+    preflight; d-stock differs in patch 1 only (vLLM's own NVFP4 table), in the same graph mode."""
+    _, _, specs = planned
+    on, off = specs["d-default"], specs["d-stock"]
+    for s in (on, off):
+        assert "MODEL=local-inference-lab/Qwen3.8-Flash-Next-NVFP4" in s["words"] and "MODE=nvfp4" in s["words"]
+        assert s["preflight"] == [] and "models--local-inference-lab--Qwen3.8-Flash-Next-NVFP4" in s["argv"][7]
+    assert on["spec_env"]["VLLM_PLE_MMAP"] == "1" and off["spec_env"]["VLLM_PLE_MMAP"] == "0"
+    cc = lambda s: json.loads(s["argv"][s["argv"].index("--compilation-config") + 1])["cudagraph_mode"]  # noqa: E731
+    assert cc(on) == cc(off) == "FULL_AND_PIECEWISE"
+    # no serving path before vLLM's NVFP4 table method: n/a there, with the reason
+    for base in ("v0.29", "v0.32"):
+        na = fleet.not_applicable(fleet.select("_d"), base)
+        assert set(na) == {"boot_d", "flash_test_d", "ple_nvfp4_d"} and "no NVFP4 PLE table method" in na["boot_d"]
 
 
 def test_plugin_site_declares_our_entry_point(planned):
@@ -228,10 +247,10 @@ def test_dry_run_prints_every_server(tmp_path):
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
-    for name in ("a-default", "b-default", "c-default", "broken-p1"):
+    for name in ("a-default", "b-default", "c-default", "d-default", "broken-p1"):
         assert f"== server {name}" in out
     argv_lines = [line.split("argv: ", 1)[1] for line in out.splitlines() if line.strip().startswith("argv: ")]
-    assert len(argv_lines) == 4 and all("vllm.entrypoints.cli.main serve" in a for a in argv_lines)
+    assert len(argv_lines) == 5 and all("vllm.entrypoints.cli.main serve" in a for a in argv_lines)
     assert all(shlex.split(a)[shlex.split(a).index("--block-size") + 1] == "256" for a in argv_lines)
     assert "nothing started" in out
 
@@ -620,7 +639,7 @@ def test_v029_plan_renders_every_server_on_v029(planned_v029):
     ctx, specs = planned_v029
     # no hoisted-mode server (their scenarios are n/a), no diagnosis pair (0.30+'s --engram-config),
     # no probe-p1 nor probe-p4 (below)
-    assert set(specs) == set(fleet.SERVERS) - {n for n in fleet.SERVERS if n.startswith(("hx", "diag"))} - {
+    assert set(specs) == set(fleet.SERVERS) - {n for n in fleet.SERVERS if n.startswith(("hx", "diag", "d-"))} - {
         "probe-p1", "probe-p4"}
     # stock 0.29 cannot load the fp8 PLE table (run40: no weight_scale parameter), so the neutral
     # baseline keeps patch 1 on and nothing compares patch 1 against stock there (probe_p1, ple_memory n/a);
@@ -675,6 +694,9 @@ STOCK_PLE_NA = ("stock vLLM on v0.29 cannot load the checkpoints' fp8 PLE table 
                 "Fp8Config: a bf16 table without weight_scale), so there is no patch-1-off server to compare with")
 
 
+QAD_NA = "vLLM on v0.29 has no NVFP4 PLE table method (from 0.33.0 on): no serving path for the QAD layout"
+
+
 def test_scenarios_not_applicable_per_base():
     every = fleet.select(None)
     assert fleet.not_applicable(every, "v0.33") == {"ple_memory_p1": "ple_memory covers it on v0.33, against stock",
@@ -682,7 +704,8 @@ def test_scenarios_not_applicable_per_base():
     assert fleet.not_applicable(every, "v0.29") == {
         "hoist_exact_pw": HOIST_NA, "hoist_exact_pw_nomtp": HOIST_NA, "hoist_exact_full": HOIST_NA,
         "diag_ple_ids": "--engram-config (stock PLE storage classes) does not exist on v0.29",
-        "probe_p1": STOCK_PLE_NA, "ple_memory": STOCK_PLE_NA, "probe_p4": fleet.kept_on("v0.29")[4]}
+        "probe_p1": STOCK_PLE_NA, "ple_memory": STOCK_PLE_NA, "probe_p4": fleet.kept_on("v0.29")[4],
+        **{n: QAD_NA for n in ("boot_d", "flash_test_d", "ple_nvfp4_d")}}
     # the output-neutral patches all apply on v0.29 (the plugin's registry): every probe but patch 1's
     # and patch 4's runs (the baseline keeps those on), and fix_p4 shows patch 4's correction
     assert {s.name for s in fleet.applicable(every, "v0.29")} >= {f"probe_p{n}" for n in fleet.NEUTRAL if n not in (1, 4)} | {
@@ -868,3 +891,49 @@ def test_cuda_host_measure_sees_shared_anonymous_memory():
         assert fleet.smaps_pinned_kib(smaps.read_text()) - after < 8 << 10
     finally:
         priv.close()
+
+
+def test_guard_servers_carry_the_injection_and_nothing_else_does(planned):
+    """guard_p3's servers (issue 33) load the test-only injection (its sitecustomize first on PYTHONPATH,
+    FLASH_E2E_INJECT set); no other server does, and the plugin's own src/ holds none of it."""
+    ctx, _, specs = planned
+    for name, spec in specs.items():
+        env = spec["harness_env"]
+        if name in ("guard-p3", "guard-p3-stock"):
+            assert env["PYTHONPATH"].split(os.pathsep)[0] == str(fleet.INJECT_SITE)
+            assert env["FLASH_E2E_INJECT"] == "mamba-copy"
+            assert int(env["FLASH_E2E_INJECT_BLOCK_ID"]) == fleet.triggers.BAD_BLOCK_ID
+        else:
+            assert "FLASH_E2E_INJECT" not in env and str(fleet.INJECT_SITE) not in env["PYTHONPATH"]
+    assert any("FLASH_DISABLE_PATCHES=3" in w for w in specs["guard-p3-stock"]["words"])
+    assert not any("FLASH_DISABLE_PATCHES" in w for w in specs["guard-p3"]["words"])
+    assert not list((ROOT / "src").rglob("*mamba_inject*"))
+    assert [s.name for s in fleet.select("guard")] == ["guard_p3", "guard_p13"]
+
+
+def test_guard_p13_grammar_and_judge():
+    import triggers
+
+    assert triggers.lark_for(triggers.P13_CASES["quoted"]) == 'start: "Wrap it in `" <tool_call> "` tags."'
+    fenced = triggers.lark_for(triggers.P13_CASES["fenced"])
+    assert fenced.count(" <tool_call> ") == 1 and fenced.count(" </tool_call> ") == 1 and "\n" not in fenced
+    body = triggers.p13_body("m", "quoted")
+    assert body["tools"] and body["tool_choice"] == "auto" and body["return_token_ids"]
+    assert body["chat_template_kwargs"] == {"enable_thinking": False}
+    text = triggers.P13_CASES["quoted"]
+    assert triggers.p13_verdict("quoted", {"content": text, "tool_calls": []})["kept_as_text"]
+    cut = triggers.p13_verdict("quoted", {"content": "Wrap it in `", "tool_calls": None})
+    assert not cut["kept_as_text"] and cut["no_tool_calls"]
+    call = triggers.p13_verdict("quoted", {"content": text, "tool_calls": [{"function": {"name": "x"}}]})
+    assert not call["kept_as_text"] and call["tool_calls"] == ["x"]
+
+
+def test_guard_p3_reads_the_guards_own_line():
+    import triggers
+    from flash_vllm.patches import p03_mamba_copy_guard as g
+
+    log = ("noise\n(EngineCore pid=1) WARNING [x] " + g.MESSAGE % (2, 2) + "\n"
+           'FLASH_E2E_MAMBA_INJECT fired: {"group": 0, "row": 1}\n')
+    assert triggers.guard_counts(log) == [2]
+    assert triggers.fired(log) == [{"group": 0, "row": 1}]
+    assert triggers.guard_counts("mamba state-copy guard on 7 state tensors") == []
