@@ -50,7 +50,7 @@ Files a real addition touches: **5**: `src/flash_common/releases.py` (by hand) a
 covers the catalogue); plus the patches that really change.
 
 Making it the current base too (`CURRENT`, in the same file) changes what names the current base:
-**22** files: the 5 above, `docs/PLAN.md` (its profile table) and the 16 golden run specs
+**32** files: the 5 above, `docs/PLAN.md` (its profile table) and the 26 golden run specs
 (`FLASH_UPDATE_GOLDEN=1`: image tag and base label). Profiles say `# base: current` and follow.
 
 `tests/unit/test_release_files.py` counts both on a copy of the repository (the catalogue entry,

@@ -47,10 +47,14 @@ def profiles_table() -> str:
         p = build(resolve(prof.layer(), None, None, profile_name=name), PRESETS["gb10"], snapshot=None)
         lo, hi = p["kv_cache_tokens_range"]
         mode = prof.values.get("PARALLEL", "none")
-        if mode != "none":  # two boxes: the row is one box; the deployment's pool(s) after it
+        if mode != "none":  # several boxes: the row is one box; the deployment's pool(s) after it
+            from flash_cli import layout
             from flash_cli.plan import parallel
 
-            agg = parallel.plan(p, mode)
+            lay = layout.parse(mode)
+            rank = build(resolve(prof.layer(), None, None, profile_name=name), PRESETS["gb10"], snapshot=None,
+                         split=(lay.tp, lay.pp)) if lay.rendezvous else None
+            agg = parallel.plan(p, lay, rank)
             name = (f"{name} (one-box plan; deployment: {agg['pools']} pool(s), ~{agg['aggregate']['kv_cache_tokens']:,} "
                     f"tokens{', first-order' if agg['pools'] == 1 else ''})")
         rows.append(f"| {name} | {p['recipe']['BASE']} | {p['kv_cache_tokens']:,} | {lo:,}–{hi:,} | "

@@ -2,7 +2,8 @@
 
 The plan is multinode.py's (pure); this module only talks to engines. Every box's engine is
 reached before anything starts (an unreachable box changes nothing); containers are found by
-their labels (org.flash.name + org.flash.node: 0, 1, or `router` for pd's P/D router on box 0),
+their labels (org.flash.name + org.flash.node: 0 .. N-1, or `router` for a pd layout's P/D router on
+box 0),
 and the boxes of a running deployment come from the head's own labels (org.flash.nodes) when
 NODES is not given again.
 """
@@ -53,7 +54,18 @@ def same_machine(url: str) -> bool:
     return url == "" or url.startswith("unix://") or url.split("://", 1)[-1].split(":")[0] in ("127.0.0.1", "localhost")
 
 
-ROUTER = "router"  # org.flash.node of pd's P/D router (on box 0)
+ROUTER = "router"  # org.flash.node of a pd layout's P/D router (on box 0)
+
+
+def has_router(parallel: str | None) -> bool:
+    """A pd layout (pd, pd3, pd4) has the P/D router on box 0."""
+    from . import layout
+    from .errors import ConfigError
+
+    try:
+        return bool(parallel) and parallel != "none" and layout.parse(parallel).kind == "pd"
+    except ConfigError:  # a label another flash version wrote: no router then
+        return False
 
 
 @dataclass
@@ -114,11 +126,11 @@ def locate(settings) -> list[Box] | None:
         client = connect(url, box, i)
         out.append(Box(i, box, url, client, find_node(client, settings["NAME"], i)))
     router = find_node(out[0].client, settings["NAME"], ROUTER)
-    if router is not None or (out[0].container is not None and out[0].container.labels.get(f"{LABEL}.parallel") == "pd"):
+    if router is not None or (out[0].container is not None and has_router(out[0].container.labels.get(f"{LABEL}.parallel"))):
         out.append(Box(0, out[0].box, out[0].url, out[0].client, router, ROUTER))
     if all(b.container is None for b in out):
         raise ContainerMissing(f"no flash deployment named {settings['NAME']!r} on {', '.join(boxes)}",
-                               hint="start one: flash serve tp2|dp2|pd NODES=… NODE_ADDRS=…")
+                               hint="start one: flash serve tp2|dp2|pd|… NODES=… NODE_ADDRS=…")
     return out
 
 
@@ -144,13 +156,26 @@ def healthy(b: Box, st: engine.State) -> bool:
     return st.health == "healthy"
 
 
-def died(b: Box, st: engine.State, n: int = 25) -> ContainerDied:
+def first_down(states: list[tuple[Box, engine.State]], up: tuple[str, ...] = ("running", "created", "restarting")
+               ) -> tuple[Box, engine.State, list[Box]] | None:
+    """The box that went down first (the cause: a lost rank takes the head down a moment later, and
+    the head is listed first), and the others down; None when every box is up."""
+    down = [(b, st) for b, st in states if st.status not in up]
+    if not down:
+        return None
+    # by the engines' FinishedAt (UTC, fixed-width); a box that never ended sorts last
+    b, st = min(down, key=lambda x: x[1].finished_at if x[1].finished_at[:4] not in ("", "0001") else "~")
+    return b, st, [o for o, _ in down if o is not b]
+
+
+def died(b: Box, st: engine.State, n: int = 25, also: list[Box] = ()) -> ContainerDied:
     lines = engine.tail(b.container, n)
     print(f"--- {b.label}: last {len(lines)} log lines ---", file=sys.stderr)
     print("\n".join(lines), file=sys.stderr)
     oom = ", OOM-killed" if st.oom_killed else ""
+    after = f"; after it: {', '.join(o.label for o in also)} went down too" if also else ""
     return ContainerDied(f"{b.label}: container {b.container.name} is {st.status} (exit code {st.exit_code}{oom}); "
-                         "its last log lines are above",
+                         f"its last log lines are above{after}",
                          hint=f"flash logs --node {b.node} for more; the deployment cannot come up without every box")
 
 
@@ -179,7 +204,7 @@ def serve(dep: "Deployment", s, *, force: bool, start_check: float, kv_label: st
             b.index == 0 and engine.state(c).status == "running" for b, c in one_box)
         for p in preflight.port(s, held_by_us=head_held):
             p.raise_()
-    if dep.router is not None:  # pd: the servers' own ports (PD_PORT, PD_PORT+1) on the boxes of this machine
+    if dep.router is not None:  # pd: the servers' own ports (PD_PORT+r) on the boxes of this machine
         for b, n in zip(boxes, dep.nodes):
             port = int(n.spec.labels[f"{LABEL}.port"])
             if not same_machine(b.url) or b in held:
@@ -191,9 +216,9 @@ def serve(dep: "Deployment", s, *, force: bool, start_check: float, kv_label: st
             if not free:
                 from .errors import PortInUse
 
-                raise PortInUse(f"port {n.addr}:{port} (the {n.role} server's: PD_PORT{'+1' if n.index else ''}) is "
+                raise PortInUse(f"port {n.addr}:{port} (the {n.role} server's: PD_PORT{f'+{n.index}' if n.index else ''}) is "
                                 "already in use by another program; nothing was started",
-                                hint=f"pick another: PD_PORT={s['PD_PORT'] + 2}")
+                                hint=f"pick another: PD_PORT={s['PD_PORT'] + len(dep.nodes)}")
     front = boxes[-1] if dep.router is not None else boxes[0]  # where users' requests come in
     if front.container is not None and front in held and s["DRAIN_TIMEOUT"] > 0 and endpoint_url(front):
         left, _ = running.drain(running.Endpoint(endpoint_url(front), running.endpoint(front.container).key, ""),
@@ -216,7 +241,7 @@ def serve(dep: "Deployment", s, *, force: bool, start_check: float, kv_label: st
         say("  ! the head is remote: its API key file must exist there (run flash serve on the head, or copy "
             f"{state.api_key_path(s['NAME'])} to it)")
     # Head first: it owns the rendezvous / handshake socket the headless ranks connect to; the
-    # router last (its /health needs both servers).
+    # router last (its /health needs every server).
     for b, n in zip(boxes, dep.containers()):
         if not b.is_router:
             n.spec.labels[f"{LABEL}.kv-plan"] = kv_label
@@ -224,12 +249,12 @@ def serve(dep: "Deployment", s, *, force: bool, start_check: float, kv_label: st
         say(f"  · started {b.label}: {b.container.name} ({b.container.short_id})")
     deadline = time.monotonic() + start_check
     while True:
-        for b in boxes:
-            st = engine.state(b.container)
-            if st.status not in ("created", "running"):
-                err = died(b, st)
-                remove_all(boxes)
-                raise ContainerDied(f"{err} during start; every box's container was removed", hint=err.hint)
+        # restarting counts as down here: a box that crashed in its first seconds (its restart policy)
+        down = first_down([(b, engine.state(b.container)) for b in boxes], up=("created", "running"))
+        if down is not None:
+            err = died(*down)
+            remove_all(boxes)
+            raise ContainerDied(f"{err} during start; every box's container was removed", hint=err.hint)
         if time.monotonic() >= deadline:
             break
         time.sleep(0.5)
@@ -260,9 +285,9 @@ def wait(boxes: list[Box], timeout: float, interval: float) -> int:
     api_boxes = [b for b in boxes if b.container.labels.get(f"{LABEL}.role") != "worker"]
     while True:
         states = [(b, engine.state(b.container)) for b in boxes]  # every box first: a dead rank never recovers
-        for b, st in states:
-            if st.status not in ("running", "created", "restarting"):
-                raise died(b, st)
+        down = first_down(states)
+        if down is not None:
+            raise died(*down)
         if all(st.status == "running" for _, st in states) and all(healthy(b, st) for b, st in states if b in api_boxes):
             break
         elapsed = time.monotonic() - start

@@ -47,6 +47,7 @@ class State:
     oom_killed: bool = False
     health: str | None = None
     started_at: str = ""
+    finished_at: str = ""  # RFC 3339 UTC as docker writes it ("0001-01-01T00:00:00Z" = never ended)
 
 
 def find(client: "DockerClient", name: str) -> "Container | None":
@@ -74,7 +75,7 @@ def state(container: "Container") -> State:
     st = container.attrs.get("State", {})
     health = (st.get("Health") or {}).get("Status")
     return State(st.get("Status", "unknown"), st.get("ExitCode"), bool(st.get("OOMKilled")), health,
-                 st.get("StartedAt", ""))
+                 st.get("StartedAt", ""), st.get("FinishedAt", ""))
 
 
 def tail(container: "Container", n: int = 25) -> list[str]:

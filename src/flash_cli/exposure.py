@@ -7,16 +7,16 @@ where each one is bound and whether vLLM lets us bind it to the fast link (docs/
 plus the engines flash reaches without encryption; `doctor` prints the findings.
 
 Read from vLLM 0.33.0's source (the same in 0.29-0.32 for what is used here):
-  * tp2/pp2 rendezvous: `--nnodes 2` makes every rank call torch.distributed with
+  * tp/pp rendezvous: `--nnodes N` makes every rank call torch.distributed with
     tcp://MASTER_ADDR:MASTER_PORT (vllm/distributed/parallel_state.py); rank 0's torch TCPStore
     server listens on every interface at MASTER_PORT: torch offers no bind address, and vLLM passes
     no pre-bound socket on this path. It can only be firewalled.
   * NCCL and gloo open their bootstrap and socket-transport listeners on the interface named by
     NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME (flash sets both from NODE_IFNAME); unset, NCCL picks
     the first interface that is up, which on a Spark can be the management network.
-  * dp2: the handshake (--data-parallel-rpc-port) and the stateless gloo group bind to
+  * dp: the handshake (--data-parallel-rpc-port) and the stateless gloo group bind to
     --data-parallel-address, the head's fast-link address (vllm/config/parallel.py).
-  * pd: the NIXL side channel is a ZMQ ROUTER bound to VLLM_NIXL_SIDE_CHANNEL_HOST:PORT
+  * pd layouts: the NIXL side channel is a ZMQ ROUTER bound to VLLM_NIXL_SIDE_CHANNEL_HOST:PORT
     (kv_connector/v1/nixl/base_scheduler.py), which flash sets to each box's NODE_ADDRS address.
   * VLLM_HOST_IP (set per box) is the address vLLM advertises to the other ranks.
 """
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from . import nodes
+from . import layout, nodes
 
 
 def _loopback(addr: str) -> bool:
@@ -53,9 +53,9 @@ def plaintext_engines(text: str | None) -> list[str]:
 
 def cluster_ports(s) -> list[tuple[str, str]]:
     """(level, text) for the ports the ranks of s's deployment listen on, and for the engines' links."""
-    mode = s["PARALLEL"]
-    if mode == "none":
+    if s["PARALLEL"] == "none":
         return []
+    lay = layout.parse(s["PARALLEL"])
     addrs = [a.strip() for a in (s["NODE_ADDRS"] or "").split(",") if a.strip()]
     head = addrs[0] if addrs else "?"
     out: list[tuple[str, str]] = [("warn", w) for w in plaintext_engines(s["NODES"])]
@@ -66,23 +66,25 @@ def cluster_ports(s) -> list[tuple[str, str]]:
             out.append(("fail", f"port {port} is both {ports[port]} and {what}: give one of them another port"))
         ports[port] = what
 
-    if mode in ("tp2", "pp2"):
+    if lay.rendezvous:
         claim(s["MASTER_PORT"], "MASTER_PORT (torch store)")
+        others = [a for a in addrs[1:] if a != head] or ["<the other boxes' fast-link addresses>"]
+        rules = "; ".join(f"iptables -A INPUT -p tcp --dport {s['MASTER_PORT']} -s {a} -j ACCEPT" for a in others)
         out.append(("warn", f"torch's TCPStore on the head listens on every interface at {s['MASTER_PORT']} "
                             f"(MASTER_PORT), not only {head}: torch has no bind address for it and vLLM passes none. "
-                            "Firewall it to the fast link, e.g. iptables -A INPUT -p tcp --dport "
-                            f"{s['MASTER_PORT']} ! -s <the other box's fast-link address> -j DROP"))
-    if mode == "dp2":
+                            f"Firewall it to the other {'box' if lay.boxes == 2 else f'{lay.boxes - 1} boxes'}, e.g. "
+                            f"{rules}; iptables -A INPUT -p tcp --dport {s['MASTER_PORT']} -j DROP"))
+    if lay.kind == "dp":
         claim(s["DP_RPC_PORT"], "DP_RPC_PORT (data-parallel handshake)")
         out.append(("ok", f"data-parallel handshake bound to {head}:{s['DP_RPC_PORT']} (--data-parallel-address)"))
-    if mode in ("tp2", "pp2", "dp2"):
+    if lay.nccl:
         if s["NODE_IFNAME"]:
             out.append(("ok", f"NCCL and gloo sockets on {s['NODE_IFNAME']} (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME)"))
         else:
             out.append(("warn", "NODE_IFNAME is empty: NCCL and gloo listen on the first interface that is up, which "
                                 "can be the management network; set NODE_IFNAME to the fast link's interface "
                                 "(e.g. enp1s0f1np1)"))
-    if mode == "pd":
+    if lay.kind == "pd":
         for i, a in enumerate(addrs):
             claim(s["NIXL_PORT"] + i, f"NIXL side channel of box {i}")
             claim(s["PD_PORT"] + i, f"pd server {i}'s API")

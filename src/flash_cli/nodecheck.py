@@ -7,7 +7,7 @@ options, reports what a rank will see: /dev/infiniband passed, memlock unlimited
 capabilities, the fast link's state and rate, the checkpoint revision and prepared variant, user
 lingering / RemoveIPC, and (a box whose server needs the API key: pd beyond loopback) the key file at
 the path its container mounts. With the deployment running: NCCL's transport read from each rank's log
-(sockets instead of IB fails tp2/pp2). Facts are gathered into plain dicts (`facts`) and judged
+(sockets instead of IB fails the tp/pp layouts). Facts are gathered into plain dicts (`facts`) and judged
 by pure functions (`judge`), which the unit tier tests without engines.
 """
 
@@ -177,7 +177,11 @@ def facts(node, settings, image: str, timeout: int = 60) -> dict:
 def judge(all_facts: list[dict], settings) -> list[tuple[str, str]]:
     """(level, text) per finding: pure, so the unit tier pins every rule."""
     out: list[tuple[str, str]] = []
-    mode, rdma, gbps = settings["PARALLEL"], settings["RDMA"], settings["LINK_GBPS"]
+    from . import layout
+
+    rdma, gbps = settings["RDMA"], settings["LINK_GBPS"]
+    lay = layout.of(settings)
+    coupled = lay is not None and lay.rendezvous  # one model over the boxes: every step waits on the link
     reach = [f for f in all_facts if "unreachable" not in f]
     for f in all_facts:
         where = f"node {f['node']} ({f['box']})"
@@ -240,7 +244,7 @@ def judge(all_facts: list[dict], settings) -> list[tuple[str, str]]:
         else:
             out.append(("warn", f"{where}: user {user} does not linger and RemoveIPC is not 'no': logind deletes the "
                                 f"ranks' shared memory when the session ends: sudo loginctl enable-linger {user}"))
-        if f.get("nccl") == "socket" and mode in ("tp2", "pp2"):
+        if f.get("nccl") == "socket" and coupled:
             out.append(("fail", f"{where}: NCCL fell back to sockets (NET/Socket in the log): about half the link's "
                                 "speed; pass the RDMA devices (RDMA=1) and check /dev/infiniband"))
         elif f.get("nccl") == "ib":

@@ -54,7 +54,7 @@ def weights(s: Settings, hf_cache: Path, snapshot: Path | None) -> list[Problem]
 
     from .checkpoint import known
 
-    fp8_table = getattr(known.layout_of(model, snapshot), "ple_from_disk", True)  # layout_problems says the rest
+    fp8_table = getattr(known.layout_of(model, snapshot), "ple_codec", "fp8") == "fp8"  # layout_problems says the rest
     if ple_patch_off(s) and fp8_table and not releases.has(s["BASE"], "ple_fp8_modelopt") \
             and hfcache.quant_method(snapshot) == "modelopt":
         fixed = ", ".join(sorted(releases.where("ple_fp8_modelopt", True)))
@@ -74,7 +74,8 @@ def weights(s: Settings, hf_cache: Path, snapshot: Path | None) -> list[Problem]
 
 def layout_problems(s: Settings, snapshot: Path | None) -> list[Problem]:
     """What the checkpoint's layout (checkpoint/known.py, read from its index) rules out: a MODE
-    it cannot be prepared for, and patch 1 on a PLE table format it does not decode."""
+    it cannot be prepared for, and a base whose vLLM has no method for its PLE table format (patch 1
+    decodes NVFP4 tables from disk on top of that method, so neither side serves them there)."""
     from .checkpoint import known
     from .spec import ple_patch_off
 
@@ -87,14 +88,13 @@ def layout_problems(s: Settings, snapshot: Path | None) -> list[Problem]:
                            + lay.refused.get(s["MODE"], f"not a layout MODE={s['MODE']} is built from"),
                            f"MODE accepts {' | '.join(lay.modes)} for this checkpoint"))
     stock = lay.stock_table_from is None or s["BASE"] in releases.upstream_from(lay.stock_table_from)
-    if not lay.ple_from_disk and not ple_patch_off(s):
-        out.append(Problem(ConfigError, f"patch 1 cannot serve {s['MODEL']}'s PLE table from disk: it is {lay.ple_format}, "
-                           "and patch 1 decodes FP8/BF16/F16 row tables only (flash_vllm.ple.discovery)",
-                           "serve it with vLLM's own NVFP4 table: CONTAINER_ENV=VLLM_PLE_MMAP=0 (the table then sits "
-                           "in memory, 26.8 GiB at full size; flash plan shows the fit)" if stock else
-                           f"no serving path on BASE={s['BASE']}: vLLM reads this table format from "
-                           f"{lay.stock_table_from} on (use BASE={releases.CURRENT})"))
-    elif not lay.ple_from_disk and not stock:
+    if not stock and not ple_patch_off(s):
+        out.append(Problem(ConfigError, f"patch 1 cannot serve {s['MODEL']}'s PLE table ({lay.ple_format}) on "
+                           f"BASE={s['BASE']}: it decodes this format on top of vLLM's own {lay.ple_codec.upper()} "
+                           f"table method (its parameters and shard loading), which vLLM has from "
+                           f"{lay.stock_table_from} on",
+                           f"no serving path on BASE={s['BASE']}, with patch 1 on or off: use BASE={releases.CURRENT}"))
+    elif not stock:
         out.append(Problem(ConfigError, f"vLLM on BASE={s['BASE']} cannot load {s['MODEL']}'s PLE table ({lay.ple_format}): "
                            f"its loader reads that format from {lay.stock_table_from} on",
                            f"use BASE={releases.CURRENT} (the nvidia profile's base)"))

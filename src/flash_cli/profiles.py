@@ -85,3 +85,17 @@ def load(name: str, directory: Path = PROFILES_DIR) -> Profile:
         raise UsageError(f"unknown profile {name!r}" + (f": did you mean {guess[0]!r}?" if guess else ""),
                          hint=f"profiles: {available} (see: flash profiles)")
     return parse(path.read_text(encoding="utf-8"), name, path)
+
+
+_B12X = re.compile(r"^#\s*b12x:\s*(?P<item>.+?):\s+(?P<why>.+)$")
+
+
+def b12x_items(path: Path) -> dict[str, str]:
+    """{recipe item: why it is left out} from a profile's `# b12x: ITEM: why` lines: what NVIDIA's
+    recipe (its B12x image) has that our base does not (profiles/nvidia.env, nvidia-tp2.env)."""
+    out = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        m = _B12X.match(line.strip())
+        if m:
+            out[m.group("item")] = m.group("why")
+    return out

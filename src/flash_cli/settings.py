@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from flash_common import releases
 
-from . import nodes
+from . import layout, nodes
 from .errors import ConfigError
 
 TRUE = ("1", "true", "yes", "on")
@@ -133,6 +133,8 @@ class Setting:
             elif self.kind == "choice":
                 value = raw.strip()
                 if value not in self.choices:
+                    if self.check is not None:  # says why this value is refused, where it knows
+                        self.check(value)
                     raise ValueError("not one of the allowed values")
             elif self.kind == "host":
                 value = raw.strip()
@@ -388,13 +390,16 @@ SETTINGS: tuple[Setting, ...] = (
       "plan` says the recipe claims plus this.", "flash serve (memory check before a start)"),
     S("GUARD_WAIT", "int", 0, "`flash serve`: seconds to wait for that memory before refusing (0: refuse at once; "
       "--wait-memory sets it).", "flash serve (memory check before a start)", minimum=0, maximum=86400),
-    # --- two boxes: vLLM's own multi-node modes (issue 15; docs/MULTINODE.md) ------------------
-    S("PARALLEL", "choice", "none", "Spread one deployment over the boxes in NODES with vLLM's own launch: "
-      "tp2 = tensor parallel 2 (one rank per box, --nnodes/--node-rank/--master-addr, --headless worker); "
-      "pp2 = pipeline parallel 2 (same launch); dp2 = two data-parallel replicas behind the head's one API "
-      "(--data-parallel-size 2, headless worker); pd = prefill on the first box, decode on the second "
-      "(NixlConnector), flash's P/D router on the first box serving the one API. none = one box.", "vllm parallel/kv-transfer flags per box; labels org.flash.parallel",
-      choices=("none", "tp2", "pp2", "dp2", "pd")),
+    # --- 2 to 4 boxes: vLLM's own multi-node modes (issues 15, 35; docs/MULTINODE.md) ---------
+    S("PARALLEL", "choice", "none", "Spread one deployment over the 2-4 boxes in NODES (one GPU each) with "
+      "vLLM's own launch; the digit is the box count. tpN = tensor parallel (--nnodes/--node-rank/--master-addr, "
+      "headless workers; N must fit the model's head counts: 2 or 4, not 3); tpNep = the same with expert "
+      "parallel (tp4ep: the 4-Spark anchor); ppN = pipeline parallel; tp2pp2 = tensor 2 x pipeline 2; dpN = N "
+      "data-parallel replicas behind the head's one API (headless workers); pd = prefill on the first box, decode "
+      "on the second (NixlConnector), flash's P/D router on the first box serving the one API; pdN = one prefill "
+      "and N-1 decode boxes behind it. none = one box.",
+      "vllm parallel/kv-transfer flags per box; labels org.flash.parallel",
+      choices=("none", *layout.ACCEPTED), check=layout.check),
     S("NODES", "str", None, "The boxes of a PARALLEL deployment, head first, comma separated: `localhost` "
       "(this machine's engine), a host name or user@host (= ssh://, docker-py's ssh transport), or an engine "
       "URL ssh://…, tcp://…, unix://….", "one Docker Engine per box; label org.flash.nodes", optional=True,
@@ -411,17 +416,21 @@ SETTINGS: tuple[Setting, ...] = (
       "gloo's bootstrap sockets do not pick the management network.",
       "env NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME (multi-node boxes only)", optional=True,
       pattern=r"[\w.:-]+"),
-    S("MASTER_PORT", "int", 29501, "torch.distributed rendezvous port on the head (tp2/pp2).",
+    S("MASTER_PORT", "int", 29501, "torch.distributed rendezvous port on the head (tp/pp layouts).",
       "vllm --master-port", minimum=1024, maximum=65535),
-    S("DP_RPC_PORT", "int", 29550, "Data-parallel handshake port on the head (dp2).",
+    S("DP_RPC_PORT", "int", 29550, "Data-parallel handshake port on the head (dp layouts).",
       "vllm --data-parallel-rpc-port", minimum=1024, maximum=65535),
-    S("NIXL_PORT", "int", 5600, "NIXL side-channel port (pd); box N uses NIXL_PORT+N so two ranks can share a host.",
+    S("NIXL_PORT", "int", 5600, "NIXL side-channel port (pd layouts); box N uses NIXL_PORT+N so ranks can share a host.",
       "env VLLM_NIXL_SIDE_CHANNEL_PORT", minimum=1024, maximum=65535),
-    S("PD_PORT", "int", 18310, "pd: API port of the prefill server (box 0); the decode server (box 1) uses "
-      "PD_PORT+1. Each listens on its NODE_ADDRS address, where the router reaches it; users talk to the "
+    S("PD_PORT", "int", 18310, "pd layouts: API port of the prefill server (box 0); the decode server on box N "
+      "uses PD_PORT+N. Each listens on its NODE_ADDRS address, where the router reaches it; users talk to the "
       "router on BIND:PORT, the deployment's one endpoint.",
       "vllm serve --host NODE_ADDR --port on the pd servers; pdrouter --prefill/--decode URLs",
       minimum=1024, maximum=65534),
+    S("ROUTER_WORKERS", "int", 0, "pd layouts: worker processes of the P/D router, all accepting on BIND:PORT "
+      "(one event loop spends ~1.4 ms CPU per request, so 200 at once queue behind one core). 0: min(4, the "
+      "router container's CPU cores); 1: one process. The connection cap is shared; /metrics sums the workers.",
+      "pdrouter --workers", minimum=0, maximum=64),
     S("RDMA", "bool", True, "Give multi-node containers the RDMA devices and limits NCCL needs for "
       "GPUDirect over ConnectX (without them NCCL silently falls back to TCP at about half speed). "
       "0 only for test boxes without /dev/infiniband.",

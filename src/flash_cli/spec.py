@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from flash_common import releases
 from flash_common.effort import EFFORT_MAP
 
-from . import __version__
+from . import __version__, layout
 from .hfcache import VARIANT_SUFFIX
 from .errors import ConfigError
 from .exposure import open_api
@@ -293,21 +293,23 @@ def compile_cache_mounts(value: str | None) -> list[Mount]:
     return [Mount("volume", t, f"{value}-{sub}") for sub, t in COMPILE_CACHE_TARGETS.items()]
 
 
-# The multi-node settings and the PARALLEL layouts that read them (multinode.py): set for any
-# other layout they would change nothing, which build() says instead of ignoring them.
-MULTI = ("tp2", "pp2", "dp2", "pd")
+# The multi-node settings and the kinds of PARALLEL layout that read them (layout.py, multinode.py):
+# set for any other layout they would change nothing, which build() says instead of ignoring them.
+MULTI = ("tp", "pp", "tppp", "dp", "pd")
 APPLIES_TO = {
     "NODES": MULTI, "NODE_ADDRS": MULTI, "NODE_GPUS": MULTI, "RDMA": MULTI, "LINK_GBPS": MULTI,
-    "NODE_IFNAME": ("tp2", "pp2", "dp2"), "MASTER_PORT": ("tp2", "pp2"), "DP_RPC_PORT": ("dp2",),
-    "NIXL_PORT": ("pd",), "PD_PORT": ("pd",),
+    "NODE_IFNAME": ("tp", "pp", "tppp", "dp"), "MASTER_PORT": ("tp", "pp", "tppp"), "DP_RPC_PORT": ("dp",),
+    "NIXL_PORT": ("pd",), "PD_PORT": ("pd",), "ROUTER_WORKERS": ("pd",),
 }
+KIND_NAMES = {"tp": "tpN", "pp": "ppN", "tppp": "tp2pp2", "dp": "dpN", "pd": "pd/pdN"}
 
 
 def inapplicable(s: Settings) -> list[str]:
     """One warning per setting given (profile, env or argument) that the chosen layout never reads."""
     mode = s["PARALLEL"]
-    return [f"{key}={s[key]} does nothing with PARALLEL={mode}: only {'/'.join(modes)} read it"
-            for key, modes in APPLIES_TO.items() if s.is_set(key) and mode not in modes]
+    kind = "none" if mode == "none" else layout.parse(mode).kind
+    return [f"{key}={s[key]} does nothing with PARALLEL={mode}: only {'/'.join(KIND_NAMES[k] for k in kinds)} read it"
+            for key, kinds in APPLIES_TO.items() if s.is_set(key) and kind not in kinds]
 
 
 def needs_api_key(s: Settings) -> bool:

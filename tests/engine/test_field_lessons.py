@@ -36,8 +36,10 @@ def test_silent_yarn_fallback_fails_wait_status_and_test(flash):
 
 
 def test_wait_names_a_boot_stalled_in_kv_allocation(flash):
+    # 20 s in KV allocation: `serve` itself can take several seconds on a loaded CI machine (vfs
+    # storage), and with 8 s the allocation was over before `wait` first looked (CI, 2026-12-04)
     res = flash("serve", "published", "--start-check", "1",
-                "CONTAINER_ENV=STANDIN_KV_ALLOC_SECONDS=8 STANDIN_BOOT_SECONDS=0.3")
+                "CONTAINER_ENV=STANDIN_KV_ALLOC_SECONDS=20 STANDIN_BOOT_SECONDS=0.3")
     assert res.returncode == 0, res.stderr
     res = flash("wait", "--timeout", "120", "--interval", "0.5", "BOOT_STALL=3")
     assert res.returncode == 0, res.stderr  # a stall is reported, the wait goes on

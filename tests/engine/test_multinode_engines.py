@@ -1,12 +1,15 @@
-"""Two boxes on real engines (issue 15): two Docker Engines on this machine (the tier's daemon and
-a second dockerd with its own socket, data root and exec root), the stand-in playing each rank
-and checking the rank argv it was given, ranks meeting over loopback on the head's rendezvous
-port. A worker killed during boot, an unreachable box, and an image mismatch doctor catches.
-pd: the prefill and decode stand-ins (NixlConnector handoff) behind flash's P/D router, a third
-container on box 0 found by its label, the one endpoint flash test uses."""
+"""Two to four boxes on real engines (issues 15, 35): Docker Engines on this machine (the tier's
+daemon and private dockerds, each with its own socket, data root and exec root), the stand-in
+playing each rank and checking the rank argv it was given, ranks meeting over loopback on the
+head's rendezvous port. A worker killed during boot, an unreachable box, and an image mismatch
+doctor catches. pd: the prefill and decode stand-ins (NixlConnector handoff) behind flash's P/D
+router, a third container on box 0 found by its label, the one endpoint flash test uses. Four
+engines: tp4ep (four ranks meet), dp4; three: pd3 (the router spreads over two decode boxes and
+keeps serving with one of them dead)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import shutil
@@ -24,9 +27,9 @@ from conftest import IMAGE, free_port
 pytestmark = pytest.mark.docker
 
 
-@pytest.fixture(scope="module")
-def second_engine(docker_client, built_image):
-    """A second, private Docker Engine (unix socket, own data/exec roots) holding the same image."""
+@contextlib.contextmanager
+def private_engine(docker_client, built_image):
+    """A private Docker Engine (unix socket, own data/exec roots) holding the same image: one more box."""
     import docker
 
     if not shutil.which("dockerd"):
@@ -49,21 +52,36 @@ def second_engine(docker_client, built_image):
             time.sleep(0.5)
     if client is None:
         proc.terminate()
-        pytest.fail("second dockerd did not answer:\n" + (d / "dockerd.log").read_text()[-2000:])
-    client.images.load(b"".join(docker_client.images.get(built_image).save(named=True)))
-    yield url, client
-    for c in client.containers.list(all=True):
-        c.remove(force=True)
-    proc.terminate()
+        pytest.fail("private dockerd did not answer:\n" + (d / "dockerd.log").read_text()[-2000:])
     try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-    netns = d / "x" / "netns" / "default"  # dockerd leaves its netns bind mount behind
-    if netns.exists():
-        subprocess.run(["umount", str(netns)], check=False, capture_output=True)
-    shutil.rmtree(d, ignore_errors=True)
+        client.images.load(b"".join(docker_client.images.get(built_image).save(named=True)))
+        yield url, client
+    finally:
+        for c in client.containers.list(all=True):
+            c.remove(force=True)
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        netns = d / "x" / "netns" / "default"  # dockerd leaves its netns bind mount behind
+        if netns.exists():
+            subprocess.run(["umount", str(netns)], check=False, capture_output=True)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def second_engine(docker_client, built_image):
+    with private_engine(docker_client, built_image) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def more_engines(docker_client, built_image, second_engine):
+    """Boxes 1-3 of a four-box deployment (issue 35): the second engine and two more private ones."""
+    with private_engine(docker_client, built_image) as third, private_engine(docker_client, built_image) as fourth:
+        yield [second_engine, third, fourth]
 
 
 def boxes_env(url: str, **extra: str) -> dict:
@@ -292,4 +310,120 @@ def test_pd_server_port_in_use_changes_nothing(flash, docker_client, second_engi
     assert res.returncode == 9, res.stdout + res.stderr
     assert f"port 127.0.0.1:{pd + 1} (the decode server's: PD_PORT+1) is already in use" in res.stderr
     for client in (docker_client, client2):
+        assert not client.containers.list(all=True, filters={"label": f"org.flash.name={flash.name}"})
+
+
+# -- three and four boxes (issue 35) ------------------------------------------------------------
+def n_boxes_env(urls: list[str], **extra: str) -> dict:
+    n = len(urls) + 1
+    return {"NODES": ",".join(["localhost", *urls]), "NODE_ADDRS": ",".join(["127.0.0.1"] * n), "RDMA": "0",
+            "MASTER_PORT": str(free_port()), "DP_RPC_PORT": str(free_port()), **extra}
+
+
+def test_tp4ep_on_four_engines(flash, docker_client, more_engines):
+    env = n_boxes_env([u for u, _ in more_engines])
+    res = flash("serve", "tp4ep", "--start-check", "2", env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "starting on 4 boxes (tp4ep)" in res.stdout
+    for i, (_, client) in enumerate(more_engines, start=1):
+        args = node(client, flash.name, i).attrs["Args"]
+        assert args[args.index("--node-rank") + 1] == str(i) and "--headless" in args
+        assert args[args.index("--nnodes") + 1] == "4" and "--enable-expert-parallel" in args
+    res = flash("wait", "--timeout", "180", "--interval", "0.5")  # all four boxes from the head's labels
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "ready after" in res.stdout and ": 4 boxes" in res.stdout, res.stdout
+    argv = get_json(f"{flash.url}/standin/argv")
+    assert argv["ranks"] == {"rank": 0, "world": 4, "addr": "127.0.0.1", "port": int(env["MASTER_PORT"]), "kind": "tp"}
+    head = node(docker_client, flash.name, 0)
+    head.reload()
+    assert all(f"rank {r} joined" in head.logs().decode() for r in (1, 2, 3))
+    rows = json.loads(flash("status", "--json").stdout)["nodes"]
+    assert [(r["node"], r["role"], r["state"]) for r in rows] == [(0, "head", "running")] + \
+        [(i, "worker", "running") for i in (1, 2, 3)]
+    logs = flash("logs", "--node", "3", "50")
+    assert "Launching vLLM headless rank 3 (tp)" in logs.stdout, logs.stdout + logs.stderr
+    node(more_engines[1][1], flash.name, 2).kill()  # a lost rank: wait names it at once
+    res = flash("wait", "--timeout", "60", "--interval", "0.5")
+    assert res.returncode == 7 and "node 2 (worker)" in res.stderr, res.stdout + res.stderr
+    res = flash("stop", "--no-drain")
+    assert res.returncode == 0 and "node 3 (worker)" in res.stdout, res.stdout + res.stderr
+    assert flash("rm").returncode == 0
+    for client in [docker_client] + [c for _, c in more_engines]:
+        assert not client.containers.list(all=True, filters={"label": f"org.flash.name={flash.name}"})
+
+
+def test_dp4_one_endpoint_on_four_engines(flash, docker_client, more_engines):
+    env = n_boxes_env([u for u, _ in more_engines])
+    res = flash("serve", "dp2", "PARALLEL=dp4", "--start-check", "2", env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for i, (_, client) in enumerate(more_engines, start=1):
+        args = node(client, flash.name, i).attrs["Args"]
+        assert args[args.index("--data-parallel-start-rank") + 1] == str(i)
+        assert args[args.index("--data-parallel-size") + 1] == "4" and "--headless" in args
+    res = flash("wait", "--timeout", "180", "--interval", "0.5", env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    argv = get_json(f"{flash.url}/standin/argv")
+    assert argv["ranks"]["kind"] == "dp" and argv["ranks"]["world"] == 4
+    assert get_json(f"{flash.url}/v1/models")["data"][0]["id"] == "qwen3.8-flash-next"
+    assert flash("rm", env=env).returncode == 0
+
+
+def test_pd3_router_spreads_over_two_decode_engines(flash, docker_client, more_engines):
+    import socket
+
+    (url1, client1), (url2, client2) = more_engines[:2]
+    pd = None
+    for _ in range(50):  # three consecutive free ports
+        p = free_port()
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", p + 1))
+                b.bind(("127.0.0.1", p + 2))
+            pd = p
+            break
+        except OSError:
+            continue
+    assert pd is not None
+    # one router worker: "in turn" below is one process's order (with workers each keeps its own turn,
+    # so 4 requests split 3/1 or 2/2 by which worker accepts them; the shared health verdicts of
+    # several workers are the pd test's and tests/unit/test_pdrouter_attacks.py's)
+    env = n_boxes_env([url1, url2], PD_PORT=str(pd), NIXL_PORT=str(free_port()), API_KEY="off", ROUTER_WORKERS="1")
+    res = flash("serve", "pd3", "--start-check", "2", env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    router = node(docker_client, flash.name, "router")
+    assert router.attrs["Args"][-6:] == ["--prefill", f"http://127.0.0.1:{pd}", "--decode", f"http://127.0.0.1:{pd + 1}",
+                                         "--decode", f"http://127.0.0.1:{pd + 2}"]
+    res = flash("wait", "--timeout", "120", "--interval", "0.5")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert get_json(f"{flash.url}/health") == {"prefill": "ok", "decode1": "ok", "decode2": "ok"}
+    body = json.dumps({"model": "qwen3.8-flash-next", "prompt": "The capital of France is", "max_tokens": 4}).encode()
+
+    def complete() -> dict:
+        req = urllib.request.Request(f"{flash.url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return json.load(r)
+    for _ in range(4):
+        assert complete()["choices"][0]["text"]
+    seen = [len(get_json(f"http://127.0.0.1:{pd + i}/standin/argv")["kv_seen"]) for i in (1, 2)]
+    assert seen == [2, 2], seen  # nothing outstanding between requests: in turn
+    st = json.loads(flash("status", "--json").stdout)["nodes"]
+    assert [(r["node"], r["role"]) for r in st] == [(0, "prefill"), (1, "decode"), (2, "decode"), ("router", "router")]
+    node(client2, flash.name, 2).kill()  # one decode box down: the other one serves, /health says which
+    with pytest.raises(urllib.error.HTTPError) as health:
+        urllib.request.urlopen(f"{flash.url}/health", timeout=10)
+    assert health.value.code == 503 and json.loads(health.value.read())["decode1"] == "ok"
+    for _ in range(3):
+        assert complete()["choices"][0]["text"]
+    node(client1, flash.name, 1).kill()  # both down: 503 naming decode, no prefill spent
+    prefills = len(get_json(f"http://127.0.0.1:{pd}/standin/argv")["kv_seen"])
+    with pytest.raises(urllib.error.HTTPError):
+        urllib.request.urlopen(f"{flash.url}/health", timeout=10)  # the router now knows both are down
+    with pytest.raises(urllib.error.HTTPError) as bad:
+        complete()
+    assert bad.value.code == 503 and json.loads(bad.value.read())["error"]["stage"] == "decode"
+    assert len(get_json(f"http://127.0.0.1:{pd}/standin/argv")["kv_seen"]) == prefills
+    res = flash("rm")
+    assert res.returncode == 0 and "router on localhost: removed" in res.stdout, res.stdout + res.stderr
+    for client in (docker_client, client1, client2):
         assert not client.containers.list(all=True, filters={"label": f"org.flash.name={flash.name}"})

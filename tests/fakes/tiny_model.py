@@ -1,4 +1,4 @@
-"""A tiny `qwen4_exp` that vLLM can actually boot, in the three real layouts, written by our own code.
+"""A tiny `qwen4_exp` that vLLM can actually boot, in the real layouts, written by our own code.
 
 `ckpt.py` knows the layouts (names, dtypes, files); this module picks dimensions and a config vLLM
 0.33 accepts and fills every tensor with values that make a valid (random) model:
@@ -8,7 +8,10 @@
   `layer_multipliers` / `ngram_heads_offsets` / `ngram_heads_vocab_sizes` holding EXACTLY what vLLM's
   `Qwen4ExpNGramEmbedding._make_layer_multipliers/_make_vocab_layout` compute for this config
   (computed by our `flash_vllm.ple.hashing`; the vllm tier compares them with the release's own code);
-- norms near 1, other BF16 weights N(0, 0.02), fp8 MTP experts with positive block scales.
+- norms near 1, other BF16 weights N(0, 0.02), fp8 MTP experts with positive block scales;
+- (d) the QAD export's layout (ckpt.py `qad`): MXFP8 side layers (finite E4M3 codes, UE8M0 scale
+  2^-14: |w| <= 0.03) and the NVFP4 PLE table (codes, positive E4M3 block scales, `weight_scale_2`
+  as the experts': rows up to 0.12), which patch 1 serves through its NVFP4 codec.
 
 Tiny-config traps measured on the H200 (issue 11): `indexer_budget / indexer_compress_ratio` must be
 512, 1024 or 2048 (vLLM's cooperative top-k), so the real 2048/4 is kept; the QSA ring capacity (32)
@@ -19,7 +22,8 @@ The tokenizer is a byte-level BPE (tests/fakes/data/tiny-tokenizer.json, made by
 make_tiny_tokenizer.py) with Qwen's 33 added tokens, so chat prompts, `<think>` and `<tool_call>`
 tokenize offline; `vocab_size` (2048) covers it.
 
-    build(cache) -> {"a": <nvidia snapshot>, "b": <a>-fp8hybrid, "c": <radixark>-fp8hybrid-mtpnvfp4}
+    build(cache) -> {"a": <nvidia snapshot>, "b": <a>-fp8hybrid, "c": <radixark>-fp8hybrid-mtpnvfp4,
+                     "d": <qad snapshot>}
     python tests/fakes/tiny_model.py CACHE_DIR [--json]
 """
 
@@ -234,8 +238,10 @@ def values(name: str, dtype: str, shape: tuple, rng):
     leaf = name.rsplit(".", 1)[-1]
     if dtype == "I64":
         return np.asarray(ple_buffers()[leaf], dtype=np.int64).reshape(shape)
-    if dtype == "U8":  # two e2m1 codes per byte: all 16 codes are finite FP4 values
-        return rng.integers(0, 256, n, dtype=np.uint8).reshape(shape)
+    if dtype == "U8":
+        if leaf == "weight_scale":  # MXFP8 (qad): one UE8M0 exponent byte per 32 values, 2^(113-127)
+            return np.full(shape, 113, dtype=np.uint8)
+        return rng.integers(0, 256, n, dtype=np.uint8).reshape(shape)  # e2m1 pairs: all 16 codes finite
     if dtype == "F8_E4M3":
         if leaf == "weight_scale":  # NVFP4 block scales: positive e4m3 in [64, 448]
             return _as(rng.uniform(64, 448, n).astype(np.float32).reshape(shape), "fp8")
@@ -275,7 +281,8 @@ def served_bytes(directory: Path) -> int:
 
 
 def build(cache: Path, python: str = sys.executable) -> dict[str, Path]:
-    """(a) nvidia NVFP4, (b) (a) through `flash prepare hybrid`, (c) RadixArk through `flash prepare graft`.
+    """(a) nvidia NVFP4, (b) (a) through `flash prepare hybrid`, (c) RadixArk through `flash prepare graft`,
+    (d) the QAD export as published (MXFP8 side layers, NVFP4 PLE table; nothing to prepare).
 
     (b) runs the real CLI. (c) runs the graft's own function (`flash prepare graft` pins the real
     Inferact donor by revision and sha256; here the pin is the tiny donor's): same code, other pin.
@@ -299,13 +306,14 @@ def build(cache: Path, python: str = sys.executable) -> dict[str, Path]:
     settings = resolve(overrides={"MODEL": ckpt.RADIXARK, "HF_CACHE": str(cache), "MODE": "hybrid-mtp"})
     graft.prepare(r, settings, donor=donor)
     c = hfcache.variant_dir(r, "hybrid-mtp")
-    return {"a": a, "b": b, "c": c}
+    return {"a": a, "b": b, "c": c, "d": write(cache, "qad")}
 
 
 # settings that point the recipe at each fixture (MODEL, MODE; REVISION pins the snapshot)
 def recipe_for(which: str, snaps: dict[str, Path]) -> dict[str, str]:
-    model, mode = {"a": (ckpt.NVIDIA, "nvfp4"), "b": (ckpt.NVIDIA, "hybrid"), "c": (ckpt.RADIXARK, "hybrid-mtp")}[which]
-    base_snap = snaps["a"] if which in "ab" else Path(str(snaps["c"]).split("-fp8hybrid")[0])
+    model, mode = {"a": (ckpt.NVIDIA, "nvfp4"), "b": (ckpt.NVIDIA, "hybrid"), "c": (ckpt.RADIXARK, "hybrid-mtp"),
+                   "d": (ckpt.QAD, "nvfp4")}[which]
+    base_snap = {"a": snaps["a"], "b": snaps["a"], "d": snaps["d"]}.get(which) or Path(str(snaps["c"]).split("-fp8hybrid")[0])
     return {"MODEL": model, "MODE": mode, "REVISION": base_snap.name}
 
 

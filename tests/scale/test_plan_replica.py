@@ -8,7 +8,7 @@ import pytest
 from fakes import ckpt
 from flash_cli.plan import build
 from flash_cli.plan import weights as W
-from flash_cli.plan.geometry import REAL
+from flash_cli.geometry import REAL
 from flash_cli.plan.hardware import PRESETS
 from flash_cli.settings import resolve
 

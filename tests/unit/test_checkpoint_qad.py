@@ -18,7 +18,7 @@ from flash_cli.errors import ConfigError
 from flash_cli.plan import build, ple_table_placement
 from flash_cli.plan import hardware as H
 from flash_cli.plan import weights as W
-from flash_cli.plan.geometry import Geometry
+from flash_cli.geometry import Geometry
 from flash_cli.settings import resolve
 
 COMMIT = "0ad0" + "0" * 36
@@ -121,25 +121,31 @@ def test_prepare_hybrid_on_a_directory_reads_the_layout_from_its_index(snaps, ca
     assert rc == 2 and "MXFP8" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
-def test_serve_preflight_refuses_a_hybrid_mode_and_patch_1_on_an_nvfp4_table(snaps):
+def test_serve_preflight_refuses_a_hybrid_mode_and_serves_the_nvfp4_table_with_patch_1_on_v033(snaps):
     cache = snaps["qad"].parents[3]
     hyb = preflight.weights(_settings(MODEL=ckpt.QAD, HF_CACHE=cache, MODE="hybrid"), cache, snaps["qad"])
     assert any("MODE=hybrid does not apply" in p.message for p in hyb)
-    on = preflight.weights(_settings(MODEL=ckpt.QAD, HF_CACHE=cache, MODE="nvfp4"), cache, snaps["qad"])
-    assert len(on) == 1 and "patch 1 cannot serve" in on[0].message and "NVFP4" in on[0].message
-    assert "VLLM_PLE_MMAP=0" in on[0].hint
+    # patch 1 on (the recipe's default) on v0.33: its NVFP4 codec serves the table from disk
+    on = _settings(MODEL=ckpt.QAD, HF_CACHE=cache, MODE="nvfp4")
+    assert on["BASE"] == "v0.33" and not spec.ple_patch_off(on)
+    assert preflight.weights(on, cache, snaps["qad"]) == []
     off = _settings(MODEL=ckpt.QAD, HF_CACHE=cache, MODE="nvfp4", CONTAINER_ENV="VLLM_PLE_MMAP=0")
     assert preflight.layout_problems(off, snaps["qad"]) == []
-    # vLLM reads NVFP4 tables from 0.33.0 on (Qwen4ExpPLENvFp4EmbeddingMethod): older bases have no path
+    # vLLM has an NVFP4 table method from 0.33.0 on (Qwen4ExpPLENvFp4EmbeddingMethod), and patch 1
+    # decodes on top of it: older bases have no path, with the patch off...
     old = _settings(MODEL=ckpt.QAD, HF_CACHE=cache, MODE="nvfp4", CONTAINER_ENV="VLLM_PLE_MMAP=0", BASE="v0.32")
     (p,) = preflight.layout_problems(old, snaps["qad"])
     assert "BASE=v0.32 cannot load" in p.message and "0.33.0" in p.message and "BASE=v0.33" in p.hint
     assert [q.message for q in preflight.weights(old, cache, snaps["qad"])] == [p.message]  # not the fp8 table's
-    on_old = preflight.layout_problems(_settings(MODEL=ckpt.QAD, HF_CACHE=cache, BASE="v0.29"), snaps["qad"])
-    assert len(on_old) == 1 and "no serving path on BASE=v0.29" in on_old[0].hint
-    # the published layouts keep patch 1 and every mode they had
-    nv = _settings(MODEL=ckpt.NVIDIA, HF_CACHE=cache, MODE="nvfp4")
-    assert preflight.layout_problems(nv, snaps["nvidia"]) == []
+    # ... or on
+    for base in ("v0.29", "v0.30", "v0.32"):
+        (q,) = preflight.layout_problems(_settings(MODEL=ckpt.QAD, HF_CACHE=cache, BASE=base), snaps["qad"])
+        assert "patch 1 cannot serve" in q.message and f"BASE={base}" in q.message and "0.33.0" in q.message
+        assert f"no serving path on BASE={base}" in q.hint and "BASE=v0.33" in q.hint
+    # the published layouts keep patch 1 and every mode they had, on every base
+    for base in ("v0.29", "v0.33"):
+        nv = _settings(MODEL=ckpt.NVIDIA, HF_CACHE=cache, MODE="nvfp4", BASE=base)
+        assert preflight.layout_problems(nv, snaps["nvidia"]) == []
 
 
 def test_plan_reads_the_headers_and_puts_the_nvfp4_table_in_memory(snaps):
@@ -155,7 +161,13 @@ def test_plan_reads_the_headers_and_puts_the_nvfp4_table_in_memory(snaps):
     side = sum(s[0] * (s[1] + s[1] // 32) for name, _, s in bf16 if W.classify(name) == "side_layers")
     assert w.components["side_layers"] == side
     on_gpu, note = ple_table_placement(s, snaps["qad"])
-    assert on_gpu and "patch 1 cannot decode" in note
+    assert on_gpu and "patch 1 is off" in note
+    # patch 1 on: the NVFP4 table is read from disk like the FP8 ones, nothing of it on the GPU
+    s_on = _settings(MODEL=ckpt.QAD, HF_CACHE=cache, MODE="nvfp4", YARN=0, CTX=1024)
+    assert ple_table_placement(s_on, snaps["qad"])[0] is False
+    w_on = W.from_headers(snaps["qad"], Geometry(), mode="nvfp4", mtp=2, draft_vocab=False, vision=True,
+                          prepared=True, table_on_gpu=False)
+    assert w_on.components["ple_table"] == 0 and w_on.on_disk["ple_table"] == table
     nv = _settings(MODEL=ckpt.NVIDIA, HF_CACHE=cache)
     assert ple_table_placement(nv, snaps["nvidia"])[0] is False
 
@@ -164,7 +176,9 @@ def test_plan_without_a_snapshot_uses_the_qad_geometry_for_either_name():
     for model in (ckpt.QAD, ckpt.FP4_LOCAL):
         p = build(_settings(MODEL=model, MODE="nvfp4", CONTAINER_ENV="VLLM_PLE_MMAP=0"), H.PRESETS["gb10"], snapshot=None)
         assert any("weights from the geometry for a qad checkpoint" in a for a in p["assumptions"])
-        assert any("patch 1 cannot decode" in a for a in p["assumptions"])
+        assert any("patch 1 is off" in a for a in p["assumptions"])
+        on = build(_settings(MODEL=model, MODE="nvfp4"), H.PRESETS["gb10"], snapshot=None)
+        assert any("mmapped from the checkpoint by the plugin (patch 1)" in a for a in on["assumptions"])
     g = Geometry()
     est = W.geometry_estimate(g, checkpoint="qad", mode="nvfp4", mtp=2, draft_vocab=False, vision=True, table_on_gpu=True)
     nv = W.geometry_estimate(g, checkpoint="nvidia", mode="nvfp4", mtp=2, draft_vocab=False, vision=True)

@@ -109,8 +109,8 @@ def test_unreachable_engine_is_one_clean_message_in_every_command(tmp_path):
 def test_settings_the_layout_never_reads_are_named():
     res = flash("serve", "default", "NODE_ADDRS=10.0.0.1,10.0.0.2", "PD_PORT=18400", "--dry-run")
     assert res.returncode == 0, res.stderr
-    assert "NODE_ADDRS=10.0.0.1,10.0.0.2 does nothing with PARALLEL=none: only tp2/pp2/dp2/pd read it" in res.stderr
-    assert "PD_PORT=18400 does nothing with PARALLEL=none: only pd read it" in res.stderr
+    assert "NODE_ADDRS=10.0.0.1,10.0.0.2 does nothing with PARALLEL=none: only tpN/ppN/tp2pp2/dpN/pd/pdN read it" in res.stderr
+    assert "PD_PORT=18400 does nothing with PARALLEL=none: only pd/pdN read it" in res.stderr
     res = flash("serve", "default", "--dry-run")  # nothing set: nothing said
     assert "does nothing with PARALLEL" not in res.stderr
 

@@ -310,7 +310,11 @@ serve_words = st.lists(st.sampled_from([s for s in SETTINGS if s.name != "PARALL
 MULTI = [[], [], ["PARALLEL=tp2", "NETWORK=host", "NODES=localhost,localhost", "NODE_ADDRS=127.0.0.1,127.0.0.1"],
          ["PARALLEL=dp2", "NETWORK=host", "NODES=a,me@b:2222", "NODE_ADDRS=10.0.0.1,10.0.0.2"],
          ["PARALLEL=pd", "NETWORK=host", "NODES=localhost,tcp://10.0.0.2:2375", "NODE_ADDRS=10.0.0.1,10.0.0.2"],
-         ["PARALLEL=pd", "NETWORK=host", "NODES=localhost,localhost", "NODE_ADDRS=127.0.0.1,127.0.0.1"]]  # coherent deployments
+         ["PARALLEL=pd", "NETWORK=host", "NODES=localhost,localhost", "NODE_ADDRS=127.0.0.1,127.0.0.1"],
+         ["PARALLEL=tp4ep", "NETWORK=host", "NODES=a,b,me@c,d:2222", "NODE_ADDRS=10.0.0.1,10.0.0.2,10.0.0.3,10.0.0.4"],
+         ["PARALLEL=pd3", "NETWORK=host", "NODES=localhost,b,c", "NODE_ADDRS=10.0.0.1,10.0.0.2,10.0.0.3"],
+         ["PARALLEL=pp3", "NETWORK=host", "NODES=localhost,localhost,localhost",
+          "NODE_ADDRS=127.0.0.1,127.0.0.1,127.0.0.1"]]  # coherent deployments
 SERVE_RC = Counter()
 
 
@@ -320,8 +324,12 @@ def test_fuzz_serve_dry_run_path(profile, words, multi, as_json):
     from flash_cli.__main__ import main
 
     COUNTS["serve --dry-run: resolve → spec → render"] += 1
-    if not multi and profiles.load(profile).layer().get("PARALLEL", "none") != "none":
-        multi = MULTI[2][2:]  # a multi-node profile: its boxes (else it only ever says "needs NODES")
+    parallel = profiles.load(profile).layer().get("PARALLEL", "none")
+    if not multi and parallel != "none":  # a multi-node profile: its boxes (else it only ever says "needs NODES")
+        from flash_cli import layout
+
+        n = layout.parse(parallel).boxes
+        multi = [f"NODES={','.join(['localhost'] * n)}", f"NODE_ADDRS={','.join(['127.0.0.1'] * n)}"]
     argv = ["serve", profile, *multi, *words, "--dry-run", *(["--json"] if as_json else [])]
     import contextlib
     import io

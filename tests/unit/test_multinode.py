@@ -1,6 +1,7 @@
-"""Two boxes (issue 15): every box's argv per multi-node profile (golden files), the interface
-others rely on (`flash serve tp2|dp2 NODES=a,b NODE_ADDRS=… --dry-run`), the RDMA options only
-where they belong, the plain per-rank launch issue 17 runs, and the refusals."""
+"""2 to 4 boxes (issues 15, 35): every box's argv per multi-node profile (golden files), the
+interface others rely on (`flash serve tp2|dp2 NODES=a,b NODE_ADDRS=… --dry-run`), every layout
+rendered for 2, 3 and 4 boxes, the RDMA options only where they belong, the plain per-rank launch
+issue 17 runs, and the refusals (head counts, box counts)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flash_cli import multinode, profiles, render
+from flash_cli import layout, multinode, profiles, render
 import goldens
 from flash_cli.__main__ import main
 from flash_cli.errors import ConfigError
@@ -20,27 +21,31 @@ GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "serve"
 SNAP = "0123456789abcdef0123456789abcdef01234567"
 HF = "/home/spark/.cache/huggingface"
 STATE = "/home/spark/.local/state/flash"
-BOXES = {"NODES": "a,b", "NODE_ADDRS": "10.0.0.1,10.0.0.2"}
 MULTI = [n for n in profiles.names() if profiles.load(n).values.get("PARALLEL", "none") != "none"]
+
+
+def boxes_for(n: int) -> dict[str, str]:
+    return {"NODES": ",".join("abcd"[:n]), "NODE_ADDRS": ",".join(f"10.0.0.{i + 1}" for i in range(n))}
 
 
 def deployment(profile: str, **overrides: str) -> multinode.Deployment:
     p = profiles.load(profile)
-    s = resolve(p.layer(), {}, {**BOXES, **overrides}, profile_name=p.name)
+    n = layout.parse(overrides.get("PARALLEL") or p.values["PARALLEL"]).boxes
+    s = resolve(p.layer(), {}, {**boxes_for(n), **overrides}, profile_name=p.name)
     return multinode.build_deployment(s, profile=p.name, snapshot=SNAP, hf_cache=HF, state_dir=STATE)
 
 
 def test_the_multi_node_profiles_exist():
-    assert set(MULTI) == {"tp2", "dp2", "pd"}
+    assert set(MULTI) == {"tp2", "dp2", "pd", "tp4ep", "pd3", "nvidia-tp2"}
     default = profiles.load("default").values
-    for name in MULTI:  # on top of default: its values, plus the mode and host networking
+    for name in set(MULTI) - {"nvidia-tp2"}:  # on top of default: its values, plus the mode and host networking
         values = profiles.load(name).values
         assert {k: values[k] for k in default} == default
         assert values["NETWORK"] == "host" and values["PARALLEL"] == name
 
 
-@pytest.mark.parametrize("profile", MULTI)
-@pytest.mark.parametrize("node", [0, 1])
+@pytest.mark.parametrize("profile,node", [(p, i) for p in MULTI
+                                          for i in range(layout.parse(profiles.load(p).values["PARALLEL"]).boxes)])
 def test_each_box_matches_golden(profile, node):
     text = render.docker_run_text(deployment(profile).nodes[node].spec) + "\n"
     path = GOLDEN / f"{profile}.node{node}.txt"
@@ -48,9 +53,10 @@ def test_each_box_matches_golden(profile, node):
                   f"{profile} box {node} changed; review, then FLASH_UPDATE_GOLDEN=1")
 
 
-def test_pd_router_matches_golden():
-    text = render.docker_run_text(deployment("pd").router.spec) + "\n"
-    path = GOLDEN / "pd.router.txt"
+@pytest.mark.parametrize("profile", ["pd", "pd3"])
+def test_pd_router_matches_golden(profile):
+    text = render.docker_run_text(deployment(profile).router.spec) + "\n"
+    path = GOLDEN / f"{profile}.router.txt"
     goldens.check(path, text, f"no golden file {path.name}: FLASH_UPDATE_GOLDEN=1 pytest {__file__}",
                   "the pd router changed; review, then FLASH_UPDATE_GOLDEN=1")
 
@@ -119,7 +125,9 @@ def test_pd_router_is_the_one_endpoint():
     r = dep.router
     assert dep.api_urls() == ["http://127.0.0.1:18300"] == [r.spec.api_url]
     assert r.spec.command == ["python3", "-m", "flash_vllm.pdrouter", "--host", "127.0.0.1", "--port", "18300",
-                              "--prefill", "http://10.0.0.1:18310", "--decode", "http://10.0.0.2:18311"]
+                              "--workers", "0", "--prefill", "http://10.0.0.1:18310", "--decode", "http://10.0.0.2:18311"]
+    # ROUTER_WORKERS reaches the router's argv (0: the router picks min(4, its cores))
+    assert deployment("pd", ROUTER_WORKERS="3").router.spec.command[7:9] == ["--workers", "3"]
     assert r.spec.entrypoint == ["python3", "-m", "flash_vllm.launch"]  # reads the key file, as on one box
     labels = r.spec.labels
     assert (labels["org.flash.node"], labels["org.flash.role"], labels["org.flash.name"]) == ("router", "router", "qwen38-flash")
@@ -237,7 +245,7 @@ def test_dry_run_json_exposes_per_node_plain_launch(capsys, monkeypatch):
     (["NODES=a,b", "NODE_ADDRS=10.0.0.1,10.0.0.2", "NETWORK=bridge"], "needs NETWORK=host"),
     (["NODES=a,b", "NODE_ADDRS=10.0.0.1,10.0.0.2", "NODE_GPUS=0"], "NODE_GPUS has 1 entries"),
     (["NODES=ftp://a,b", "NODE_ADDRS=10.0.0.1,10.0.0.2"], "unknown scheme 'ftp'"),
-    (["NODES=a,b", "NODE_ADDRS=10.0.0.1,10.0.0.2", "PARALLEL=tp3"], "PARALLEL='tp3'"),
+    (["NODES=a,b", "NODE_ADDRS=10.0.0.1,10.0.0.2", "PARALLEL=tp3"], "PARALLEL=tp3: vLLM refuses tensor parallel size 3"),
 ])
 def test_bad_boxes_are_refused_with_the_value(words, needle, capsys):
     assert main(["serve", "tp2", *words, "--dry-run"]) == 2
@@ -253,26 +261,70 @@ def test_engine_urls():
         multinode.engine_url("ftp://x")
 
 
-# -- flash plan for two boxes -----------------------------------------------------------------
-def test_plan_dp2_is_two_one_box_pools_and_tp2_splits_the_weights():
-    from flash_cli.plan import build as plan_build, hardware, parallel
+# -- flash plan for 2 to 4 boxes ------------------------------------------------------------
+def one_box_and_rank(parallel: str, **over: str):
+    from flash_cli.plan import build as plan_build, hardware
 
+    lay = layout.parse(parallel)
     p = profiles.load("tp2")
-    s = resolve(p.layer(), {}, BOXES, profile_name=p.name)
-    single = plan_build(s, hardware.preset("gb10"), snapshot=None)
-    dp = parallel.plan(single, "dp2")
-    assert dp["pools"] == 2 and dp["aggregate"]["kv_cache_tokens"] == 2 * single["kv_cache_tokens"]
-    assert [r["kv_cache_tokens"] for r in dp["ranks"]] == [single["kv_cache_tokens"]] * 2
-    tp = parallel.plan(single, "tp2")
-    assert tp["pools"] == 1
-    assert tp["ranks"][0]["weights_gib"] == pytest.approx(single["weights_gib"] / 2, abs=1e-3)
-    b = single["budget"]
-    freed = single["weights_gib"] / 2
-    assert tp["ranks"][0]["kv_cache_gib"] == pytest.approx(b["kv_cache_gib"] + freed, abs=1e-2)
-    # a token costs each rank half: the pool is (2 × per-rank KV) worth of one-box tokens
-    want = 2 * tp["ranks"][0]["kv_cache_gib"] / b["kv_cache_gib"] * single["kv_cache_tokens"]
-    assert tp["aggregate"]["kv_cache_tokens"] == pytest.approx(want, rel=1e-3)
-    assert any("first-order" in line for line in parallel.render(tp))
+    s = resolve(p.layer(), {}, {**boxes_for(lay.boxes), "PARALLEL": parallel, **over}, profile_name=p.name)
+    hw = hardware.preset("gb10")
+    single = plan_build(s, hw, snapshot=None)
+    rank = plan_build(s, hw, snapshot=None, split=(lay.tp, lay.pp)) if lay.rendezvous else None
+    return lay, single, rank
+
+
+def test_plan_dp_and_pd_boxes_are_one_box_plans():
+    from flash_cli.plan import parallel
+
+    for name, pools, decode_pools in (("dp2", 2, 2), ("dp3", 3, 3), ("dp4", 4, 4), ("pd", 2, 1), ("pd4", 4, 3)):
+        lay, single, _ = one_box_and_rank(name)
+        dp = parallel.plan(single, lay)
+        assert dp["pools"] == pools and dp["boxes"] == lay.boxes == len(dp["ranks"])
+        assert dp["aggregate"]["kv_cache_tokens"] == decode_pools * single["kv_cache_tokens"], name
+        assert [r["kv_cache_tokens"] for r in dp["ranks"]] == [single["kv_cache_tokens"]] * lay.boxes
+        assert [r["weights_gib"] for r in dp["ranks"]] == [single["weights_gib"]] * lay.boxes
+    assert [r["role"] for r in parallel.plan(single, "pd4")["ranks"]] == ["prefill", "decode", "decode", "decode"]
+
+
+@pytest.mark.parametrize("name", ["tp2", "tp4", "tp4ep", "pp2", "pp3", "pp4", "tp2pp2"])
+def test_plan_each_rank_holds_its_share(name):
+    from flash_cli.plan import parallel
+
+    lay, single, rank = one_box_and_rank(name)
+    p = parallel.plan(single, lay, rank)
+    n = lay.boxes
+    assert p["pools"] == 1 and len(p["ranks"]) == n
+    assert p["ranks"][0]["weights_gib"] == pytest.approx(single["weights_gib"] / n, abs=1e-3)
+    # the budget per box is the same; what the weights freed goes to KV
+    b, rb = single["budget"], rank["budget"]
+    assert rb["requested_gib"] == b["requested_gib"]
+    assert rb["kv_cache_gib"] > b["kv_cache_gib"] + 0.9 * (single["weights_gib"] - rank["budget"]["weights_gib"])
+    assert p["aggregate"]["kv_cache_tokens"] == rank["kv_cache_tokens"] > single["kv_cache_tokens"]
+    assert all(r["page_cache_for_ple_gib"] == rank["host"]["page_cache_for_ple_gib"] for r in p["ranks"])
+    assert any("first-order" in line for line in parallel.render(p))
+    with pytest.raises(ValueError, match="per-rank plan"):
+        parallel.plan(single, lay)
+
+
+def test_plan_tp4_keeps_a_replicated_kv_head_per_rank():
+    """At tp4 the 2 QSA KV heads cannot split four ways: each rank keeps one (as at tp2), so a token
+    costs a tp4 rank about what it costs a tp2 rank, not half of it; the GDN state still splits by 4."""
+    from flash_cli.geometry import REAL, per_rank
+
+    assert (per_rank(REAL, 2).num_key_value_heads, per_rank(REAL, 4).num_key_value_heads) == (1, 1)
+    assert per_rank(REAL, 4).gdn_conv_dim * 4 == REAL.gdn_conv_dim
+    assert per_rank(REAL, 1, 3).qsa_layers == REAL.qsa_layers // 3
+    _, single, tp2 = one_box_and_rank("tp2")
+    _, _, tp4 = one_box_and_rank("tp4")
+    share2 = tp2["kv_bytes_per_token"] / single["kv_bytes_per_token"]
+    share4 = tp4["kv_bytes_per_token"] / single["kv_bytes_per_token"]
+    assert 0.4 < share2 < 0.6 and share4 > 0.4  # not 0.25: replicated KV heads
+    assert share4 == pytest.approx(share2, rel=0.1)
+    assert any("1 of 2 QSA KV heads" in a for a in tp4["assumptions"])
+    from flash_cli.plan import parallel
+
+    assert "replicated" in parallel.plan(single, "tp4", tp4)["note"]
 
 
 def test_plan_command_reports_the_deployment(capsys):
@@ -283,7 +335,7 @@ def test_plan_command_reports_the_deployment(capsys):
 
 # -- doctor's judgement of the boxes' facts (nodecheck.judge is pure) -----------------------------
 def box_facts(i: int, **over) -> dict:
-    f = {"node": i, "box": "ab"[i], "engine": f"ssh://{'ab'[i]}", "kernel": "6.11.0-1016-nvidia", "clock_offset_s": 0.02,
+    f = {"node": i, "box": "abcd"[i], "engine": f"ssh://{'abcd'[i]}", "kernel": "6.11.0-1016-nvidia", "clock_offset_s": 0.02,
          "clock_rtt_s": 0.01, "user": "spark", "image_id": "sha256:" + "1" * 64, "rdma_options_accepted": True,
          "probe": {"memlock_unlimited": True, "ipc_lock": True, "infiniband": ["rdma_cm", "uverbs0"],
                    "ib_ports": [{"dev": "rocep1s0f1", "port": "1", "state": "4: ACTIVE", "rate": "200 Gb/sec (2X NDR)"}],
@@ -302,7 +354,9 @@ def judged(*facts, **settings):
     from flash_cli import nodecheck
 
     p = profiles.load("tp2")
-    s = resolve(p.layer(), {}, {**BOXES, **settings}, profile_name=p.name)
+    n = len(facts)
+    s = resolve(p.layer(), {}, {**boxes_for(n), **({"PARALLEL": "tp4ep"} if n == 4 else {}), **settings},
+                profile_name=p.name)
     return nodecheck.judge(list(facts), s)
 
 
@@ -358,3 +412,224 @@ def test_known_bad_kernels_are_data():
     assert nodecheck.bad_kernel("7.0.0-1019-nvidia-64k")["prefix"] == "7.0.0-1019"
     assert nodecheck.bad_kernel("6.11.0-1016-nvidia") is None
     assert nodecheck._utc("2026-12-01T15:20:01.5Z") == pytest.approx(1796138401.5)
+
+
+# -- 3 and 4 boxes (issue 35) -------------------------------------------------------------------
+def test_the_accepted_layouts_follow_the_head_counts():
+    from flash_cli.geometry import REAL
+
+    assert layout.ACCEPTED == ("tp2", "tp2ep", "tp4", "tp4ep", "tp2pp2", "pp2", "pp3", "pp4", "dp2", "dp3", "dp4",
+                               "pd", "pd3", "pd4")
+    assert layout.tp_problems(2) == layout.tp_problems(4) == []
+    why = layout.tp_problems(3)
+    assert any("replicated QSA KV heads" in w for w in why) and any("16 GDN key heads" in w for w in why)
+    assert any("GDN conv dimension 10,240" in w for w in why)
+    # a geometry with 3 KV heads and 48 of everything else would allow tp3: the rules read the numbers
+    from dataclasses import replace
+
+    g3 = replace(REAL, num_key_value_heads=3, linear_num_key_heads=48)
+    assert layout.tp_problems(3, g3) == [] and "tp3" in layout.accepted(g3)
+    from flash_cli.settings import BY_NAME
+
+    assert BY_NAME["PARALLEL"].choices == ("none", *layout.ACCEPTED)
+
+
+def tail(argv: list[str], flag: str) -> list[str]:
+    return argv[argv.index(flag):]
+
+
+@pytest.mark.parametrize("name", layout.ACCEPTED)
+def test_every_layout_renders_each_of_its_boxes(name):
+    lay = layout.parse(name)
+    dep = deployment("tp2", PARALLEL=name)
+    n = lay.boxes
+    addrs = [f"10.0.0.{i + 1}" for i in range(n)]
+    assert len(dep.nodes) == n and [x.addr for x in dep.nodes] == addrs
+    assert [x.spec.name for x in dep.nodes] == ["qwen38-flash"] + [f"qwen38-flash-node{i}" for i in range(1, n)]
+    assert [x.spec.labels["org.flash.node"] for x in dep.nodes] == [str(i) for i in range(n)]
+    assert {x.spec.labels["org.flash.parallel"] for x in dep.nodes} == {name}
+    assert [x.role for x in dep.nodes] == lay.roles()
+    assert [x.spec.env["VLLM_HOST_IP"] for x in dep.nodes] == addrs
+    for x in dep.nodes:
+        argv, i = x.spec.command, x.index
+        if lay.rendezvous:
+            want = (["--tensor-parallel-size", str(lay.tp)] if lay.tp > 1 else []) \
+                + (["--pipeline-parallel-size", str(lay.pp)] if lay.pp > 1 else []) \
+                + (["--enable-expert-parallel"] if lay.ep else []) \
+                + ["--nnodes", str(n), "--node-rank", str(i), "--master-addr", "10.0.0.1", "--master-port", "29501"] \
+                + (["--headless"] if i else [])
+            first = "--tensor-parallel-size" if lay.tp > 1 else "--pipeline-parallel-size"
+            assert tail(argv, first) == want, argv
+            assert x.serves_api is (i == 0) and x.spec.env["NCCL_DEBUG"] == "INFO"
+        elif lay.kind == "dp":
+            want = ["--data-parallel-size", str(n), "--data-parallel-size-local", "1", "--data-parallel-address",
+                    "10.0.0.1", "--data-parallel-rpc-port", "29550"] \
+                + (["--data-parallel-start-rank", str(i), "--headless"] if i else [])
+            assert tail(argv, "--data-parallel-size") == want, argv
+            assert "--nnodes" not in argv
+        else:
+            assert json.loads(after(argv, "--kv-transfer-config"))["kv_role"] == ("kv_consumer" if i else "kv_producer")
+            assert (after(argv, "--host"), after(argv, "--port")) == (addrs[i], str(18310 + i))
+            assert x.spec.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(5600 + i)
+            assert "--headless" not in argv and x.serves_api
+    if lay.kind == "pd":
+        decodes = [f"http://{a}:{18310 + i}" for i, a in enumerate(addrs)][1:]
+        assert dep.router.spec.command[-2 * (n - 1):] == [w for u in decodes for w in ("--decode", u)]
+        assert dep.router.spec.command.count("--prefill") == 1
+    else:
+        assert dep.router is None and dep.api_urls() == ["http://127.0.0.1:18300"]  # one endpoint: the head's
+
+
+def test_tp4ep_is_the_4_spark_anchor_layout():
+    dep = deployment("tp4ep")
+    assert tail(dep.nodes[0].spec.command, "--tensor-parallel-size") == [
+        "--tensor-parallel-size", "4", "--enable-expert-parallel", "--nnodes", "4", "--node-rank", "0",
+        "--master-addr", "10.0.0.1", "--master-port", "29501"]
+    assert tail(dep.nodes[3].spec.command, "--node-rank")[:2] == ["--node-rank", "3"]
+    assert dep.nodes[3].spec.command[-1] == "--headless" and dep.nodes[3].spec.healthcheck == {"test": ["NONE"]}
+    assert [x.engine for x in dep.nodes] == ["ssh://a", "ssh://b", "ssh://c", "ssh://d"]
+
+
+def test_pd3_router_spreads_over_both_decode_servers_and_names_the_key_copies():
+    dep = deployment("pd3")
+    assert dep.router.spec.command[-6:] == ["--prefill", "http://10.0.0.1:18310", "--decode", "http://10.0.0.2:18311",
+                                            "--decode", "http://10.0.0.3:18312"]
+    assert [n.role for n in dep.containers()] == ["prefill", "decode", "decode", "router"]
+    copies = [w for w in dep.warnings if "needs the API key file" in w]
+    assert len(copies) == 2 and "on b " in copies[0] and "on c " in copies[1]
+
+
+def test_pp3_warns_that_mtp_under_deep_pipeline_is_unproven():
+    assert any("pipeline parallel above 2 is not established" in w for w in deployment("tp2", PARALLEL="pp3").warnings)
+    assert not any("pipeline" in w for w in deployment("tp2", PARALLEL="pp3", MTP="0").warnings)
+    assert not any("pipeline" in w for w in deployment("tp2", PARALLEL="pp2").warnings)
+
+
+@pytest.mark.parametrize("words,needles", [
+    (["PARALLEL=tp3", "NODES=a,b,c", "NODE_ADDRS=10.0.0.1,10.0.0.2,10.0.0.3"],
+     ["PARALLEL=tp3: vLLM refuses tensor parallel size 3", "replicated QSA KV heads", "pp3, dp3 or pd3"]),
+    (["PARALLEL=dp5"], ["PARALLEL=dp5 spans 5 boxes; flash renders 2 to 4 boxes", "dp4"]),
+    (["PARALLEL=pd5"], ["PARALLEL=pd5 spans 5 boxes"]),
+    (["PARALLEL=tp8ep"], ["PARALLEL=tp8ep spans 8 boxes"]),
+    (["PARALLEL=tp1"], ["PARALLEL=tp1 is one box", "PARALLEL=none"]),
+    (["PARALLEL=tp4ep", "NODES=a,b,c", "NODE_ADDRS=10.0.0.1,10.0.0.2,10.0.0.3"],
+     ["PARALLEL=tp4ep needs 4 boxes in NODES, got 3", "layouts for 3 boxes: pp3 | dp3 | pd3"]),
+    (["PARALLEL=pd4", "NODES=a,b,c,d", "NODE_ADDRS=10.0.0.1,10.0.0.2,10.0.0.3"],
+     ["needs one fast-link address per box in NODE_ADDRS (4), got 3", "10.0.0.1,10.0.0.2,10.0.0.3,10.0.0.4"]),
+    (["PARALLEL=pd3", "NODES=a,b,c", "NODE_ADDRS=10.0.0.1,10.0.0.2,10.0.0.3", "NODE_GPUS=0,1"],
+     ["NODE_GPUS has 2 entries for 3 boxes"]),
+    (["PARALLEL=pd4", "NODES=a,b,c,d", "NODE_ADDRS=10.0.0.1,10.0.0.2,10.0.0.3,10.0.0.4", "PD_PORT=18297"],
+     ["PD_PORT=18297 puts a pd server on PORT=18300 (prefill PD_PORT, decode PD_PORT+1..PD_PORT+3)"]),
+    (["PARALLEL=pd3", "NODES=a,b,c", "NODE_ADDRS=10.0.0.1,10.0.0.2,10.0.0.3", "PD_PORT=65534"],
+     ["would listen on 65536 (PD_PORT+2), beyond 65535", "PD_PORT at most 65533"]),
+    (["PARALLEL=pd4", "NODES=a,b,c,d", "NODE_ADDRS=10.0.0.1,10.0.0.2,10.0.0.3,10.0.0.4", "NIXL_PORT=65534"],
+     ["NIXL_PORT=65534: box 3's side channel would be 65537"]),
+])
+def test_bad_layouts_and_box_counts_exit_2_naming_the_value(words, needles, capsys):
+    assert main(["serve", "tp2", "NODES=a,b", "NODE_ADDRS=10.0.0.1,10.0.0.2", *words, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    for needle in needles:
+        assert needle in err, err
+
+
+def test_dry_run_prints_every_box_of_four(capsys, monkeypatch):
+    monkeypatch.setenv("HOME", "/nonexistent")
+    argvs, out = dry_run(capsys, "tp4ep", "NODES=a,b,c,d", "NODE_ADDRS=10.0.0.1,10.0.0.2,10.0.0.3,10.0.0.4")
+    assert len(argvs) == 4 and all(a[:2] == ["docker", "run"] for a in argvs)
+    assert [after(vllm_part(a), "--node-rank") for a in argvs] == ["0", "1", "2", "3"]
+    assert ["--headless" in a for a in argvs] == [False, True, True, True]
+    assert "# node 3 (worker) on d [ssh://d]" in out
+
+
+def test_ports_and_inapplicable_settings_by_layout_kind():
+    from flash_cli import exposure
+    from flash_cli.spec import inapplicable
+
+    p = profiles.load("tp2")
+    s = resolve(p.layer(), {}, {**boxes_for(4), "PARALLEL": "pd4"}, profile_name=p.name)
+    found = exposure.cluster_ports(s)
+    assert [t for _, t in found if "NIXL side channel bound" in t][-1].startswith("box 3: NIXL side channel bound to "
+                                                                                   "10.0.0.4:5603")
+    s = resolve(p.layer(), {}, {**boxes_for(4), "PARALLEL": "tp4ep"}, profile_name=p.name)
+    rule = next(t for _, t in exposure.cluster_ports(s) if "TCPStore" in t)
+    assert "other 3 boxes" in rule and all(f"-s 10.0.0.{i} -j ACCEPT" in rule for i in (2, 3, 4))
+    s = resolve(p.layer(), {}, {**boxes_for(3), "PARALLEL": "dp3", "MASTER_PORT": "29600"}, profile_name=p.name)
+    assert inapplicable(s) == ["MASTER_PORT=29600 does nothing with PARALLEL=dp3: only tpN/ppN/tp2pp2 read it"]
+
+
+def test_doctor_judges_four_boxes():
+    facts = [box_facts(i) for i in range(4)]
+    found = judged(*facts)
+    assert not fails(found), fails(found)
+    assert sum("Docker Engine reachable" in t for _, t in found) == 4
+    facts[3] = box_facts(3, nccl="socket")
+    assert any("node 3 (d): NCCL fell back to sockets" in t for t in fails(judged(*facts)))
+    facts[3] = box_facts(3, image_id="sha256:" + "9" * 64)
+    assert any("different images" in t and "node 3" in t for t in fails(judged(*facts)))
+
+
+def test_plan_command_reports_each_box(capsys):
+    assert main(["plan", "tp4ep", "NODES=a,b,c,d", "--hardware", "gb10", "--no-snapshot", "--json"]) in (0, 1)
+    data = json.loads(capsys.readouterr().out)["parallel"]
+    assert data["mode"] == "tp4ep" and data["boxes"] == 4 and [r["box"] for r in data["ranks"]] == [0, 1, 2, 3]
+    assert [r["role"] for r in data["ranks"]] == ["head", "worker", "worker", "worker"]
+    assert all(r["vllm_claim_gib"] > 0 and r["weights_gib"] < 20 for r in data["ranks"])
+    assert main(["plan", "tp4ep", "--hardware", "gb10", "--no-snapshot"]) in (0, 1)
+    text = capsys.readouterr().out
+    assert "box 3          worker: vLLM claims" in text and "tp4ep (4 boxes)" in text
+
+
+# NVIDIA's two-Spark recipe as published (NVIDIA/local-ai-inference-recipes @dedcf6bc,
+# dgx-spark-2gpu/linux/vllm/128gb/recipe.yaml): the head's and the worker's `vllm serve` flags
+NVIDIA_TP2_ARGS = ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "1", "--mamba-cache-mode", "align",
+                   "--enable-prefix-caching", "--enable-chunked-prefill", "--dtype", "bfloat16", "--kv-cache-dtype", "fp8",
+                   "--quantization", "modelopt_mixed", "--block-size", "16", "--load-format", "b12x",
+                   "--max-model-len", "262144", "--max-num-seqs", "16", "--max-num-batched-tokens", "4096",
+                   "--speculative-config", '{"method":"mtp","num_speculative_tokens":4}', "--gdn-decode-kernel", "b12x",
+                   "--linear-backend", "b12x", "--moe-backend", "b12x", "--no-enable-flashinfer-autotune",
+                   "--mm-encoder-tp-mode", "data", "--reasoning-parser", "qwen3", "--tool-call-parser", "qwen3_xml",
+                   "--enable-auto-tool-choice", "--compilation-config", '{"pass_config":{"fuse_act_quant":true}}',
+                   "--gpu-memory-utilization", "0.7", "--nnodes", "2", "--master-port", "29501"]
+NVIDIA_TP2_ENV = {"CUTE_DSL_ARCH": "sm_121a", "SAFETENSORS_FAST_GPU": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+                  "VLLM_SSM_CONV_STATE_LAYOUT": "DS", "VLLM_USE_AOT_COMPILE": "1", "VLLM_USE_MEGA_AOT_ARTIFACT": "1",
+                  "VLLM_USE_V2_MODEL_RUNNER": "1", "B12X_POLICY_MODE": "auto", "VLLM_ENABLE_ROCE_ALLREDUCE": "1",
+                  "VLLM_ROCE_ALLREDUCE_MAX_SIZE": "2MB", "NCCL_IGNORE_CPU_AFFINITY": "1", "NCCL_IB_DISABLE": "0"}
+
+
+def _flag_values(argv: list[str]) -> dict[str, str | None]:
+    """{flag: value (the last one given, as argparse keeps it) or None for a bare switch}."""
+    out: dict[str, str | None] = {}
+    for i, a in enumerate(argv):
+        if a.startswith("--"):
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            out[a] = None if nxt is None or nxt.startswith("--") else nxt
+    return out
+
+
+@pytest.mark.parametrize("node", [0, 1])
+def test_nvidia_tp2_renders_the_two_spark_recipe_on_each_box(node):
+    dropped = profiles.b12x_items(profiles.load("nvidia-tp2").path)
+    assert dropped
+    spec = deployment("nvidia-tp2").nodes[node].spec
+    argv = list(spec.command)
+    have = _flag_values(argv)
+    for flag, val in _flag_values(NVIDIA_TP2_ARGS).items():
+        word = f"{flag} {val}" if val is not None else flag
+        if word in dropped:
+            assert have.get(flag) != val, word  # a B12x item: not rendered (safetensors loads instead)
+        elif flag == "--compilation-config":  # theirs plus the graph mode the hoisted gather is proven in
+            assert json.loads(have[flag])["pass_config"] == json.loads(val)["pass_config"]
+        elif flag == "--gpu-memory-utilization":
+            assert float(have[flag]) == float(val)
+        elif flag == "--pipeline-parallel-size":  # vLLM's default: not rendered
+            assert flag not in have
+        elif flag == "--speculative-config":
+            assert json.loads(have[flag]) == json.loads(val)
+        else:
+            assert have.get(flag, "<absent>") == val, flag
+    assert have["--node-rank"] == str(node) and have["--master-addr"] == "10.0.0.1"
+    assert ("--headless" in argv) == (node == 1)
+    for k, v in NVIDIA_TP2_ENV.items():
+        assert spec.env.get(k) == v or f"{k}={v}" in dropped, k
+    assert set(dropped) <= {f"{f} {v}" for f, v in _flag_values(NVIDIA_TP2_ARGS).items()} | {
+        f"{k}={v}" for k, v in NVIDIA_TP2_ENV.items()}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from flash_cli.plan import calibration as cal, fitting
-from flash_cli.plan.geometry import REAL
+from flash_cli.geometry import REAL
 from flash_cli.plan.hardware import PRESETS
 from flash_cli.plan.kvcache import layout
 from flash_cli.plan.weights import DRAFT_VOCAB_ROWS

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flash_cli.plan.geometry import REAL
+from flash_cli.geometry import REAL
 from flash_cli.plan.kvcache import _approximate_gcd, cdiv, layout
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from flash_cli.plan import weights as W
-from flash_cli.plan.geometry import REAL, from_config
+from flash_cli.geometry import REAL, from_config
 
 GIB = 1024**3
 BITS = {"BF16": 16, "F32": 32, "U8": 8, "F8_E4M3": 8, "I64": 64}

@@ -38,11 +38,14 @@ def test_profile_matches_golden(profile):
 
 
 def test_every_profile_has_a_golden_file_and_no_orphans():
-    """One file per single-box profile, one per box for the multi-node ones and one for pd's
-    router (test_multinode.py)."""
+    """One file per single-box profile, one per box for the multi-node ones and one for the router
+    of a pd layout (test_multinode.py)."""
+    from flash_cli import layout
+
+    multi = {n: layout.parse(profiles.load(n).values["PARALLEL"]) for n in profiles.names() if not single_box(n)}
     want = {n for n in profiles.names() if single_box(n)}
-    want |= {f"{n}.node{i}" for n in profiles.names() if not single_box(n) for i in (0, 1)}
-    want |= {f"{n}.router" for n in profiles.names() if profiles.load(n).values.get("PARALLEL") == "pd"}
+    want |= {f"{n}.node{i}" for n, lay in multi.items() for i in range(lay.boxes)}
+    want |= {f"{n}.router" for n, lay in multi.items() if lay.kind == "pd"}
     assert {p.stem for p in GOLDEN.glob("*.txt")} == want
 
 

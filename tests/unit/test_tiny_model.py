@@ -1,4 +1,4 @@
-"""The tiny e2e model (tests/fakes/tiny_model.py): the three layouts pass our own verify, stay small,
+"""The tiny e2e model (tests/fakes/tiny_model.py): the four layouts pass our own verify, stay small,
 carry the exact PLE buffers, and transformers' real qwen4_exp accepts the config, the tokenizer and
 every BF16 tensor's name and shape (the vllm tier checks the same files against vLLM's code)."""
 
@@ -31,7 +31,7 @@ def _tensor(path, name):
     return raw, t
 
 
-def test_three_layouts_verify_and_stay_small(snaps):
+def test_four_layouts_verify_and_stay_small(snaps):
     for key, d in snaps.items():
         res = verify.verify(d, with_hash=key == "a")
         assert res.ok, (key, res.problems)
@@ -41,7 +41,7 @@ def test_three_layouts_verify_and_stay_small(snaps):
 
 def test_flash_verify_cli_accepts_each(snaps):
     cache = snaps["a"].parents[3]
-    for key in "abc":
+    for key in "abcd":
         words = [f"{k}={v}" for k, v in tiny_model.recipe_for(key, snaps).items()]
         proc = subprocess.run([sys.executable, "-m", "flash_cli", "verify", "--no-profile", f"HF_CACHE={cache}", *words],
                               capture_output=True, text=True)

@@ -37,10 +37,13 @@ class Layout:
     # MODE values that serve this layout, and why the others do not (the refusal names it)
     modes: tuple[str, ...]
     refused: dict
-    # patch 1 reads the table from disk (PLE_MMAP) only in the table formats it decodes
-    ple_from_disk: bool
+    # the table's format as patch 1's engine decodes it from disk: "fp8" rows + a per-tensor
+    # scale (flash_vllm.ple.table), or "nvfp4" codes + block scales (flash_vllm.ple.nvfp4)
+    ple_codec: str
     ple_format: str
-    # the first vLLM release whose own loader reads the table format (patch 1 off); None: every base
+    # the first vLLM release whose own loader reads the table format; None: every base. Patch 1
+    # serves an NVFP4 table on top of that release's NVFP4 table method (its parameters, its
+    # loader's shard handling), so before it there is no serving path with patch 1 on or off
     stock_table_from: str | None = None
 
 
@@ -55,12 +58,12 @@ _GRAFT_ONLY_RADIXARK = "the MTP graft replaces RadixArk's fused BF16 draft exper
 
 LAYOUTS = {
     "nvidia": Layout("nvidia", "nvidia/Qwen3.8-Flash-Next-NVFP4 (MIXED_PRECISION, FP8 PLE table in one file)",
-                     None, ("nvfp4", "hybrid"), {"hybrid-mtp": _GRAFT_ONLY_RADIXARK}, True, "FP8 + BF16 scale"),
+                     None, ("nvfp4", "hybrid"), {"hybrid-mtp": _GRAFT_ONLY_RADIXARK}, "fp8", "FP8 + BF16 scale"),
     "radixark": Layout("radixark", "RadixArk/Qwen3.8-Flash-Next-NVFP4 (plain NVFP4, FP8 PLE table in 10 files)",
-                       None, ("nvfp4", "hybrid", "hybrid-mtp"), {}, True, "FP8 + BF16 scale"),
+                       None, ("nvfp4", "hybrid", "hybrid-mtp"), {}, "fp8", "FP8 + BF16 scale"),
     "qad": Layout("qad", "ModelOpt QAD export (NVFP4 experts, MXFP8 side layers, NVFP4 PLE table)",
                   SERVING_FILES, ("nvfp4",), {"hybrid": _HYBRID_QAD, "hybrid-mtp": _GRAFT_ONLY_RADIXARK},
-                  False, "NVFP4: U8 codes + F8_E4M3 per-16 scales + F32 weight_scale_2",
+                  "nvfp4", "NVFP4: U8 codes + F8_E4M3 per-16 scales + F32 weight_scale_2",
                   # vllm/models/qwen4_exp/common/ngram_embedding.py Qwen4ExpPLENvFp4EmbeddingMethod:
                   # in the 0.33.0 wheel, in none of 0.29.0-0.32.0
                   stock_table_from="0.33.0"),

@@ -48,10 +48,17 @@ def run(args: argparse.Namespace) -> int:
                              hint="give a checkpoint directory holding config.json, or the config.json itself")
     result = planner.build(r.settings, hw, snapshot=snapshot, hw_how=how)
     result["profile"] = r.profile.name
-    if r.settings["PARALLEL"] != "none":  # two boxes: each rank's share and the deployment's pool(s)
+    if r.settings["PARALLEL"] != "none":  # 2-4 boxes: what each box holds and needs, the deployment's pool(s)
+        from .. import layout
         from ..plan import parallel
 
-        result["parallel"] = parallel.plan(result, r.settings["PARALLEL"])
+        lay = layout.parse(r.settings["PARALLEL"])
+        rank = planner.build(r.settings, hw, snapshot=snapshot, hw_how=how, split=(lay.tp, lay.pp)) \
+            if lay.rendezvous else None
+        result["parallel"] = parallel.plan(result, lay, rank)
+        if rank is not None:  # one box of the deployment must fit as well
+            result["findings"] += [(level, f"each box: {text}") for level, text in rank["findings"]
+                                   if level == "fail"]
     failed = any(level == "fail" for level, _ in result["findings"])
     if args.json:
         result["findings"] = [{"level": level, "text": text} for level, text in result["findings"]]
@@ -81,7 +88,7 @@ def render(p: dict) -> str:
     if p.get("parallel"):
         from ..plan import parallel
 
-        lines.append("  (the lines above are one box; the deployment:)")
+        lines.append("  (the lines above are one box serving alone; each box of the deployment:)")
         lines += parallel.render(p["parallel"])
     for level, text in p["findings"]:
         lines.append(f"  [{level}] {text}")

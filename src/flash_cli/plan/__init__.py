@@ -24,8 +24,8 @@ from typing import Any
 
 from flash_common import releases
 
+from .. import geometry as geometry_mod
 from ..spec import ple_hoisted
-from . import geometry as geometry_mod
 from . import hardware as hardware_mod
 from . import kvcache, weights as weights_mod
 from .calibration import (DISCRETE_OVERHEAD_BAND, DISCRETE_OVERHEAD_BAND_FULL, H200_RUN, H200_RUN_FULL, OVERHEAD_BAND,
@@ -142,23 +142,20 @@ def resolve_snapshot(settings) -> Path | None:
 
 def ple_table_placement(s, snapshot: Path | None) -> tuple[bool, str]:
     """(is the PLE table in GPU memory, the assumption that says so): patch 1 serves it from disk
-    unless it is off or cannot decode the checkpoint's table format (checkpoint/known.py)."""
-    from ..checkpoint import known
+    (FP8 rows and NVFP4 codes alike; preflight refuses a base with no path) unless it is off."""
     from ..spec import ple_patch_off
 
-    lay = known.layout_of(s["MODEL"], snapshot)
-    if lay is not None and not lay.ple_from_disk:
-        return True, (f"PLE table: {lay.ple_format}; patch 1 cannot decode it, so it is planned in memory where "
-                      "vLLM's own NVFP4 table method keeps it (serving needs CONTAINER_ENV=VLLM_PLE_MMAP=0)")
     if ple_patch_off(s):
         return True, "PLE table: patch 1 is off (CONTAINER_ENV), so vLLM holds the table in memory"
     return False, PLE_TABLE_NOTE
 
 
 def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how: str = "",
-          live_checks: bool = True) -> dict[str, Any]:
+          live_checks: bool = True, split: tuple[int, int] = (1, 1)) -> dict[str, Any]:
     """The plan as plain data. `snapshot=True` looks the checkpoint up in HF_CACHE, a Path uses
-    it (a checkpoint directory, or its config.json), None/False plans from the known geometry."""
+    it (a checkpoint directory, or its config.json), None/False plans from the known geometry.
+    `split` = (tp, pp): the plan of ONE rank of a deployment that splits the model over tp × pp
+    boxes (each box's own budget, KV pool and page cache; plan/parallel.py)."""
     s = settings
     assumptions: list[str] = []
     if snapshot is True:
@@ -174,8 +171,18 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
         except (OSError, ValueError) as exc:
             assumptions.append(f"config.json unreadable ({exc}); geometry of the published checkpoint")
     else:
-        assumptions.append("geometry of the published checkpoint (its config.json's text_config, built into plan/geometry.py); no snapshot on disk")
+        assumptions.append("geometry of the published checkpoint (its config.json's text_config, built into geometry.py); no snapshot on disk")
 
+    tp, pp = split
+    ranks = tp * pp
+    whole = geom
+    if ranks > 1:
+        geom = geometry_mod.per_rank(whole, tp, pp)
+        assumptions.append(f"one rank of {ranks} (tensor {tp} × pipeline {pp}): its KV layout from its own share "
+                           f"({geom.num_key_value_heads} of {whole.num_key_value_heads} QSA KV heads, "
+                           f"{geom.linear_num_value_heads} of {whole.linear_num_value_heads} GDN value heads, "
+                           f"{geom.num_hidden_layers} of {whole.num_hidden_layers} layers); weights split evenly "
+                           "(first order: replicated norms, gates and biases are well under 1% of them)")
     base, mtp, mode = s["BASE"], s["MTP"], s["MODE"]
     vision = _vision_loaded(s["EXTRA"])
     draft_vocab = s["DRAFT_VOCAB"] != "0"
@@ -185,12 +192,12 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
     directory, prepared = served_dir(s, snapshot)
     if directory is not None:
         try:
-            w = weights_mod.from_headers(directory, geom, mode=mode, mtp=mtp, draft_vocab=draft_vocab,
+            w = weights_mod.from_headers(directory, whole, mode=mode, mtp=mtp, draft_vocab=draft_vocab,
                                          vision=vision, prepared=prepared, table_on_gpu=table_on_gpu)
         except (OSError, ValueError) as exc:
             assumptions.append(f"checkpoint headers unreadable ({exc}); weights from the geometry")
     if w is None:
-        w = weights_mod.geometry_estimate(geom, checkpoint=kind, mode=mode, mtp=mtp, draft_vocab=draft_vocab,
+        w = weights_mod.geometry_estimate(whole, checkpoint=kind, mode=mode, mtp=mtp, draft_vocab=draft_vocab,
                                           vision=vision, table_on_gpu=table_on_gpu)
         assumptions.append(f"weights from the geometry for a {kind} checkpoint in MODE={mode}")
     assumptions += w.notes
@@ -228,7 +235,8 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
     overhead = globals()[constant]  # read at call time: fitting.py re-solves it by name
     overhead_band, fit_run = OVERHEAD_FITS[constant]
     requested = -(-int(hw.device_total * s["GPU_MEM"] * 1000) // 1000)  # math.ceil(total × util)
-    non_kv = w.total + act + topk + overhead
+    w_total = w.total // ranks  # this rank's share
+    non_kv = w_total + act + topk + overhead
     if s["KV_CACHE_MEM"]:
         kv_bytes = int(s["KV_CACHE_MEM"])
         claim = non_kv + kv_bytes
@@ -291,14 +299,14 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
         "kv_bytes_per_token": round(lay.bytes_per_token(), 1),
         "kv_bytes_per_token_effective": round(kv_bytes / tokens, 1) if tokens > 0 else None,
         "kv_cache_gib": _gib(kv_bytes),
-        "weights_gib": _gib(w.total),
+        "weights_gib": _gib(w_total),
         "max_concurrency": round(conc, 3),
         "max_concurrency_at": s["CTX"],
         "one_request_at_ctx_gib": _gib(one_request),
         "fits": kv_bytes > 0 and conc >= 1 and (page_cache is None or page_cache >= 0),
         "weights": {"source": w.source, "gib": {k: _gib(v) for k, v in w.components.items() if v},
                     "checkpoint_on_disk_gib": {k: _gib(v) for k, v in w.on_disk.items() if v}},
-        "budget": {"gpu_mem": s["GPU_MEM"], "requested_gib": _gib(requested), "weights_gib": _gib(w.total),
+        "budget": {"gpu_mem": s["GPU_MEM"], "requested_gib": _gib(requested), "weights_gib": _gib(w_total),
                    "activations_gib": _gib(act), "topk_buffers_gib": _gib(topk), "runtime_overhead_gib": _gib(overhead),
                    "non_kv_gib": _gib(non_kv), "kv_cache_gib": _gib(kv_bytes), "kv_cache_mem_set": bool(s["KV_CACHE_MEM"])},
         "kv_layout": {

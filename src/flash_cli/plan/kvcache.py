@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from flash_common import releases
 
-from .geometry import Geometry
+from ..geometry import Geometry
 
 KERNEL_BLOCK = 16  # Qwen4ExpQSAFlashAttentionBackend.get_supported_kernel_block_sizes → [MultipleOf(16)]
 FLASHINFER_GDN_CHECKPOINT_ALIGNMENT = 64  # 0.33 v1/attention/backends/gdn_attn.py

@@ -1,13 +1,14 @@
-"""`flash plan` for two boxes: what each rank holds and the pool(s) the deployment gets.
+"""`flash plan` for 2 to 4 boxes: what each box holds and needs, and the pool(s) the deployment gets.
 
-dp2 / pd: every box runs a whole replica, so each box's pool is exactly the one-box plan; dp2
-serves both pools behind one API (aggregate = 2 pools, each request lives in one of them).
-tp2 / pp2: one model over two GPUs, one pool. First-order model, stated as such: weights split
-evenly over the two ranks (replicated norms, gates and biases are well under 1% of them);
-tp2 splits every KV and state cache by heads and pp2 by layers, so a token costs each rank half
-its one-box bytes; activations, top-k buffers and the runtime overhead stay per rank (NCCL's own
-buffers come on top, inside the fitted overhead's band). The PLE table is mmapped on each box
-from its own page cache, as on one box.
+dpN / pd layouts: every box runs a whole replica, so each box's plan is exactly the one-box plan;
+dpN serves N pools behind one API (a request lives in one of them), pdN has one prefill pool and
+N-1 decode pools. tpN / ppN / tp2pp2: one model over the boxes, one pool; each box's plan is the
+planner run for ONE rank (`plan.build(..., split=(tp, pp))`): its share of the weights (first
+order: split evenly), its own KV layout (tp splits the QSA and GDN heads, but the 2 QSA KV heads
+only down to one per rank: at tp4 they are replicated, so a token costs each rank half its
+one-box QSA bytes, not a quarter; pp splits the layers), per-rank activations, top-k buffers and
+runtime overhead as on one box, and the page cache left on that box for its own mmap of the PLE
+table (patch 1 maps it on every box). NCCL's buffers come on top, inside the overhead's band.
 """
 
 from __future__ import annotations
@@ -17,39 +18,62 @@ from typing import Any
 GIB = 1024**3
 
 
-def plan(single: dict[str, Any], mode: str) -> dict[str, Any]:
-    b = single["budget"]
-    one_tokens, one_kv = single["kv_cache_tokens"], b["kv_cache_gib"]
-    if mode in ("dp2", "pd"):
-        roles = ["replica 0", "replica 1"] if mode == "dp2" else ["prefill", "decode"]
-        per = {"weights_gib": b["weights_gib"], "kv_cache_gib": one_kv, "kv_cache_tokens": one_tokens,
-               "max_concurrency": single["max_concurrency"]}
-        return {"mode": mode, "ranks": [{"role": r, **per} for r in roles],
-                "pools": 2, "aggregate": {"kv_cache_tokens": 2 * one_tokens if mode == "dp2" else one_tokens,
-                                          "max_concurrency": round(2 * single["max_concurrency"], 3)
-                                          if mode == "dp2" else single["max_concurrency"]},
-                "note": ("two independent pools behind the head's API: a request lives in one of them, so the "
-                         "longest request is the one-box CTX" if mode == "dp2" else
-                         "prefill box's pool holds prompts in flight, decode box's pool the running requests")}
-    weights = b["weights_gib"] / 2
-    kv_rank = b["requested_gib"] - (weights + b["activations_gib"] + b["topk_buffers_gib"] + b["runtime_overhead_gib"]) \
-        if not b["kv_cache_mem_set"] else one_kv
-    # each token costs a rank half its one-box bytes: the pool holds what 2 × kv_rank would on one box
-    per_byte = one_tokens / one_kv if one_kv > 0 else 0.0
-    tokens = int(2 * kv_rank * per_byte) if kv_rank > 0 else 0
-    conc = single["max_concurrency"] * (2 * kv_rank / one_kv) if one_kv > 0 and kv_rank > 0 else 0.0
-    rank = {"weights_gib": round(weights, 3), "kv_cache_gib": round(kv_rank, 3)}
-    return {"mode": mode, "ranks": [{"role": "head", **rank}, {"role": "worker", **rank}], "pools": 1,
-            "aggregate": {"kv_cache_tokens": tokens, "max_concurrency": round(conc, 3)},
-            "note": f"one pool split over both ranks ({'heads' if mode == 'tp2' else 'layers'}); "
-                    f"~{tokens / one_tokens if one_tokens else 0:.2f}× the one-box pool (first-order: weights and KV "
-                    "split evenly, per-rank activations and overhead as on one box)"}
+def _box(role: str, index: int, p: dict[str, Any]) -> dict[str, Any]:
+    host = p.get("host", {})
+    return {"box": index, "role": role, "weights_gib": p["budget"]["weights_gib"],
+            "kv_cache_gib": p["budget"]["kv_cache_gib"], "kv_cache_tokens": p["kv_cache_tokens"],
+            "kv_bytes_per_token": p["kv_bytes_per_token"], "vllm_claim_gib": p["budget"]["requested_gib"],
+            "page_cache_for_ple_gib": host.get("page_cache_for_ple_gib"),
+            "ple_table_cached_fraction": host.get("ple_table_cached_fraction"),
+            "max_concurrency": p["max_concurrency"], "fits": p["fits"]}
+
+
+def plan(single: dict[str, Any], lay, rank: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`single`: the one-box plan; `lay`: the Layout (or its PARALLEL name); `rank`: the plan of one
+    rank (tp/pp layouts; required there)."""
+    if isinstance(lay, str):
+        from .. import layout
+
+        lay = layout.parse(lay)
+    n = lay.boxes
+    roles = lay.roles()
+    if lay.kind in ("dp", "pd"):
+        boxes = [_box(f"replica {i}" if lay.kind == "dp" else r, i, single) for i, r in enumerate(roles)]
+        decode_pools = n if lay.kind == "dp" else n - 1
+        return {"mode": lay.name, "boxes": n, "ranks": boxes, "pools": n,
+                "aggregate": {"kv_cache_tokens": decode_pools * single["kv_cache_tokens"],
+                              "max_concurrency": round(decode_pools * single["max_concurrency"], 3)},
+                "kv_share_per_token": 1.0,
+                "note": (f"{n} independent pools behind the head's API: a request lives in one of them, so the "
+                         "longest request is the one-box CTX" if lay.kind == "dp" else
+                         f"the prefill box's pool holds prompts in flight, the {n - 1} decode box"
+                         f"{'es' if n > 2 else ''}' pool{'s' if n > 2 else ''} the running requests (the aggregate)")}
+    if rank is None:
+        raise ValueError(f"PARALLEL={lay.name}: the per-rank plan is needed (plan.build(..., split=(tp, pp)))")
+    boxes = [_box(r, i, rank) for i, r in enumerate(roles)]
+    share = rank["kv_bytes_per_token"] / single["kv_bytes_per_token"] if single["kv_bytes_per_token"] else 0.0
+    tokens = rank["kv_cache_tokens"]
+    what = {"tp": f"heads over {lay.tp} ranks", "pp": f"layers over {lay.pp} stages",
+            "tppp": f"heads over {lay.tp} ranks and layers over {lay.pp} stages"}[lay.kind]
+    note = (f"one pool split over the {n} ranks ({what}); each token costs a rank {share:.2f} of its one-box KV bytes"
+            + (f" (the QSA KV heads are replicated above their count, so not 1/{lay.tp})" if lay.tp > 2 else "")
+            + f"; ~{tokens / single['kv_cache_tokens'] if single['kv_cache_tokens'] else 0:.2f}× the one-box pool "
+            "(first-order: weights split evenly, per-rank activations and overhead as on one box)")
+    if lay.ep:
+        note += "; expert parallel: each box holds its share of the 512 experts whole instead of a slice of each"
+    return {"mode": lay.name, "boxes": n, "ranks": boxes, "pools": 1,
+            "aggregate": {"kv_cache_tokens": tokens, "max_concurrency": rank["max_concurrency"]},
+            "kv_share_per_token": round(share, 3), "note": note}
 
 
 def render(p: dict[str, Any]) -> list[str]:
-    lines = [f"  {p['mode']:<14} " + "; ".join(f"{r['role']}: weights {r['weights_gib']} GiB, KV {r['kv_cache_gib']} GiB"
-                                          for r in p["ranks"])]
+    lines = []
+    for r in p["ranks"]:
+        cache = "" if r["page_cache_for_ple_gib"] is None else (
+            f", page cache {r['page_cache_for_ple_gib']} GiB ({r['ple_table_cached_fraction']:.0%} of the PLE table)")
+        lines.append(f"  box {r['box']:<10} {r['role']}: vLLM claims {r['vllm_claim_gib']} GiB = weights "
+                     f"{r['weights_gib']} GiB + KV {r['kv_cache_gib']} GiB + the rest{cache}")
     agg = p["aggregate"]
-    lines.append(f"  {'deployment':<14} {p['pools']} pool(s), ~{agg['kv_cache_tokens']:,} tokens, "
-                 f"{agg['max_concurrency']:.2f} requests of CTX ({p['note']})")
+    lines.append(f"  {p['mode'] + ' (' + str(p['boxes']) + ' boxes)':<14} {p['pools']} pool(s), "
+                 f"~{agg['kv_cache_tokens']:,} tokens, {agg['max_concurrency']:.2f} requests of CTX ({p['note']})")
     return lines

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .geometry import Geometry
+from ..geometry import Geometry
 
 GIB = 1024**3
 DRAFT_VOCAB_ROWS = 65_536  # the shipped draft vocabulary (DRAFT_VOCAB=1)

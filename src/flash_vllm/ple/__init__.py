@@ -46,6 +46,12 @@ Table (``table.py``)::
     table.last_strategy                 # uring | take | willneed | pool (see table.py docstring)
     table.close()
 
+    table = open_table(model_dir, layer=1, config=cfg, stats=None)
+        # the table in whichever format the checkpoint has: PLETable (row tables above) or
+        # NvFp4Table (nvfp4.py: ModelOpt NVFP4, U8 codes + E4M3 block scales + F32 weight_scale_2;
+        # same gather API, rows of 90 B = 80 code + 10 scale bytes, dtype "NVFP4", scale None,
+        # .global_scale; the Stager decodes them on the device, never raw)
+
 GPU staging (``stager.py``, torch; also runs on CPU torch)::
 
     stager = Stager(table, device, out_dtype=torch.bfloat16, max_rows=8192, stats=stats)  # dedup_min=None:
@@ -81,6 +87,7 @@ _LAZY = {
     "PLEConfig": "config", "PLEConfigError": "config", "config_from_env": "config",
     "PLELayout": "hashing", "ngram_ids": "hashing", "ngram_ids_batch": "hashing",
     "PLETable": "table", "PLETableError": "table",
+    "NvFp4Table": "nvfp4", "open_table": "nvfp4",
     "Stager": "stager",
     "PLEStats": "stats",
 }

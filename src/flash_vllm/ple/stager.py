@@ -9,7 +9,9 @@ Per lookup:
 4. One non-blocking H2D of the rows (+ the inverse), record the slot's event on the current stream.
 5. On the device: expand through the inverse (``index_select``), view the bytes as the table dtype,
    dequantize (fp8/bf16/f16 -> ``out_dtype``, times the table scale; fp8 and bf16 values are exact in
-   f32, so ``to(out_dtype).mul_(scale)`` equals ``(x.f32 * scale).to(out_dtype)``).
+   f32, so ``to(out_dtype).mul_(scale)`` equals ``(x.f32 * scale).to(out_dtype)``). NVFP4 tables
+   (``nvfp4.NvFp4Table``, 90-byte rows of codes + block scales) are decoded by ``nvfp4.Decoder``
+   instead (float32, then one rounding to ``out_dtype``); they have no raw view.
 
 Runs on CPU torch too (no pinning, no events, a real copy instead of the H2D), which is how the unit
 tests exercise it; ``tests/gpu/`` checks it bit-exact on a GPU.
@@ -42,7 +44,14 @@ class Stager:
         self.table = table
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.table_dtype = torch_dtype(table.dtype)
+        self._nvfp4 = None
+        if table.dtype == "NVFP4":
+            from .nvfp4 import Decoder
+
+            self._nvfp4 = Decoder(self.device, table.code_bytes, table.global_scale)
+            self.table_dtype = torch.uint8  # the rows stay bytes until decoded
+        else:
+            self.table_dtype = torch_dtype(table.dtype)
         self.out_dtype = out_dtype if out_dtype is not None else torch.bfloat16
         self.scale = table.scale
         if dedup_min is None:  # the table's settings (VLLM_PLE_MMAP_DEDUP_MIN); PLEConfig's default without
@@ -150,12 +159,17 @@ class Stager:
             return emb if out is None else out
         return self._lookup(flat, shape, wait_s, raw, out)
 
-    def _device_part(self, src, dev_u8, raw, out=None):
-        if dev_u8 is None:  # zero copy: src is the pinned slot's device alias
-            emb = src.view(self.table_dtype)
-        else:
-            dev_u8.copy_(src, non_blocking=True)
-            emb = dev_u8.view(self.table_dtype)
+    def _values(self, rows, raw, out=None):
+        """Device byte rows (n, row_bytes) -> the table dtype (raw) or ``out_dtype`` values, into
+        ``out`` when given (a (n, head_dim) device tensor)."""
+        if self._nvfp4 is not None:
+            if raw:
+                raise ValueError("an NVFP4 PLE table has no raw row dtype: its rows are decoded (raw=False)")
+            f32 = self._nvfp4.decode(rows)
+            if out is not None:
+                return out.copy_(f32)  # one rounding f32 -> out.dtype, as to() does
+            return f32.to(self.out_dtype)
+        emb = rows.view(self.table_dtype)
         if out is not None:
             # Straight into the caller's buffer: copy_ converts exactly like to(out_dtype), and the
             # in-place mul rounds like the eager path's (two kernels instead of three).
@@ -168,6 +182,12 @@ class Stager:
             if self.scale is not None:
                 emb.mul_(self.scale)
         return emb
+
+    def _device_part(self, src, dev_u8, raw, out=None):
+        if dev_u8 is None:  # zero copy: src is the pinned slot's device alias
+            return self._values(src, raw, out)
+        dev_u8.copy_(src, non_blocking=True)
+        return self._values(dev_u8, raw, out)
 
     def _replay(self, s, n, raw, out):
         torch = self.torch
@@ -236,13 +256,8 @@ class Stager:
         inv_d = self._inv[s][:n].to(dev, non_blocking=True, copy=True) if dedup else None
         self._record(s)
         if inv_d is not None:
-            rows = rows.index_select(0, inv_d)
-        emb = rows.view(self.table_dtype)
-        if not raw:
-            emb = emb.to(self.out_dtype)
-            if self.scale is not None:
-                emb.mul_(self.scale)
-        return emb
+            rows = rows.index_select(0, inv_d)  # bytes expanded: NVFP4 rows decode once per token
+        return self._values(rows, raw)
 
     def _lookup(self, flat, shape, wait_s, raw, out):
         t0 = time.perf_counter()

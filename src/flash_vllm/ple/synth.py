@@ -1,7 +1,9 @@
 """Write synthetic PLE checkpoints in the real file layouts (tests and lab/bench_ple.py).
 
 ``write_checkpoint(dir, layout="radixark"|"nvidia", rows_per_shard=, num_shards=, last_rows=,
-dtype="F8_E4M3", width=160, scale=0.03125, seed=0)`` writes real safetensors files (header JSON
+dtype="F8_E4M3", width=160, scale=0.03125, seed=0)`` (``dtype="NVFP4"``: per shard U8 codes +
+F8_E4M3 block scales, ``scale`` as the F32 ``weight_scale_2``; ``scales_apart``: the block scales
+in a file of their own) writes real safetensors files (header JSON
 with keys in sorted order, data in header-key order like safetensors, 8-byte aligned header) plus
 ``model.safetensors.index.json``, streaming the table in blocks (a 20 GiB table never sits in
 memory). Row bytes are seeded random per shard. Returns the written file names.
@@ -19,7 +21,7 @@ import os
 import struct
 
 PREFIX = "model.language_model.layers.1.ple.ple_embedding."
-_ITEM = {"F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "F32": 4, "I64": 8}
+_ITEM = {"F8_E4M3": 1, "F8_E5M2": 1, "BF16": 2, "F16": 2, "F32": 4, "I64": 8, "U8": 1}
 
 
 def _scale_bytes(scale: float, dtype: str) -> bytes:
@@ -78,22 +80,36 @@ def _shard_data(seed: int, k: int, finite: bool = False):
 def write_checkpoint(directory, layout: str = "radixark", rows_per_shard: int = 1000, num_shards: int = 128,
                      last_rows: int | None = None, dtype: str = "F8_E4M3", width: int = 160,
                      scale: float | None = 0.03125, scale_dtype: str = "BF16", seed: int = 0,
-                     buffers: dict | None = None, per_file: int = 13, finite: bool = False) -> list[str]:
+                     buffers: dict | None = None, per_file: int = 13, finite: bool = False,
+                     scales_apart: bool = False) -> list[str]:
     import numpy as np
 
     d = os.fspath(directory)
     os.makedirs(d, exist_ok=True)
     last = rows_per_shard if last_rows is None else last_rows
     shard_tensors = []
+    nvfp4 = dtype == "NVFP4"  # ModelOpt's: U8 codes [rows, w/2] + F8_E4M3 block scales [rows, w/16] per shard
     for k in range(num_shards):
         rows = last if k == num_shards - 1 else rows_per_shard
-        shard_tensors.append((f"{PREFIX}ngram_embedding.shard_{k}.weight", dtype, [rows, width], _shard_data(seed, k, finite)))
+        if nvfp4:
+            shard_tensors.append((f"{PREFIX}ngram_embedding.shard_{k}.weight", "U8", [rows, width // 2],
+                                  _shard_data(seed, k)))
+            shard_tensors.append((f"{PREFIX}ngram_embedding.shard_{k}.weight_scale", "F8_E4M3", [rows, width // 16],
+                                  _shard_data(seed + 1, k, finite)))
+        else:
+            shard_tensors.append((f"{PREFIX}ngram_embedding.shard_{k}.weight", dtype, [rows, width],
+                                  _shard_data(seed, k, finite)))
     extra = []
-    if scale is not None:
+    if scale is not None and nvfp4:
+        extra.append((f"{PREFIX}ngram_embedding.weight_scale_2", "F32", [1], _scale_bytes(scale, "F32")))
+    elif scale is not None:
         extra.append((f"{PREFIX}ngram_embedding.weight_scale", scale_dtype, [1], _scale_bytes(scale, scale_dtype)))
     for name, vals in (buffers or {}).items():
         extra.append((PREFIX + name, "I64", [len(vals)], np.asarray(vals, "<i8").tobytes()))
     files: dict[str, list] = {}
+    if scales_apart:  # NVFP4 block scales in a file of their own: codes and scales resolved apart
+        files["model-ple-scales.safetensors"] = [t for t in shard_tensors if t[0].endswith(".weight_scale")]
+        shard_tensors = [t for t in shard_tensors if not t[0].endswith(".weight_scale")]
     if layout == "radixark":
         nfiles = -(-num_shards // per_file)
         for i, t in enumerate(shard_tensors):

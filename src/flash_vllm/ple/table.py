@@ -17,7 +17,7 @@ import os
 import threading
 import time
 
-from .discovery import SUPPORTED_DTYPES, PLETableError, ShardSpec, find_table
+from .discovery import ROW_BYTES, SUPPORTED_DTYPES, PLETableError, ShardSpec, find_table
 from .mapping import _MADV_NORMAL, _MADV_RANDOM, _POSIX_FADV_RANDOM, PAGE, Prefetcher, Region, thread_io_mark
 from .strategies import GatherStrategies, TimedPicker
 
@@ -38,12 +38,12 @@ class PLETable(GatherStrategies, TimedPicker):
         self.stats = stats
         self.prefix = prefix
         self.buffers = buffers or {}
-        if dtype not in SUPPORTED_DTYPES:
-            raise PLETableError(f"table dtype {dtype} is not one of {', '.join(SUPPORTED_DTYPES)}")
+        if dtype not in ROW_BYTES:
+            raise PLETableError(f"table dtype {dtype} is not one of {', '.join(ROW_BYTES)}")
         if not shards:
             raise PLETableError("no shards")
         self.dtype, self.head_dim, self.scale = dtype, int(width), scale
-        self.row_bytes = self.head_dim * SUPPORTED_DTYPES[dtype]
+        self.row_bytes = self.head_dim * ROW_BYTES[dtype]
         shards = sorted(shards, key=lambda s: s.index)
         rps = shards[0].rows
         for i, s in enumerate(shards):

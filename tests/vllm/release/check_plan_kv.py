@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from flash_cli.plan.geometry import REAL
+from flash_cli.geometry import REAL
 from flash_cli.plan.kvcache import layout
 
 CASES = [

@@ -7,10 +7,14 @@ host RAM for UVA). On GB10's unified memory either costs the full 48 GiB. With t
 names are replaced by subclasses of the release's `Qwen4ExpPLEEmbedding` that:
 
 - allocate the weight on the `meta` device (no storage at all) and skip the
-  `ngram_embedding.shard_<i>.weight` rows at load time (the checkpoint stays on disk);
-- open the table once per process and layer with the PLE engine (`PLETable.from_checkpoint` on
+  `ngram_embedding.shard_<i>.weight` rows at load time (the checkpoint stays on disk); with 0.33's
+  NVFP4 table method (ModelOpt's QAD export) the per-row block scales `shard_<i>.weight_scale` too
+  (also allocated through the storage, so on `meta`), while the one F32 `weight_scale_2` loads as
+  the stock parameter;
+- open the table once per process and layer with the PLE engine (`ple.open_table` on
   `VLLM_PLE_MMAP_DIR` or vLLM's model path) and look rows up through `Stager(table, device)`,
-  which dequantises fp8 rows with the table scale and counts through one `PLEStats`
+  which dequantises fp8 rows with the table scale (NVFP4 rows: codes x block scale x
+  weight_scale_2, decoded on the device by `ple.nvfp4.Decoder`) and counts through one `PLEStats`
   (the metrics bridge exports the `vllm:ple_mmap_*` counters);
 - write into a persistent per-layer output buffer (`max_total_tokens` rows, allocated at the
   first eager call, i.e. the profile run, never during a capture);
@@ -138,12 +142,14 @@ def make_storage(upstream_cls):
             return torch.empty(num_embeddings, embedding_dim, dtype=dtype, device="meta")
 
         def weight_loader(self, param, loaded_weight, checkpoint_start=None):
-            if param is self.weight:
-                return  # the rows are served from disk
+            # Per-row tensors were allocated through us on meta (the rows, and NVFP4's block
+            # scales): served from disk. Per-tensor scales are real parameters and load as stock.
+            if param is self.weight or param.is_meta:
+                return
             return super().weight_loader(param, loaded_weight, checkpoint_start=checkpoint_start)
 
         def dequantize(self, embeddings, output_dtype):
-            return embeddings.to(output_dtype)  # the Stager already applied the table scale
+            return embeddings.to(output_dtype)  # the Stager already applied the table scale(s)
 
         def stager(self, device):
             if self._flash_stager is None:
@@ -153,6 +159,18 @@ def make_storage(upstream_cls):
                 if table.num_rows < self.org_vocab_size:
                     raise ValueError(f"PLE table of layer {self._flash_layer} has {table.num_rows} rows; "
                                      f"the model expects {self.org_vocab_size}")
+                if table.head_dim != self.embedding_dim:
+                    raise ValueError(f"PLE table of layer {self._flash_layer} has rows of {table.head_dim} values; "
+                                     f"the model expects {self.embedding_dim}")
+                # The release's method decides what it loaded (weight_scale_2, or a weight_scale):
+                # a table on disk in another format than the method read would decode wrong.
+                nvfp4_method = type(self.embedding_method).__name__ == "Qwen4ExpPLENvFp4EmbeddingMethod"
+                if (table.dtype == "NVFP4") != nvfp4_method:
+                    raise ValueError(
+                        f"PLE table of layer {self._flash_layer} is {table.dtype} on disk but vLLM chose "
+                        f"{type(self.embedding_method).__name__} for it"
+                        + ("" if nvfp4_method else ": an NVFP4 table needs the release's NVFP4 table method "
+                           "(vLLM 0.33+) and a quantization_config that names the table NVFP4"))
                 self._flash_stager = Stager(table, device, out_dtype=self._flash_out_dtype,
                                             stats=TABLES.stats)
             return self._flash_stager
@@ -266,7 +284,8 @@ PATCH = Patch(
     why=("The 47.68 GiB PLE table is allocated on the GPU or (0.33 default, cpu_offload) pinned in "
          "host RAM; on GB10 unified memory both cost the whole table. The storage class is "
          "replaced by one with a meta weight that skips the shard rows at load and reads rows from "
-         "the checkpoint shards through the PLE engine into a persistent buffer: as an eager break "
+         "the checkpoint shards through the PLE engine into a persistent buffer (FP8/BF16 rows; on "
+         "0.33 also ModelOpt NVFP4 tables, 90 B a row, decoded on the GPU): as an eager break "
          "on 0.30+, inside a splitting op of ours (vllm::flash_ple_mmap_lookup, appended to "
          "CompilationConfig._attention_ops) on 0.29, where the release's own layer still applies "
          "the fp8 scale. The eager gather ships with cudagraph_mode=PIECEWISE (FULL decode graphs would "

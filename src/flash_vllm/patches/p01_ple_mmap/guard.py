@@ -33,7 +33,8 @@ def table_dir(cfg_source_dir: str | None, model_path: str | None) -> str:
 
 
 class Tables:
-    """One `PLETable` per (directory, layer) and one `PLEStats` per process, opened on first use."""
+    """One table (`PLETable`, or `NvFp4Table` for ModelOpt NVFP4 checkpoints) per (directory, layer)
+    and one `PLEStats` per process, opened on first use."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -51,7 +52,7 @@ class Tables:
             d = table_dir(self.config.source_dir, model_path)
             key = (d, layer)
             if key not in self._tables:
-                t = ple.PLETable.from_checkpoint(d, layer=layer, config=self.config, stats=self.stats)
+                t = ple.open_table(d, layer=layer, config=self.config, stats=self.stats)  # FP8/BF16 rows or NVFP4
                 log.info("flash_vllm patch 1: %s (layer %s, %s)", t.describe(), layer, d)
                 self._tables[key] = t
             return self._tables[key]

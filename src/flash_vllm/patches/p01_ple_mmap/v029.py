@@ -176,6 +176,9 @@ def make_storage(upstream_cls):
             if table.head_dim != embedding_dim:
                 raise ValueError(f"PLE table of layer {self._flash_layer} has rows of {table.head_dim} values; "
                                  f"the model expects {embedding_dim}")
+            if table.dtype == "NVFP4":
+                raise ValueError("VLLM_PLE_MMAP on vLLM 0.29: this checkpoint's PLE table is NVFP4 (ModelOpt "
+                                 "codes + block scales), which 0.29 has no table method for; serve it on 0.33+")
             if table.dtype == "F8_E5M2":
                 raise ValueError("VLLM_PLE_MMAP on vLLM 0.29: the PLE layer dequantises float8_e4m3fn "
                                  "tables only; this checkpoint's table is F8_E5M2")

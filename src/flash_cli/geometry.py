@@ -124,3 +124,19 @@ def from_config(config_path: Path) -> Geometry:
         if isinstance(vision.get(src), int):
             changes[dst] = vision[src]
     return replace(REAL, **changes)
+
+
+def per_rank(g: Geometry, tp: int = 1, pp: int = 1) -> Geometry:
+    """What one rank of a tensor-parallel (tp) / pipeline-parallel (pp) deployment holds, as a
+    geometry the KV layout can be computed from (vLLM sizes each rank's pool from its own layers):
+    tp splits the QSA heads and the GDN heads (so the conv dimension), but the QSA KV heads only
+    down to one per rank: above `num_key_value_heads` ranks they are replicated (nvidia/qsa.py:
+    num_kv_heads = max(1, total // tp)); the indexer's one KV head and the PLE state are replicated
+    at any tp (`tp_replicated=True`). pp gives each stage num_hidden_layers / pp layers (the PLE
+    layer and the MTP drafter are kept on every stage: the first and the last hold them, and the
+    pool is the smallest stage's, so this is the bound). layout.py checks the sizes divide."""
+    return replace(g, num_attention_heads=g.num_attention_heads // tp,
+                   num_key_value_heads=max(1, g.num_key_value_heads // tp),
+                   linear_num_key_heads=g.linear_num_key_heads // tp,
+                   linear_num_value_heads=g.linear_num_value_heads // tp,
+                   num_hidden_layers=g.num_hidden_layers // pp)

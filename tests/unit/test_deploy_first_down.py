@@ -1,0 +1,46 @@
+"""Which box `flash wait` and `flash serve`'s start check blame when several are down (issue 35:
+a lost rank takes the head down a moment later, and the head is listed first)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from flash_cli import deploy
+from flash_cli.engine import State
+
+
+def box(i: int, role: str) -> deploy.Box:
+    return deploy.Box(i, f"box{i}", f"ssh://box{i}", None, SimpleNamespace(labels={"org.flash.role": role}))
+
+
+def test_the_box_that_ended_first_is_named_not_the_first_listed():
+    head, w1, w2 = box(0, "head"), box(1, "worker"), box(2, "worker")
+    states = [(head, State("exited", 1, finished_at="2026-12-04T21:33:59.912345678Z")),
+              (w1, State("running")),
+              (w2, State("exited", 137, finished_at="2026-12-04T21:33:59.101010101Z"))]
+    b, st, also = deploy.first_down(states)
+    assert b is w2 and st.exit_code == 137 and also == [head]
+
+
+def test_a_box_without_an_end_time_sorts_after_those_with_one():
+    head, w1 = box(0, "head"), box(1, "worker")
+    states = [(head, State("dead", None, finished_at="0001-01-01T00:00:00Z")),
+              (w1, State("exited", 1, finished_at="2026-12-04T21:00:00Z"))]
+    assert deploy.first_down(states)[0] is w1
+
+
+def test_up_boxes_are_none_and_serve_counts_restarting_as_down():
+    head, w1 = box(0, "head"), box(1, "worker")
+    assert deploy.first_down([(head, State("running")), (w1, State("restarting"))]) is None
+    b, _, also = deploy.first_down([(head, State("running")), (w1, State("restarting"))], up=("created", "running"))
+    assert b is w1 and also == []
+
+
+def test_the_message_names_the_cause_and_the_others(monkeypatch, capsys):
+    head, w2 = box(0, "head"), box(2, "worker")
+    monkeypatch.setattr(deploy.engine, "tail", lambda c, n: ["boom"])
+    w2.container.name = "flash-x-node2"
+    err = deploy.died(w2, State("exited", 137, oom_killed=True), also=[head])
+    assert "node 2 (worker) on box2" in str(err) and "OOM-killed" in str(err)
+    assert "after it: node 0 (head) on box0 went down too" in str(err)
+    assert "boom" in capsys.readouterr().err
