@@ -684,6 +684,8 @@ print(json.dumps(out))
 # The parsers the recipe's `vllm serve` loads lazily at boot (--reasoning-parser qwen3,
 # --tool-call-parser qwen3_coder): their imports reach packages no top-level import does
 # (H200, twice: qwen3's parser imports mistral_common's language codes, which need pycountry).
+# The tool parsers the profiles name (TOOL_PARSER; tests/unit/test_device_payload.py keeps this in step).
+TOOL_PARSERS = ("qwen3_coder", "qwen3_xml")
 PARSERS_CODE = r"""
 import importlib
 try:
@@ -694,7 +696,8 @@ try:
             mod = importlib.import_module(where)
         except ImportError:
             continue
-        mod.ToolParserManager.get_tool_parser("qwen3_coder")
+        for name in TOOL_PARSERS:
+            mod.ToolParserManager.get_tool_parser(name)
         break
 except Exception as e:
     raise SystemExit(f"{type(e).__name__}: {e}")
@@ -703,7 +706,7 @@ except Exception as e:
 
 def parsers_problem(prefix: Path, timeout: float = 300) -> str | None:
     """None when the recipe's reasoning and tool parsers load from the prefix, else why not."""
-    r = subprocess.run([sys.executable, "-c", PARSERS_CODE], env=prefix_env(prefix), capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-c", f"TOOL_PARSERS = {TOOL_PARSERS!r}\n" + PARSERS_CODE], env=prefix_env(prefix), capture_output=True, text=True,
                        timeout=timeout)
     return None if r.returncode == 0 else (r.stderr.strip().splitlines() or ["(no message)"])[-1][-600:]
 
@@ -904,10 +907,10 @@ def cmd_install(a) -> int:
         raise PayloadError(f"installed, but {bad} do not import from {prefix}", 4)
     problem = parsers_problem(prefix)
     if problem:
-        raise PayloadError(f"installed, but the recipe's parsers (reasoning qwen3, tool qwen3_coder) do not load "
+        raise PayloadError(f"installed, but the recipe's parsers (reasoning qwen3, tool {', '.join(TOOL_PARSERS)}) do not load "
                            f"from {prefix}: {problem} (add the missing wheel to lab/payload/vllm-"
                            f"{m['release']}-extra.txt and pack again)", 4)
-    print("  parsers    qwen3 (reasoning), qwen3_coder (tool): load")
+    print(f"  parsers    qwen3 (reasoning), {', '.join(TOOL_PARSERS)} (tool): load")
     return 0
 
 

@@ -254,6 +254,9 @@ SETTINGS: tuple[Setting, ...] = (
       "env VLLM_PLE_MMAP_MODE (auto resolved per base); picks cudagraph_mode", choices=("auto", "eager", "hoisted")),
     S("EFFORT_ALIAS", "bool", True, "Accept reasoning effort high/max (→ xhigh) and minimal (→ low), as "
       "Claude Code sends them.", "v0.33: vllm --reasoning-effort-map; older: env FLASH_EFFORT_ALIAS (plugin)"),
+    S("TOOL_PARSER", "str", "qwen3_coder", "vLLM's tool-call parser for this model's `<tool_call>` output "
+      "(qwen3_coder; NVIDIA's recipes name qwen3_xml, which reads the same format).",
+      "vllm --tool-call-parser (with --enable-auto-tool-choice)", pattern=r"[a-z][a-z0-9_]{0,63}"),
     S("LOG_REQUESTS", "bool", False, "Log prompts and outputs (DEBUG on vLLM's request logger only).",
       "vllm --enable-log-requests --enable-log-outputs"),
     # --- engine ------------------------------------------------------------------------------

@@ -166,7 +166,7 @@ def vllm_args(s: Settings, snapshot: str, host: str, port: int, parallel: list[s
         argv += ["--hf-overrides", json.dumps(overrides, separators=(",", ":"))]
     if s["LOG_REQUESTS"]:
         argv += ["--enable-log-requests", "--enable-log-outputs"]
-    argv += ["--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3",
+    argv += ["--enable-auto-tool-choice", "--tool-call-parser", s["TOOL_PARSER"], "--reasoning-parser", "qwen3",
              "--enable-prompt-tokens-details"]
     if s["EFFORT_ALIAS"] and releases.has(base, "reasoning_effort_map"):
         argv += ["--reasoning-effort-map", json.dumps(EFFORT_MAP, separators=(",", ":"))]

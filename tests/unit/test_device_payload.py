@@ -458,7 +458,7 @@ def _fake_vllm_prefix(root: Path, reasoning_body: str) -> Path:
         f"        assert name == 'qwen3'\n        {reasoning_body}\n")
     (root / "vllm" / "tool_parsers" / "__init__.py").write_text(
         "class ToolParserManager:\n    @classmethod\n    def get_tool_parser(cls, name):\n"
-        "        assert name == 'qwen3_coder'\n        return object\n")
+        "        assert name in ('qwen3_coder', 'qwen3_xml'), name\n        return object\n")
     return root
 
 
@@ -470,6 +470,17 @@ def test_install_names_a_parser_that_cannot_load(dp, tmp_path):
     assert problem and "ModuleNotFoundError" in problem and "pycountry_not_carried" in problem
     good = _fake_vllm_prefix(tmp_path / "good", "return object")
     assert dp.parsers_problem(good) is None
+
+
+def test_install_checks_every_tool_parser_a_profile_names(dp):
+    """A profile's TOOL_PARSER that install never loads would first fail at a boot on the device."""
+    from flash_cli import profiles
+    from flash_cli.settings import BY_NAME
+
+    default = BY_NAME["TOOL_PARSER"].default
+    named = {profiles.load(n).values.get("TOOL_PARSER", default) for n in profiles.names()}
+    assert "qwen3_xml" in named and "qwen3_coder" in named  # nvidia's and everyone else's
+    assert named <= set(dp.TOOL_PARSERS)
 
 
 def test_the_measured_device_freeze_is_the_default_and_agrees_with_what_booted(dp):
