@@ -937,3 +937,20 @@ def test_guard_p3_reads_the_guards_own_line():
     assert triggers.guard_counts(log) == [2]
     assert triggers.fired(log) == [{"group": 0, "row": 1}]
     assert triggers.guard_counts("mamba state-copy guard on 7 state tensors") == []
+
+
+def test_our_sitecustomize_files_chain_forward_once_each(tmp_path):
+    """breaker/ and inject/ on one PYTHONPATH (ours first, as fleet.render puts them), then a
+    venv's own sitecustomize: each runs exactly once, in path order, and the process starts."""
+    venv_site = tmp_path / "venv-site"
+    venv_site.mkdir()
+    (venv_site / "sitecustomize.py").write_text("import sys\nprint('venv-site ran', file=sys.stderr)\n")
+    code = "import sys; print(sorted(m for m in sys.modules if m.startswith('_sitecustomize_after')))"
+    env = {"PATH": os.environ["PATH"],
+           "PYTHONPATH": os.pathsep.join([str(FLEET.parent / "breaker"), str(FLEET.parent / "inject"), str(venv_site)])}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("venv-site ran") == 1, proc.stderr
+    env["PYTHONPATH"] = os.pathsep.join([str(FLEET.parent / "inject"), str(FLEET.parent / "breaker")])
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "venv-site ran" not in proc.stderr, proc.stderr

@@ -16,6 +16,10 @@ import json
 import os
 import sys
 
+# harness_site (every server has it on PYTHONPATH; a test that runs this file alone may not)
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "harness_site"))
+import flash_e2e_site  # noqa: E402
+
 
 class _MovedAnchor(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def __init__(self, module: str, old: str, new: str, where: str):
@@ -71,19 +75,5 @@ def _install() -> None:
     sys.meta_path.insert(0, _MovedAnchor(spec["module"], spec["old"], spec["new"], where))
 
 
-def _chain() -> None:
-    """Run the next sitecustomize on sys.path (the payload's, a venv's), as Python would have."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for entry in sys.path:
-        if not entry or os.path.abspath(entry) == here:
-            continue
-        cand = os.path.join(entry, "sitecustomize.py")
-        if os.path.isfile(cand):
-            spec = importlib.util.spec_from_file_location("_next_sitecustomize", cand)
-            mod = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mod)
-            return
-
-
 _install()
-_chain()
+flash_e2e_site.chain_next(__file__)  # harness_site: the next sitecustomize on sys.path still runs
