@@ -50,9 +50,10 @@ def hf_config():
     return cfg
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A one-PLE-layer checkpoint in NVIDIA's layout with the hash buffers vLLM computes."""
+def write_release_table(d, **synth_kw) -> SimpleNamespace:
+    """A one-PLE-layer checkpoint in NVIDIA's layout under ``d``, with the hash buffers this release's
+    layer computes for the tiny shape; ``synth_kw`` picks the table's dtype and scale (fp8 by
+    default). Shared with check_ple_nvfp4.py."""
     from safetensors import safe_open
 
     from flash_vllm.ple import synth
@@ -63,17 +64,22 @@ def checkpoint(tmp_path_factory):
     mult = ng._make_layer_multipliers(ngram_size=3, unigram_vocab_size=VOCAB, seed=1234, ple_dense_layer_id=0)
     padded = -(-total // 16) * 16
     rps = -(-padded // PARTS)
-    d = tmp_path_factory.mktemp("ple-fwd")
     (fname,) = [f for f in synth.write_checkpoint(
         d, layout="nvidia", rows_per_shard=rps, num_shards=PARTS, last_rows=padded - (PARTS - 1) * rps,
         width=HEAD_DIM, buffers={"layer_multipliers": mult, "ngram_heads_offsets": offsets,
-                                 "ngram_heads_vocab_sizes": sizes}) if "ple" in f]
+                                 "ngram_heads_vocab_sizes": sizes}, **synth_kw) if "ple" in f]
     tensors = {}
     with safe_open(os.path.join(d, fname), "pt") as f:
         for k in f.keys():
             if k.startswith(PREFIX + "."):
                 tensors[k[len(PREFIX) + 1:]] = f.get_tensor(k)
     return SimpleNamespace(dir=d, tensors=tensors, rows=padded)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A one-PLE-layer checkpoint in NVIDIA's layout with the hash buffers vLLM computes."""
+    return write_release_table(tmp_path_factory.mktemp("ple-fwd"))
 
 
 @pytest.fixture(scope="module")

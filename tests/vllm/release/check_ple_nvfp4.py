@@ -31,6 +31,8 @@ import pytest
 import torch
 
 from check_ple_mmap_forward import hf_config  # noqa: F401 - the release's text config, as a fixture here
+from check_ple_mmap_forward import HEAD_DIM, write_release_table
+from check_ple_mmap_forward import _storage_base as _storage
 from flash_common import releases
 from flash_cli.checkpoint import known
 
@@ -49,14 +51,6 @@ def _has_method(base) -> bool:
     have = hasattr(ne, "Qwen4ExpPLENvFp4EmbeddingMethod")
     assert have == (base in releases.upstream_from(known.LAYOUTS["qad"].stock_table_from)), base
     return have
-
-
-@pytest.fixture(scope="module")
-def snap() -> Path:
-    raw = os.environ.get("FLASH_TEST_QAD_SNAPSHOT", "")
-    assert raw and Path(raw).is_dir(), ("FLASH_TEST_QAD_SNAPSHOT names no snapshot; run through "
-                                        "tests/vllm/test_releases.py, which writes the qad fixture")
-    return Path(raw)
 
 
 def _fixture_tensors(snap: Path) -> dict:
@@ -161,41 +155,10 @@ def test_codec_equals_the_releases_cuda_kernel_under_the_triton_interpreter(snap
 
 # --- patch 1 through the release's layer -------------------------------------------------------------
 
-HEAD_DIM = 16
-
-
-def _storage(base) -> bool:
-    from flash_vllm.patches import p01_ple_mmap as ple_mmap
-
-    return ple_mmap.FLAVOURS.get(base) == "storage"
-
-
 @pytest.fixture(scope="module")
 def nvfp4_ckpt(tmp_path_factory):
     """An NVFP4 table (finite block scales) with the hash buffers the release computes."""
-    from flash_vllm.ple import synth
-    from check_ple_mmap_forward import BASE, HEADS_PER, PARTS, VOCAB
-
-    ng = importlib.import_module(NGRAM).Qwen4ExpNGramEmbedding
-    sizes, offsets, total = ng._make_vocab_layout(ngram_vocab_size_base=BASE, ngram_heads=2 * HEADS_PER,
-                                                  ple_dense_layer_id=0)
-    mult = ng._make_layer_multipliers(ngram_size=3, unigram_vocab_size=VOCAB, seed=1234, ple_dense_layer_id=0)
-    padded = -(-total // 16) * 16
-    rps = -(-padded // PARTS)
-    d = tmp_path_factory.mktemp("ple-nvfp4")
-    synth.write_checkpoint(d, layout="nvidia", rows_per_shard=rps, num_shards=PARTS, last_rows=padded - (PARTS - 1) * rps,
-                           dtype="NVFP4", width=HEAD_DIM, scale=0.0625 * 0.7, finite=True,
-                           buffers={"layer_multipliers": mult, "ngram_heads_offsets": offsets,
-                                    "ngram_heads_vocab_sizes": sizes})
-    from safetensors import safe_open
-
-    prefix = "model.language_model.layers.1.ple.ple_embedding."
-    tensors = {}
-    with safe_open(os.path.join(d, "model-fp8-mtp-ple.safetensors"), "pt") as f:
-        for k in f.keys():
-            if k.startswith(prefix):
-                tensors[k[len(prefix):]] = f.get_tensor(k)
-    return SimpleNamespace(dir=d, tensors=tensors, rows=padded)
+    return write_release_table(tmp_path_factory.mktemp("ple-nvfp4"), dtype="NVFP4", scale=0.0625 * 0.7, finite=True)
 
 
 @pytest.fixture(scope="module")

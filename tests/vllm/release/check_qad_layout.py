@@ -14,7 +14,6 @@ checkpoint/known.py claims per release.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -26,14 +25,6 @@ from flash_cli.checkpoint import known
 
 LM = "model.language_model."
 NGRAM = "model.layers.1.ple.ple_embedding.ngram_embedding"
-
-
-@pytest.fixture(scope="module")
-def snap() -> Path:
-    raw = os.environ.get("FLASH_TEST_QAD_SNAPSHOT", "")
-    assert raw and Path(raw).is_dir(), ("FLASH_TEST_QAD_SNAPSHOT names no snapshot; run through "
-                                        "tests/vllm/test_releases.py, which writes the qad fixture")
-    return Path(raw)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,8 @@ module level, so the project venv's pytest can load this conftest without vLLM.
 from __future__ import annotations
 
 import contextlib
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -109,3 +111,12 @@ def _restore_ple_storage(ng, stock) -> None:
 def restore_ple_storage():
     """`_restore_ple_storage`, for the checks that apply patch 1 in the session's process."""
     return _restore_ple_storage
+
+
+@pytest.fixture(scope="session")
+def snap() -> Path:
+    """The QAD export's layout (tests/fakes/ckpt.py `qad`), written by tests/vllm/test_releases.py."""
+    raw = os.environ.get("FLASH_TEST_QAD_SNAPSHOT", "")
+    assert raw and Path(raw).is_dir(), ("FLASH_TEST_QAD_SNAPSHOT names no snapshot; run through "
+                                        "tests/vllm/test_releases.py, which writes the qad fixture")
+    return Path(raw)
