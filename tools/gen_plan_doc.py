@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from flash_cli import profiles
-from flash_cli.plan import build, calibration as cal, fitting
+from flash_cli.plan import calibration as cal, deployed, fitting
 from flash_cli.plan.hardware import PRESETS
 from flash_cli.settings import resolve
 
@@ -44,17 +44,10 @@ def profiles_table() -> str:
             "|---|---|---|---|---|---|---|---|"]
     for name in profiles.names():
         prof = profiles.load(name)
-        p = build(resolve(prof.layer(), None, None, profile_name=name), PRESETS["gb10"], snapshot=None)
+        p = deployed(resolve(prof.layer(), None, None, profile_name=name), PRESETS["gb10"], snapshot=None)
         lo, hi = p["kv_cache_tokens_range"]
-        mode = prof.values.get("PARALLEL", "none")
-        if mode != "none":  # several boxes: the row is one box; the deployment's pool(s) after it
-            from flash_cli import layout
-            from flash_cli.plan import parallel
-
-            lay = layout.parse(mode)
-            rank = build(resolve(prof.layer(), None, None, profile_name=name), PRESETS["gb10"], snapshot=None,
-                         split=(lay.tp, lay.pp)) if lay.rendezvous else None
-            agg = parallel.plan(p, lay, rank)
+        if "parallel" in p:  # several boxes: the row is one box; the deployment's pool(s) after it
+            agg = p["parallel"]
             name = (f"{name} (one-box plan; deployment: {agg['pools']} pool(s), ~{agg['aggregate']['kv_cache_tokens']:,} "
                     f"tokens{', first-order' if agg['pools'] == 1 else ''})")
         rows.append(f"| {name} | {p['recipe']['BASE']} | {p['kv_cache_tokens']:,} | {lo:,}–{hi:,} | "

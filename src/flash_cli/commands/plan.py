@@ -46,19 +46,9 @@ def run(args: argparse.Namespace) -> int:
         if not (snapshot / "config.json" if snapshot.is_dir() else snapshot).is_file():
             raise UsageError(f"--config {args.config}: no config.json there",
                              hint="give a checkpoint directory holding config.json, or the config.json itself")
-    result = planner.build(r.settings, hw, snapshot=snapshot, hw_how=how)
+    result = planner.deployed(r.settings, hw, snapshot=snapshot, hw_how=how)  # 2-4 boxes: each box's needs too
     result["profile"] = r.profile.name
-    if r.settings["PARALLEL"] != "none":  # 2-4 boxes: what each box holds and needs, the deployment's pool(s)
-        from .. import layout
-        from ..plan import parallel
-
-        lay = layout.parse(r.settings["PARALLEL"])
-        rank = planner.build(r.settings, hw, snapshot=snapshot, hw_how=how, split=(lay.tp, lay.pp)) \
-            if lay.rendezvous else None
-        result["parallel"] = parallel.plan(result, lay, rank)
-        if rank is not None:  # one box of the deployment must fit as well
-            result["findings"] += [(level, f"each box: {text}") for level, text in rank["findings"]
-                                   if level == "fail"]
+    result.pop("rank", None)  # its numbers are in result["parallel"]["ranks"]
     failed = any(level == "fail" for level, _ in result["findings"])
     if args.json:
         result["findings"] = [{"level": level, "text": text} for level, text in result["findings"]]
@@ -73,6 +63,8 @@ def render(p: dict) -> str:
     lo, hi = p["kv_cache_tokens_range"]
     lines = [
         f"plan: profile '{p['profile']}' on {p['hardware']['name']} ({p['hardware']['how']})",
+        *(["  one box serving the whole recipe alone, for comparison (the deployment's boxes follow):"]
+          if p.get("parallel") else []),
         f"  KV pool        ~{p['kv_cache_tokens']:,} tokens (expected {lo:,}–{hi:,}), {p['kv_cache_gib']} GiB",
         f"  concurrency    {p['max_concurrency']:.2f} requests of CTX={p['max_concurrency_at']:,} "
         f"({p['one_request_at_ctx_gib']} GiB each)",
@@ -88,7 +80,7 @@ def render(p: dict) -> str:
     if p.get("parallel"):
         from ..plan import parallel
 
-        lines.append("  (the lines above are one box serving alone; each box of the deployment:)")
+        lines.append(f"  {p['parallel']['mode']}: each box of the deployment:")
         lines += parallel.render(p["parallel"])
     for level, text in p["findings"]:
         lines.append(f"  [{level}] {text}")

@@ -10,8 +10,8 @@ Everything but the runtime overhead is derived from the geometry, the checkpoint
 vLLM's source; the overhead is fitted once on the published default-recipe pool (calibration.py)
 and every other published figure is a check. docs/PLAN.md has the derivation and the table.
 
-Public API (doctor and status use these): `build(settings, hardware, snapshot=...)`,
-`doctor_findings(settings)`, `status_comparison(settings, kv_log_line)`.
+Public API (doctor and status use these): `build(settings, hardware, snapshot=...)`, `deployed(...)`
+(the same for a PARALLEL deployment), `doctor_findings(settings)`, `status_comparison(settings, kv_log_line)`.
 """
 
 from __future__ import annotations
@@ -367,12 +367,32 @@ def findings(plan: dict, s, hw: Hardware, live_checks: bool = True) -> list[tupl
     return out
 
 
+def deployed(settings, hw: Hardware, **kw) -> dict[str, Any]:
+    """build() for what the recipe deploys. One box, dp and pd (every box a whole server): the plan
+    of one box, plus the deployment view under "parallel". tp/pp layouts split the model, so one box
+    alone is not what runs: the findings are each box's (its share of the weights, its pool) and
+    "rank" holds that box's plan, whose KV tokens are what each rank's vLLM logs."""
+    plan = build(settings, hw, **kw)
+    if settings["PARALLEL"] == "none":
+        return plan
+    from .. import layout
+    from . import parallel
+
+    lay = layout.parse(settings["PARALLEL"])
+    rank = build(settings, hw, **kw, split=(lay.tp, lay.pp)) if lay.rendezvous else None
+    plan["parallel"] = parallel.plan(plan, lay, rank)
+    if rank is not None:
+        plan["rank"] = rank
+        plan["findings"] = [(level, f"each box: {text}") for level, text in rank["findings"]]
+    return plan
+
+
 def doctor_findings(settings, hw: Hardware | None = None) -> list[tuple[str, str]]:
     """(level, text) for `flash doctor`: levels ok / warn / fail / info. The live MemAvailable
     check is left to doctor's own host section (it runs it with the same numbers)."""
     if hw is None:
         hw, _ = hardware_mod.detect()
-    return build(settings, hw, live_checks=False)["findings"]
+    return deployed(settings, hw, live_checks=False)["findings"]
 
 
 def status_comparison(settings, kv_log_line: str, hw: Hardware | None = None) -> str:
@@ -387,6 +407,7 @@ def prediction(settings, hw: Hardware | None = None) -> tuple[int, int, int, str
     serve` stores in a label (status compares MemAvailable with the last one)."""
     if hw is None:
         hw, _ = hardware_mod.detect()
-    plan = build(settings, hw)
+    whole = deployed(settings, hw)
+    plan = whole.get("rank", whole)  # a tp/pp rank logs its own pool
     lo, hi = plan["kv_cache_tokens_range"]
     return plan["kv_cache_tokens"], lo, hi, hw.name, plan["host"].get("page_cache_for_ple_gib")

@@ -57,8 +57,9 @@ def plan(single: dict[str, Any], lay, rank: dict[str, Any] | None = None) -> dic
             "tppp": f"heads over {lay.tp} ranks and layers over {lay.pp} stages"}[lay.kind]
     note = (f"one pool split over the {n} ranks ({what}); each token costs a rank {share:.2f} of its one-box KV bytes"
             + (f" (the QSA KV heads are replicated above their count, so not 1/{lay.tp})" if lay.tp > 2 else "")
-            + f"; ~{tokens / single['kv_cache_tokens'] if single['kv_cache_tokens'] else 0:.2f}× the one-box pool "
-            "(first-order: weights split evenly, per-rank activations and overhead as on one box)")
+            + (f"; ~{tokens / single['kv_cache_tokens']:.2f}× the one-box pool" if single["kv_cache_tokens"] > 0
+               else "; one box alone would have no KV pool at these settings")
+            + " (first-order: weights split evenly, per-rank activations and overhead as on one box)")
     if lay.ep:
         note += "; expert parallel: each box holds its share of the 512 experts whole instead of a slice of each"
     return {"mode": lay.name, "boxes": n, "ranks": boxes, "pools": 1,
