@@ -163,8 +163,13 @@ def first_down(states: list[tuple[Box, engine.State]], up: tuple[str, ...] = ("r
     down = [(b, st) for b, st in states if st.status not in up]
     if not down:
         return None
-    # by the engines' FinishedAt (UTC, fixed-width); a box that never ended sorts last
-    b, st = min(down, key=lambda x: x[1].finished_at if x[1].finished_at[:4] not in ("", "0001") else "~")
+    # by the engines' FinishedAt, as times (Docker trims trailing zeros, so the text does not sort);
+    # the boxes' clocks are compared as they are (doctor checks they agree); never ended: last
+    def ended(x):
+        t = engine.epoch(x[1].finished_at)
+        return (t is None, t or 0.0)
+
+    b, st = min(down, key=ended)
     return b, st, [o for o, _ in down if o is not b]
 
 

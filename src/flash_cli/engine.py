@@ -7,7 +7,9 @@ few calls. docker-py is imported on first use (it costs ~150 ms of import time).
 from __future__ import annotations
 
 import os
+import re
 import time
+from datetime import datetime
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
@@ -48,6 +50,16 @@ class State:
     health: str | None = None
     started_at: str = ""
     finished_at: str = ""  # RFC 3339 UTC as docker writes it ("0001-01-01T00:00:00Z" = never ended)
+
+
+def epoch(text: str) -> float | None:
+    """A Docker timestamp (RFC 3339 with up to nanoseconds, trailing zeros trimmed: State.FinishedAt,
+    `docker info` SystemTime) → epoch seconds; None for anything else, Docker's zero time included."""
+    m = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)$", text or "")
+    if not m or m.group(1).startswith("0001-"):
+        return None
+    tz = "+00:00" if m.group(3) == "Z" else m.group(3)
+    return datetime.fromisoformat(m.group(1) + tz).timestamp() + float("0" + (m.group(2) or ".0"))
 
 
 def find(client: "DockerClient", name: str) -> "Container | None":

@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 import re
 import time
-from datetime import datetime
 from importlib import resources
 
+from . import engine
 from .spec import HF_MOUNT, LABEL
 
 CLOCK_SKEW_S = 1.0
@@ -95,16 +95,6 @@ def bad_kernel(release: str) -> dict | None:
     return next((k for k in known_bad_kernels() if release.startswith(k["prefix"])), None)
 
 
-def _utc(text: str) -> float | None:
-    """docker info SystemTime (RFC 3339 with nanoseconds) → epoch seconds."""
-    m = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)$", text or "")
-    if not m:
-        return None
-    tz = "+00:00" if m.group(3) == "Z" else m.group(3)
-    base = datetime.fromisoformat(m.group(1) + tz).timestamp()
-    return base + float("0" + (m.group(2) or ".0"))
-
-
 def ssh_user(box: str) -> str | None:
     rest = box.split("://", 1)[-1]
     return rest.split("@", 1)[0] if "@" in rest else None
@@ -130,7 +120,7 @@ def facts(node, settings, image: str, timeout: int = 60) -> dict:
         f["unreachable"] = str(exc)
         return f
     f["kernel"] = info.get("KernelVersion", "")
-    remote = _utc(info.get("SystemTime", ""))
+    remote = engine.epoch(info.get("SystemTime", ""))
     f["clock_offset_s"] = None if remote is None else remote - (before + after) / 2
     f["clock_rtt_s"] = after - before
     f["user"] = ssh_user(node.box) or getpass.getuser()

@@ -44,3 +44,23 @@ def test_the_message_names_the_cause_and_the_others(monkeypatch, capsys):
     assert "node 2 (worker) on box2" in str(err) and "OOM-killed" in str(err)
     assert "after it: node 0 (head) on box0 went down too" in str(err)
     assert "boom" in capsys.readouterr().err
+
+
+def test_end_times_compare_as_times_not_as_docker_wrote_them():
+    """Docker trims trailing zeros from FinishedAt (RFC 3339 nano): as text, '…:59.5Z' sorts before
+    '…:59Z' and '…:59.912Z' before '…:59.91Z'; as times the earlier end is the cause."""
+    head, w1 = box(0, "head"), box(1, "worker")
+    for earlier, later in [("2026-12-04T21:33:59Z", "2026-12-04T21:33:59.5Z"),
+                           ("2026-12-04T21:33:59.91Z", "2026-12-04T21:33:59.912Z"),
+                           ("2026-12-04T22:33:59+01:00", "2026-12-04T21:34:00Z")]:
+        for first, second in [(head, w1), (w1, head)]:
+            states = [(first, State("exited", 1, finished_at=later)), (second, State("exited", 1, finished_at=earlier))]
+            assert deploy.first_down(sorted(states, key=lambda x: x[0].node))[0] is second, (earlier, later)
+
+
+def test_docker_timestamps_parse():
+    from flash_cli.engine import epoch
+
+    assert epoch("2026-12-04T21:33:59.5Z") - epoch("2026-12-04T21:33:59Z") == 0.5
+    assert epoch("2026-12-04T21:33:59.001Z") > epoch("2026-12-04T21:33:59Z")  # (float64 holds ~0.2 µs here)
+    assert epoch("0001-01-01T00:00:00Z") is None and epoch("") is None and epoch("yesterday") is None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flash_cli import layout, multinode, profiles, render
+from flash_cli import engine, layout, multinode, profiles, render
 import goldens
 from flash_cli.__main__ import main
 from flash_cli.errors import ConfigError
@@ -411,7 +411,7 @@ def test_known_bad_kernels_are_data():
 
     assert nodecheck.bad_kernel("7.0.0-1019-nvidia-64k")["prefix"] == "7.0.0-1019"
     assert nodecheck.bad_kernel("6.11.0-1016-nvidia") is None
-    assert nodecheck._utc("2026-12-01T15:20:01.5Z") == pytest.approx(1796138401.5)
+    assert engine.epoch("2026-12-01T15:20:01.5Z") == pytest.approx(1796138401.5)
 
 
 # -- 3 and 4 boxes (issue 35) -------------------------------------------------------------------
