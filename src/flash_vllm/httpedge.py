@@ -16,10 +16,12 @@ image, where the plugin must not pull them in).
   timer: a half-sent request would be held forever); a body that stalls `body_timeout` is a 408;
   idle keep-alive connections close after uvicorn's `timeout_keep_alive`.
 - Count: connections past `max_connections` are closed at accept; uvicorn's `limit_concurrency`
-  answers 503 past the same number of requests in flight. With several workers (pdrouter
-  --workers) the cap is the router's, not each worker's: every worker counts its open connections
-  in its own slot of a shared array (`Tally`) and admits one only while the sum is under the cap
-  (two workers admitting at the same instant can pass it by at most workers-1).
+  answers 503 past the same number of requests in flight in one process. With several workers
+  (pdrouter --workers) the connection cap is the router's, not each worker's: every worker counts
+  its open connections in its own slot of a shared array (`Tally`) and admits one only while the
+  sum is under the cap (two workers admitting at the same instant can pass it by at most
+  workers-1). `limit_concurrency` stays per worker, but a request in flight holds a counted
+  connection (HTTP/1.1, one at a time each), so the shared cap bounds the router's requests too.
 """
 
 from __future__ import annotations

@@ -350,16 +350,19 @@ def supervise(ns: argparse.Namespace, limits: Limits, sock: socket.socket, worke
     failed = False
 
     def start(i: int) -> None:
+        if stopping:  # a stop came while workers were being started: start no more
+            return
         p = ctx.Process(target=_worker, args=(ns, limits, sock, slots, i, health), name=f"pdrouter-worker{i}",
                         daemon=False)
         # blocked across the fork: a stop signal that lands in the child before it has reset the handlers
-        # would otherwise run the supervisor's handler there and leave the worker serving
+        # would otherwise run the supervisor's handler there and leave the worker serving; and until
+        # the worker is in procs, where a stop delivered at the unblock finds it
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             p.start()
+            procs[i] = p
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-        procs[i] = p
 
     def stop_all() -> None:
         for p in procs.values():

@@ -488,6 +488,29 @@ def test_sigterm_stops_every_worker_in_bounded_time_and_removes_the_metrics_dir(
     assert not mdir.exists()
 
 
+def test_sigterm_while_workers_are_being_forked_stops_them_all_at_once(tmp_path, fakes):
+    """`docker stop` during the start: the stop reaches every worker already forked (none only
+    SIGKILLed after the grace period) and no further worker is started."""
+    env = {**os.environ, "VLLM_API_KEY": KEY}
+    log = (tmp_path / "early.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "flash_vllm.pdrouter", "--host", "127.0.0.1", "--port", "0",
+                             "--prefill", fakes[0].url, "--decode", fakes[1].url, "--workers", "24"],
+                            stdout=subprocess.DEVNULL, stderr=log, env=env, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 30
+        while not children(proc.pid):  # the first worker is forked: the others are on their way
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "early.log").read_text()
+            time.sleep(0.002)
+        t = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, (tmp_path / "early.log").read_text()
+        assert time.monotonic() - t < 8  # graceful, not the 10 s kill of a worker the stop missed
+        assert not children(proc.pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_a_killed_worker_is_replaced_and_a_crash_loop_exits_1(tmp_path, fakes):
     r = RouterProcess(tmp_path, fakes[0].url, fakes[1].url, "--workers", "2")
     try:
