@@ -69,7 +69,10 @@ def cluster_ports(s) -> list[tuple[str, str]]:
     if lay.rendezvous:
         claim(s["MASTER_PORT"], "MASTER_PORT (torch store)")
         others = [a for a in addrs[1:] if a != head] or ["<the other boxes' fast-link addresses>"]
-        rules = "; ".join(f"iptables -A INPUT -p tcp --dport {s['MASTER_PORT']} -s {a} -j ACCEPT" for a in others)
+        # the head's own ranks reach the store over loopback (or from its own address): accepted first
+        rules = "; ".join([f"iptables -A INPUT -p tcp --dport {s['MASTER_PORT']} -i lo -j ACCEPT"]
+                          + [f"iptables -A INPUT -p tcp --dport {s['MASTER_PORT']} -s {a} -j ACCEPT"
+                             for a in ([head] if head != "?" else []) + others])
         out.append(("warn", f"torch's TCPStore on the head listens on every interface at {s['MASTER_PORT']} "
                             f"(MASTER_PORT), not only {head}: torch has no bind address for it and vLLM passes none. "
                             f"Firewall it to the other {'box' if lay.boxes == 2 else f'{lay.boxes - 1} boxes'}, e.g. "

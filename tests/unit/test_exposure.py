@@ -44,6 +44,13 @@ def test_tp_store_on_every_interface_is_named_with_its_port(mode):
     found = exposure.cluster_ports(s)
     store = [t for lvl, t in found if lvl == "warn" and "TCPStore" in t]
     assert store and "every interface at 29611" in store[0] and "--dport 29611" in store[0]
+    # the rules, in order: the head's own connections (loopback, its own address) and the other box
+    # accepted before the DROP, or the head's own ranks could not reach the store it serves
+    rules = [r.strip() for r in store[0].split("e.g. ", 1)[1].split(";")]
+    assert rules == ["iptables -A INPUT -p tcp --dport 29611 -i lo -j ACCEPT",
+                     "iptables -A INPUT -p tcp --dport 29611 -s 10.0.0.1 -j ACCEPT",
+                     "iptables -A INPUT -p tcp --dport 29611 -s 10.0.0.2 -j ACCEPT",
+                     "iptables -A INPUT -p tcp --dport 29611 -j DROP"]
     assert ("warn", next(t for _, t in found if t.startswith("NODE_IFNAME is empty"))) in found
 
 
