@@ -18,6 +18,7 @@ from flash_common import releases
 from flash_common.effort import EFFORT_MAP
 
 from . import __version__, layout
+from .checkpoint import known
 from .hfcache import VARIANT_SUFFIX
 from .errors import ConfigError
 from .exposure import open_api
@@ -356,6 +357,9 @@ def build(
     if s["CTX"] > NATIVE_CTX and not s["YARN"]:
         warnings.append(f"CTX={s['CTX']} is above the native {NATIVE_CTX} without YARN=1: vLLM will refuse it")
     warnings += inapplicable(s)
+    lay = known.for_model(s["MODEL"])
+    if lay is not None and lay.unproven and not ple_patch_off(s):
+        warnings.append(f"{s['MODEL']}: {lay.unproven}")
 
     mounts = [Mount("bind", HF_MOUNT, hf_cache, read_only=True)]
     key_file = f"{state_dir}/api-key.{name}" if key else ""

@@ -196,6 +196,18 @@ def test_render_serves_the_snapshot_as_published_with_the_table_left_to_vllm():
     assert r.labels["org.flash.model"] == ckpt.FP4_LOCAL
 
 
+def test_serve_says_the_nvfp4_table_decode_is_not_proven_on_a_gpu_while_patch_1_serves_it():
+    on = spec.build(_settings(MODEL=ckpt.FP4_LOCAL, MODE="nvfp4"), profile="nvidia", snapshot=COMMIT,
+                    hf_cache="/h", state_dir="/s")
+    (said,) = [w for w in on.warnings if "has not run on a GPU" in w]
+    assert said.startswith(ckpt.FP4_LOCAL) and "VLLM_PLE_MMAP=0" in said
+    off = spec.build(_settings(MODEL=ckpt.FP4_LOCAL, MODE="nvfp4", CONTAINER_ENV="VLLM_PLE_MMAP=0"),
+                     profile="nvidia", snapshot=COMMIT, hf_cache="/h", state_dir="/s")
+    assert not [w for w in off.warnings if "has not run on a GPU" in w]  # vLLM's own method: nothing of ours
+    nv = spec.build(_settings(MODE="nvfp4"), profile="published", snapshot=COMMIT, hf_cache="/h", state_dir="/s")
+    assert not [w for w in nv.warnings if "has not run on a GPU" in w]  # the FP8 table: proven
+
+
 def test_quant_configs_of_the_fixture_are_the_exports_groups(snaps):
     cfg = json.loads((snaps["qad"] / "config.json").read_text())["quantization_config"]
     assert cfg["quant_algo"] == "MIXED_PRECISION" and cfg["ignore"] == []

@@ -45,6 +45,9 @@ class Layout:
     # serves an NVFP4 table on top of that release's NVFP4 table method (its parameters, its
     # loader's shard handling), so before it there is no serving path with patch 1 on or off
     stock_table_from: str | None = None
+    # what flash serves for this layout that no GPU run has shown yet: `serve` and `doctor` say it
+    # (empty once the gpu-e2e tier has booted it)
+    unproven: str = ""
 
 
 SERVING_FILES = ("*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json",
@@ -66,7 +69,10 @@ LAYOUTS = {
                   "nvfp4", "NVFP4: U8 codes + F8_E4M3 per-16 scales + F32 weight_scale_2",
                   # vllm/models/qwen4_exp/common/ngram_embedding.py Qwen4ExpPLENvFp4EmbeddingMethod:
                   # in the 0.33.0 wheel, in none of 0.29.0-0.32.0
-                  stock_table_from="0.33.0"),
+                  stock_table_from="0.33.0",
+                  unproven="patch 1's NVFP4 table decode (from disk) is bit-exact with vLLM 0.33's own method on "
+                           "CPU but has not run on a GPU yet (gpu-e2e scenarios ple_nvfp4_d, boot_d); if answers "
+                           "look wrong, VLLM_PLE_MMAP=0 in CONTAINER_ENV serves the table with vLLM's method"),
 }
 
 # repo (case-insensitive) → layout; an unlisted repo is `detect()`ed once it is on disk
