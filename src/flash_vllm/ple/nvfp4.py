@@ -12,11 +12,11 @@ by side, so a gathered row is its 90 bytes (codes then scales) and everything do
 Stager's pinned slots, dedup, inverse expansion on the device) keeps working on byte rows.
 
 `Decoder` is the device half (torch, imported lazily; `Stager` uses it for tables of dtype
-"NVFP4"): value = (E2M1(code) x E4M3(scale)) x weight_scale_2 in float32, then one rounding to the
-model's dtype. That is the operation order of vLLM 0.33's own CUDA lookup
+"NVFP4"): value = (E2M1(code) x E4M3(scale)) x weight_scale_2 in float32, then the conversion to
+the model's dtype. That is the operation order of vLLM 0.33's own CUDA lookup
 (`_lookup_nvfp4_ple_embedding_kernel`: `e2m1 * scales * global_scale`, stored in the output dtype):
-the product of an E2M1 and an E4M3 value is exact in float32, so the result is the correctly
-rounded v*s*g. A NaN block scale (E4M3 0x7F/0xFF) makes its 16 values NaN, zero codes included,
+the product of an E2M1 and an E4M3 value is exact in float32, so two roundings follow, the same
+two as vLLM's (x g in float32, then to bf16): the same bits, not a correctly rounded v*s*g. A NaN block scale (E4M3 0x7F/0xFF) makes its 16 values NaN, zero codes included,
 as there; an infinite or NaN `weight_scale_2` propagates the same way (0 x inf = NaN).
 """
 
@@ -200,7 +200,7 @@ class Decoder:
         n, cb = rows.shape[0], self.code_bytes
         v = self.pairs.index_select(0, rows[:, :cb].long().reshape(-1)).view(n, self.blocks, NVFP4_BLOCK)
         s = self.e4m3.index_select(0, rows[:, cb:].long().reshape(-1)).view(n, self.blocks, 1)
-        return v.mul_(s).mul_(self.g).view(n, 2 * cb)  # (v x s) exact, x g rounds once
+        return v.mul_(s).mul_(self.g).view(n, 2 * cb)  # (v x s) exact; x g rounds in float32, as vLLM's kernel
 
 
 def open_table(model_dir, layer: int | None = None, config=None, stats=None, expected_rows: int | None = None):
