@@ -95,21 +95,29 @@ async def load(url: str, body: dict, clients: int, rounds: int, timeout: float) 
             "requests": clients * rounds}
 
 
+def child_pids(pid: int) -> list[int]:
+    """The live (not zombie) children of pid, from /proc/*/stat (field 4: the parent)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return sorted(out)
+
+
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process and its children so far: /proc/PID/stat fields 14
     and 15, plus the same of every live child (the router's workers; none restart during a run)."""
     def own(p: int) -> float:
-        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    total = own(pid)
-    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid:
-                total += own(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return total
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # a child gone since it was listed
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own(pid) + sum(own(c) for c in child_pids(pid))
 
 
 def measured(pids: dict, run) -> dict:

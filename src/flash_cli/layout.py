@@ -25,8 +25,8 @@ from .errors import ConfigError
 from .geometry import REAL, Geometry
 
 MIN_BOXES, MAX_BOXES = 2, 4
-KINDS = {"tp": "tensor parallel", "pp": "pipeline parallel", "tppp": "tensor x pipeline parallel",
-         "dp": "data parallel", "pd": "prefill/decode"}
+# each kind as PARALLEL spells it (messages that name the layouts a setting applies to)
+KIND_FORMS = {"tp": "tpN", "pp": "ppN", "tppp": "tp2pp2", "dp": "dpN", "pd": "pd/pdN"}
 _FORM = re.compile(r"(?:(tp)(\d+)(ep)?|(pp)(\d+)|(tp)(\d+)pp(\d+)|(dp)(\d+)|(pd)(\d*))")
 
 

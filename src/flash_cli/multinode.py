@@ -148,19 +148,18 @@ def boxes(s: Settings) -> tuple[list[str], list[str], list[list[str]]]:
 
 def rank_args(s: Settings, lay: layout_mod.Layout, index: int, addrs: list[str]) -> tuple[str, list[str]]:
     """(role, the `vllm serve` flags of this box) for each layout."""
-    head = addrs[0]
+    head, role = addrs[0], lay.roles()[index]
     n = str(lay.boxes)
     if lay.rendezvous:
         argv = (["--tensor-parallel-size", str(lay.tp)] if lay.tp > 1 else []) \
             + (["--pipeline-parallel-size", str(lay.pp)] if lay.pp > 1 else []) \
             + (["--enable-expert-parallel"] if lay.ep else []) \
             + ["--nnodes", n, "--node-rank", str(index), "--master-addr", head, "--master-port", str(s["MASTER_PORT"])]
-        return ("head", argv) if index == 0 else ("worker", argv + ["--headless"])
+        return role, argv + (["--headless"] if role == "worker" else [])
     if lay.kind == "dp":
         argv = ["--data-parallel-size", n, "--data-parallel-size-local", "1", "--data-parallel-address", head,
                 "--data-parallel-rpc-port", str(s["DP_RPC_PORT"])]
-        return ("head", argv) if index == 0 else ("worker", argv + ["--data-parallel-start-rank", str(index), "--headless"])
-    role = "prefill" if index == 0 else "decode"
+        return role, argv + (["--data-parallel-start-rank", str(index), "--headless"] if role == "worker" else [])
     cfg = {"kv_connector": NIXL_CONNECTOR, "kv_role": NIXL_ROLE[role]}
     return role, ["--kv-transfer-config", json.dumps(cfg, separators=(",", ":"))]
 

@@ -302,14 +302,13 @@ APPLIES_TO = {
     "NODE_IFNAME": ("tp", "pp", "tppp", "dp"), "MASTER_PORT": ("tp", "pp", "tppp"), "DP_RPC_PORT": ("dp",),
     "NIXL_PORT": ("pd",), "PD_PORT": ("pd",), "ROUTER_WORKERS": ("pd",),
 }
-KIND_NAMES = {"tp": "tpN", "pp": "ppN", "tppp": "tp2pp2", "dp": "dpN", "pd": "pd/pdN"}
 
 
 def inapplicable(s: Settings) -> list[str]:
     """One warning per setting given (profile, env or argument) that the chosen layout never reads."""
     mode = s["PARALLEL"]
     kind = "none" if mode == "none" else layout.parse(mode).kind
-    return [f"{key}={s[key]} does nothing with PARALLEL={mode}: only {'/'.join(KIND_NAMES[k] for k in kinds)} read it"
+    return [f"{key}={s[key]} does nothing with PARALLEL={mode}: only {'/'.join(layout.KIND_FORMS[k] for k in kinds)} read it"
             for key, kinds in APPLIES_TO.items() if s.is_set(key) and kind not in kinds]
 
 

@@ -438,6 +438,25 @@ def tail(argv: list[str], flag: str) -> list[str]:
     return argv[argv.index(flag):]
 
 
+# Written out by hand from vLLM's multi-node docs (not from rank_args' formula): box 2's flags.
+LITERAL_BOX2 = {
+    "tp2pp2": ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--nnodes", "4", "--node-rank", "2",
+               "--master-addr", "10.0.0.1", "--master-port", "29501", "--headless"],
+    "pp3": ["--pipeline-parallel-size", "3", "--nnodes", "3", "--node-rank", "2", "--master-addr", "10.0.0.1",
+            "--master-port", "29501", "--headless"],
+    "tp4ep": ["--tensor-parallel-size", "4", "--enable-expert-parallel", "--nnodes", "4", "--node-rank", "2",
+              "--master-addr", "10.0.0.1", "--master-port", "29501", "--headless"],
+    "dp3": ["--data-parallel-size", "3", "--data-parallel-size-local", "1", "--data-parallel-address", "10.0.0.1",
+            "--data-parallel-rpc-port", "29550", "--data-parallel-start-rank", "2", "--headless"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(LITERAL_BOX2))
+def test_box_two_of_a_layout_gets_the_flags_written_out(name):
+    box2 = deployment("tp2", PARALLEL=name).nodes[2].spec.command
+    want = LITERAL_BOX2[name]
+    assert tail(box2, want[0]) == want, box2
+
 @pytest.mark.parametrize("name", layout.ACCEPTED)
 def test_every_layout_renders_each_of_its_boxes(name):
     lay = layout.parse(name)

@@ -20,6 +20,7 @@ import pytest
 import requests
 
 from fakes.pd import pair
+from lab.bench_pd_router import child_pids as children
 from flash_vllm import httpedge
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,18 +89,6 @@ class RouterProcess:
                 self.proc.kill()
                 self.proc.wait()
         return time.monotonic() - t
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(stat.parent.name))
-    return sorted(out)
 
 
 @pytest.fixture

@@ -37,7 +37,7 @@ def plan(single: dict[str, Any], lay, rank: dict[str, Any] | None = None) -> dic
         lay = layout.parse(lay)
     n = lay.boxes
     roles = lay.roles()
-    if lay.kind in ("dp", "pd"):
+    if not lay.rendezvous:  # dp, pd: every box a whole server, its pool the one-box plan
         boxes = [_box(f"replica {i}" if lay.kind == "dp" else r, i, single) for i, r in enumerate(roles)]
         decode_pools = n if lay.kind == "dp" else n - 1
         return {"mode": lay.name, "boxes": n, "ranks": boxes, "pools": n,
