@@ -88,16 +88,12 @@ def layout_problems(s: Settings, snapshot: Path | None) -> list[Problem]:
                            + lay.refused.get(s["MODE"], f"not a layout MODE={s['MODE']} is built from"),
                            f"MODE accepts {' | '.join(lay.modes)} for this checkpoint"))
     stock = lay.stock_table_from is None or s["BASE"] in releases.upstream_from(lay.stock_table_from)
-    if not stock and not ple_patch_off(s):
-        out.append(Problem(ConfigError, f"patch 1 cannot serve {s['MODEL']}'s PLE table ({lay.ple_format}) on "
-                           f"BASE={s['BASE']}: it decodes this format on top of vLLM's own {lay.ple_codec.upper()} "
-                           f"table method (its parameters and shard loading), which vLLM has from "
-                           f"{lay.stock_table_from} on",
+    if not stock:  # with patch 1 on or off: it decodes on top of the release's own table method
+        who = ("vLLM" if ple_patch_off(s) else
+               f"patch 1 (it decodes this format on top of vLLM's own {lay.ple_codec.upper()} table method)")
+        out.append(Problem(ConfigError, f"{who} cannot serve {s['MODEL']}'s PLE table ({lay.ple_format}) on "
+                           f"BASE={s['BASE']}: vLLM reads that format from {lay.stock_table_from} on",
                            f"no serving path on BASE={s['BASE']}, with patch 1 on or off: use BASE={releases.CURRENT}"))
-    elif not stock:
-        out.append(Problem(ConfigError, f"vLLM on BASE={s['BASE']} cannot load {s['MODEL']}'s PLE table ({lay.ple_format}): "
-                           f"its loader reads that format from {lay.stock_table_from} on",
-                           f"use BASE={releases.CURRENT} (the nvidia profile's base)"))
     return out
 
 

@@ -135,7 +135,8 @@ def test_serve_preflight_refuses_a_hybrid_mode_and_serves_the_nvfp4_table_with_p
     # decodes on top of it: older bases have no path, with the patch off...
     old = _settings(MODEL=ckpt.QAD, HF_CACHE=cache, MODE="nvfp4", CONTAINER_ENV="VLLM_PLE_MMAP=0", BASE="v0.32")
     (p,) = preflight.layout_problems(old, snaps["qad"])
-    assert "BASE=v0.32 cannot load" in p.message and "0.33.0" in p.message and "BASE=v0.33" in p.hint
+    assert p.message.startswith("vLLM cannot serve") and "on BASE=v0.32" in p.message and "0.33.0" in p.message
+    assert "BASE=v0.33" in p.hint
     assert [q.message for q in preflight.weights(old, cache, snaps["qad"])] == [p.message]  # not the fp8 table's
     # ... or on
     for base in ("v0.29", "v0.30", "v0.32"):
