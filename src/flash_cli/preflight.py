@@ -89,10 +89,10 @@ def layout_problems(s: Settings, snapshot: Path | None) -> list[Problem]:
                            f"MODE accepts {' | '.join(lay.modes)} for this checkpoint"))
     stock = lay.stock_table_from is None or s["BASE"] in releases.upstream_from(lay.stock_table_from)
     if not stock:  # with patch 1 on or off: it decodes on top of the release's own table method
-        who = ("vLLM" if ple_patch_off(s) else
-               f"patch 1 (it decodes this format on top of vLLM's own {lay.ple_codec.upper()} table method)")
+        who, on_top = ("vLLM", "") if ple_patch_off(s) else (
+            "patch 1", f" (patch 1 decodes it on top of vLLM's own {lay.ple_codec.upper()} table method)")
         out.append(Problem(ConfigError, f"{who} cannot serve {s['MODEL']}'s PLE table ({lay.ple_format}) on "
-                           f"BASE={s['BASE']}: vLLM reads that format from {lay.stock_table_from} on",
+                           f"BASE={s['BASE']}: vLLM reads that format from {lay.stock_table_from} on{on_top}",
                            f"no serving path on BASE={s['BASE']}, with patch 1 on or off: use BASE={releases.CURRENT}"))
     return out
 
