@@ -79,10 +79,10 @@ def layout_problems(s: Settings, snapshot: Path | None) -> list[Problem]:
     from .checkpoint import known
     from .spec import ple_patch_off
 
+    out = parallel_problems(s, snapshot)
     lay = known.layout_of(s["MODEL"], snapshot)
     if lay is None:
-        return []
-    out = []
+        return out
     if s["MODE"] not in lay.modes:
         out.append(Problem(ConfigError, f"MODE={s['MODE']} does not apply to {s['MODEL']} ({lay.what}): "
                            + lay.refused.get(s["MODE"], f"not a layout MODE={s['MODE']} is built from"),
@@ -95,6 +95,27 @@ def layout_problems(s: Settings, snapshot: Path | None) -> list[Problem]:
                            f"BASE={s['BASE']}: vLLM reads that format from {lay.stock_table_from} on{on_top}",
                            f"no serving path on BASE={s['BASE']}, with patch 1 on or off: use BASE={releases.CURRENT}"))
     return out
+
+
+def parallel_problems(s: Settings, snapshot: Path | None) -> list[Problem]:
+    """PARALLEL against the checkpoint's own head counts: the settings check used the published
+    geometry (no snapshot then); another checkpoint (a smaller model, a test one) may not split the
+    same way, and vLLM would refuse it only after every box has started."""
+    from . import geometry, layout
+
+    cfg = snapshot / "config.json" if snapshot is not None else None
+    if s["PARALLEL"] == "none" or cfg is None or not cfg.is_file():
+        return []
+    try:
+        g = geometry.from_config(cfg)
+    except (OSError, ValueError):
+        return []  # the loader names an unreadable config.json itself
+    try:
+        layout.parse(s["PARALLEL"], g)
+    except ConfigError as exc:
+        return [Problem(ConfigError, f"{s['MODEL']} ({cfg}): {exc}",
+                        f"layouts this checkpoint takes: {' | '.join(layout.accepted(g))}")]
+    return []
 
 
 def served_gap(capability: str, base: str) -> str | None:

@@ -676,3 +676,19 @@ def test_nvidia_tp2_renders_the_two_spark_recipe_on_each_box(node):
         assert spec.env.get(k) == v or f"{k}={v}" in dropped, k
     assert set(dropped) <= {f"{f} {v}" for f, v in _flag_values(NVIDIA_TP2_ARGS).items()} | {
         f"{k}={v}" for k, v in NVIDIA_TP2_ENV.items()}
+
+
+def test_preflight_checks_the_layout_against_the_checkpoints_own_heads(tmp_path):
+    """tp2 suits the published model (32 QSA heads) but not a checkpoint with 3: serve's preflight
+    reads its config.json and refuses before any box starts; dp2 (whole copies) still passes."""
+    from flash_cli import preflight
+
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_attention_heads": 3}}))
+    s = resolve(profiles.load("tp2").layer(), {}, boxes_for(2), profile_name="tp2")
+    (p,) = preflight.parallel_problems(s, tmp_path)
+    assert "its 3 QSA attention heads do not divide by 2" in p.message and str(tmp_path) in p.message
+    assert "tp2" not in p.hint.split(": ", 1)[1].split(" | ") and "dp2" in p.hint
+    dp = resolve(profiles.load("dp2").layer(), {}, boxes_for(2), profile_name="dp2")
+    assert preflight.parallel_problems(dp, tmp_path) == []
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"num_attention_heads": 32}}))
+    assert preflight.parallel_problems(s, tmp_path) == []
