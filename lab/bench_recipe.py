@@ -412,7 +412,31 @@ def report(rows: list[dict]) -> dict:
     out["per_stream_tok_s_median"] = {lab: {c: round(statistics.median(v), 1) for c, v in sorted(by.items())}
                                       for lab, by in med.items()}
     out["boots"] = [{k: r.get(k) for k in ("label", "cycle", "boot_s", "gpu_mib")} for r in rows if r.get("event") == "booted"]
+    out["step_ms"] = step_breakdown(rows)
     return out
+
+
+def step_breakdown(rows: list[dict]) -> dict:
+    """Per config and cell (medians over rounds): the decode step in ms as one stream sees it
+    (1000 / (tok/s per stream / acceptance length): one step emits acceptance-length tokens), and
+    where patch 1 ran, its host work per lookup (gather + stage + dedup, on the critical path
+    between the step's ids and the next forward) and how long it blocked on the GPU for the ids.
+    Random weights accept nothing (length 1.0): then a step is 1000 / tok/s."""
+    cells: dict = {}
+    for r in rows:
+        if not r.get("per_stream_tok_s"):
+            continue
+        c = cells.setdefault(r["label"], {}).setdefault(_cell(r), {"step": [], "host": [], "wait": [], "rows": []})
+        c["step"].append(1000.0 * (r.get("mtp_acceptance_length") or 1.0) / r["per_stream_tok_s"])
+        ple = r.get("ple")
+        if ple:
+            c["host"].append(ple["gather_ms_per_op"] + ple["stage_ms_per_op"] + ple["dedup_ms_per_op"])
+            c["wait"].append(ple["gpu_wait_ms_per_op"])
+            c["rows"].append(ple["rows_per_op"])
+    med = lambda v: round(statistics.median(v), 3) if v else None  # noqa: E731
+    return {lab: {cell: {"step": med(v["step"]), "ple_host": med(v["host"]), "ple_gpu_wait": med(v["wait"]),
+                         "ple_rows": med(v["rows"])} for cell, v in sorted(by.items())}
+            for lab, by in sorted(cells.items())}
 
 
 def report_cmd(args) -> int:

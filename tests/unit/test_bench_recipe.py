@@ -207,3 +207,17 @@ def test_blocks_alternate_whole_servers_and_pair_within_a_cycle(tmp_path, monkey
     assert stock_vs["pooled"]["pairs"] >= 6 and set(stock_vs) >= {"pooled", "c=1 p=64", "c=2 p=64", "c=1 p=300"}
     assert stock_vs["pooled"]["verdict"] in ("met", "open", "missed") and "ci95" in stock_vs["pooled"]
     assert rows[-1]["event"] == "end" and rows[-1]["cycles"] == 2
+
+
+def test_step_breakdown_reads_steps_and_patch_1s_phases_from_the_rows():
+    ple = {"gather_ms_per_op": 0.05, "stage_ms_per_op": 0.03, "dedup_ms_per_op": 0.01, "gpu_wait_ms_per_op": 8.0,
+           "rows_per_op": 206.4}
+    rows = [{"label": "default", "concurrency": 4, "prompt_tokens": 64, "per_stream_tok_s": s,
+             "mtp_acceptance_length": 1.0, "ple": ple} for s in (50.0, 100.0, 40.0)]
+    rows += [{"label": "stock", "concurrency": 4, "prompt_tokens": 64, "per_stream_tok_s": 200.0,
+              "mtp_acceptance_length": 2.0},  # two tokens a step: a 10 ms step
+             {"label": "stock", "event": "booted", "boot_s": 99.0}]
+    out = br.step_breakdown(rows)
+    cell = br._cell(rows[0])
+    assert out["default"][cell] == {"step": 20.0, "ple_host": 0.09, "ple_gpu_wait": 8.0, "ple_rows": 206.4}
+    assert out["stock"][cell] == {"step": 10.0, "ple_host": None, "ple_gpu_wait": None, "ple_rows": None}
