@@ -28,13 +28,8 @@ class _MovedAnchor(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, fullname, path=None, target=None):
         if fullname != self.module:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
+        spec = flash_e2e_site.next_spec(self, fullname, path, target)
+        if spec is None:
             return None
         if not spec.origin or not spec.origin.endswith(".py"):
             raise ImportError(f"FLASH_E2E_BREAK: {fullname} has no Python source ({spec.origin})")

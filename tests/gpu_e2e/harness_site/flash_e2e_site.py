@@ -1,4 +1,5 @@
-"""What the gpu-e2e servers' own sitecustomize files (breaker/, inject/) share: running the next one.
+"""What the gpu-e2e servers' own sitecustomize files (breaker/, inject/) share: running the next
+one, and finding the spec the other import finders would return for a module they intercept.
 
 Python runs only the first sitecustomize.py on sys.path; ours sit first (fleet.render puts their
 directories ahead), so each hands over to the next one after its own directory, as if it were not
@@ -28,4 +29,15 @@ def chain_next(own_file: str) -> str | None:
             mod = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(mod)
             return cand
+    return None
+
+
+def next_spec(me, fullname, path=None, target=None):
+    """The spec every finder on sys.meta_path but `me` would return for fullname (None: none)."""
+    for finder in sys.meta_path:
+        if finder is me or not hasattr(finder, "find_spec"):
+            continue
+        spec = finder.find_spec(fullname, path, target)
+        if spec is not None:
+            return spec
     return None

@@ -27,13 +27,8 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if fullname != self.module:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
+        spec = flash_e2e_site.next_spec(self, fullname, path, target)
+        if spec is None:
             return None
         loader, then = spec.loader, self.then
         real_exec = loader.exec_module
