@@ -120,7 +120,13 @@ def parse(text: str | None) -> list[Box]:
         word = raw.strip()
         if not word:
             raise ConfigError(f"NODES={text!r} has an empty entry (position {i + 1})", hint=f"NODES accepts {ACCEPTED}")
-        box = parse_one(word)
+        try:
+            box = parse_one(word)
+        except ConfigError as exc:
+            if len(words) == 1:
+                raise
+            # name the whole value as well: the user typed it, not the entry alone
+            raise ConfigError(f"NODES={text!r}: {exc.args[0].removeprefix('NODES ')}", hint=exc.hint) from None
         if box.scheme != "local" and box.url in seen:
             raise ConfigError(f"NODES={text!r} names the same box twice ({seen[box.url]!r} and {word!r})",
                               hint="one entry per box, head first; two ranks on one machine: "

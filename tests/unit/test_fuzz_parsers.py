@@ -76,6 +76,7 @@ BY = {s.name: s for s in SETTINGS}
 
 # the crashes fuzzing found, kept as fixed cases
 @example(BY["SHM_SIZE"], "9" * 400)  # float() → inf → int() raised OverflowError
+@example(BY["NODES"], "@,")  # 10,000-case run: the message named the entry '@', not the value typed
 @FUZZ
 @given(st.sampled_from(SETTINGS), junk)
 def test_fuzz_setting_values(setting, raw):
