@@ -397,10 +397,11 @@ def verdict(ratios: list[float], resamples: int = 20_000, seed: int = 0) -> dict
 
 def report(rows: list[dict]) -> dict:
     out: dict = {"goal": f"geomean >= {GOAL} and 95% lower end >= {FLOOR}"}
-    for ref in ("stock", "nvidia"):
+    # vs_default: the ablations (default-noX) against the recipe they take one part out of
+    for ref in ("stock", "nvidia", "default"):
         table = {}
         for label, by in sorted(pairs(rows, ref).items()):
-            if ref == "nvidia" and label == "stock":
+            if ref != "stock" and label in ("stock", "nvidia"):
                 continue
             allr = [x for v in by.values() for x in v]
             table[label] = {"pooled": verdict(allr)} | {cell: verdict(v) for cell, v in sorted(by.items())}

@@ -221,3 +221,12 @@ def test_step_breakdown_reads_steps_and_patch_1s_phases_from_the_rows():
     cell = br._cell(rows[0])
     assert out["default"][cell] == {"step": 20.0, "ple_host": 0.09, "ple_gpu_wait": 8.0, "ple_rows": 206.4}
     assert out["stock"][cell] == {"step": 10.0, "ple_host": None, "ple_gpu_wait": None, "ple_rows": None}
+
+
+def test_report_pairs_the_ablations_with_default_and_leaves_stock_out_of_that_table():
+    rows = [{"label": lab, "concurrency": 4, "prompt_tokens": 64, "repeat": rep, "per_stream_tok_s": v}
+            for rep in (0, 1) for lab, v in (("stock", 70.0), ("default", 68.0), ("default-ple-gpu", 71.4))]
+    rep = br.report(rows)
+    assert set(rep["vs_default"]) == {"default-ple-gpu"}  # neither stock nor default itself
+    assert rep["vs_default"]["default-ple-gpu"]["pooled"]["geomean"] == round(71.4 / 68.0, 3)
+    assert rep["vs_stock"]["default"]["pooled"]["geomean"] == round(68.0 / 70.0, 3)
