@@ -80,6 +80,11 @@ left() { echo $(( $(cat "$GS/end") - $(date +%s) )); }
 
 # seconds each phase needs to be started at all (kernels: the bench's 120 s cap + the GPU tests)
 need() { case "$1" in e2e) echo 420 ;; decode8) echo 300 ;; kernels) echo 160 ;; decode4) echo 280 ;; recipe48) echo 600 ;; latency48) echo 500 ;; *) echo 0 ;; esac; }
+# the least a phase is started with (need() is what the phases before it leave for it): e2e can
+# prove something in 240 s (one tiny server, cold: fixtures ~50 s + boot ~190 s); 2026-12-05 a
+# 310 s e2e-only session was skipped whole by need()'s 420 s; recipe48 skips the configs that
+# do not fit by itself
+floor() { case "$1" in e2e) echo 240 ;; recipe48) echo 300 ;; *) need "$1" ;; esac; }
 
 # the e2e tier's deadline: what the budget leaves once the phases asked after it have what they
 # need (run37: a fixed 900 s cut 14 wave servers short while 644 s went to later phases), at most
@@ -142,7 +147,7 @@ run_phases() {
   for p in ${PHASES//,/ }; do  # in the order asked
     case "$p" in
       e2e)
-        phase e2e "$(need e2e)" env FLASH_E2E_OUT="$GS/e2e" FLASH_E2E_WORK="$GS/work" FLASH_E2E_BOOT_WAVE="${FLASH_E2E_BOOT_WAVE:-4}" \
+        phase e2e "$(floor e2e)" env FLASH_E2E_OUT="$GS/e2e" FLASH_E2E_WORK="$GS/work" FLASH_E2E_BOOT_WAVE="${FLASH_E2E_BOOT_WAVE:-4}" \
           FLASH_E2E_DEADLINE="$(e2e_deadline)" tests/run gpu-e2e -- -k "${E2E_K:-not diag}"
         # the JIT caches the boots built, packed now: a session cut short after e2e still has them
         jit_pack "$GS/jit-cache.tar.gz" ;;
@@ -167,7 +172,7 @@ print(fleet.plugin_site(fleet.Context(work=pathlib.Path('$GS/work'), out=pathlib
             # shellcheck disable=SC2086 - RECIPE_ARGS is a list of options
             # started with less than need() reserves for it: bench_recipe skips each config its boot and
             # block estimates do not fit (a 600 s floor left a warm 334 s unused, 2026-12-04)
-            phase recipe48 300 python3 -m lab.bench_recipe run "$BENCH/L48" --configs "$RECIPE_CONFIGS" \
+            phase recipe48 "$(floor recipe48)" python3 -m lab.bench_recipe run "$BENCH/L48" --configs "$RECIPE_CONFIGS" \
               --out "$GS/decode/raw48.jsonl" --logs "$GS/decode" --deadline $(( $(left) - 90 )) $RECIPE_ARGS ;;
           latency48)
             if [ -n "$prep48" ]; then wait "$prep48"; rc48=$?; prep48=""; log "prepare48 rc=$rc48 ($(tail -c 300 "$GS/prepare48.log" | tr '\n' ' '))"; fi
@@ -209,6 +214,7 @@ case "${1:-}" in
       case "$p" in e2e|decode8|kernels|decode4|recipe48|latency48|none) ;;
         *) echo "gpu_session: unknown phase '$p' (e2e, decode8, kernels, decode4, recipe48, latency48, or none)" >&2; exit 2 ;; esac
     done
+    case "$BUDGET" in ''|*[!0-9]*) echo "gpu_session: BUDGET_S '$BUDGET': give whole seconds" >&2; exit 2 ;; esac
     for v in DECODE_REPEATS DECODE_TOKENS DECODE_SECONDS; do
       case "${!v}" in ''|*[!0-9]*|0*) echo "gpu_session: $v='${!v}': give a positive whole number" >&2; exit 2 ;; esac
     done
@@ -231,6 +237,11 @@ case "${1:-}" in
       (cd "$TREE" && PYTHONPATH="$TREE/src${PYTHONPATH:+:$PYTHONPATH}" python3 -m lab.bench_recipe configs "$LATENCY_CONFIGS") >/dev/null || exit 2 ;;
     esac
     [ -f "$ENV_SH" ] || { echo "gpu_session: $ENV_SH missing: install the payload first (lab/README.md)" >&2; exit 3; }
+    first=${PHASES%%,*}
+    if [ "$first" != none ] && [ "$BUDGET" -lt "$(floor "$first")" ]; then  # refused here: no call spent on a skip
+      echo "gpu_session: a budget of $BUDGET s is under what $first needs to start ($(floor "$first") s): nothing would run" >&2
+      exit 2
+    fi
     rm -rf "$GS" "$REPO"; mkdir -p "$GS" "$REPO"
     if [ -f "$JIT_CARRIED" ]; then  # a previous session's JIT caches (see the top)
       if tar xzf "$JIT_CARRIED" -C "$HOME"; then log "jit caches restored from $JIT_CARRIED ($(du -k "$JIT_CARRIED" | cut -f1) KiB)"
@@ -239,7 +250,7 @@ case "${1:-}" in
     tar --exclude=./.payload --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C "$REPO"
     echo $(( $(date +%s) + BUDGET )) >"$GS/end"
     export COMMIT PHASES
-    setsid bash -c "$(declare -f log left need e2e_deadline jit_pack phase decode_phase run_phases); GS=$GS REPO=$REPO ENV_SH=$ENV_SH BENCH=$BENCH ROWS=$ROWS JIT_DIRS='$JIT_DIRS' JIT_MAX_MIB=$JIT_MAX_MIB JIT_CARRIED=$JIT_CARRIED DECODE_REPEATS=$DECODE_REPEATS DECODE_TOKENS=$DECODE_TOKENS DECODE_SECONDS=$DECODE_SECONDS DECODE_CONFIGS=$DECODE_CONFIGS RECIPE_CONFIGS=$RECIPE_CONFIGS RECIPE_ARGS='$RECIPE_ARGS' LATENCY_CONFIGS=$LATENCY_CONFIGS LATENCY_ARGS='$LATENCY_ARGS' run_phases" \
+    setsid bash -c "$(declare -f log left need floor e2e_deadline jit_pack phase decode_phase run_phases); GS=$GS REPO=$REPO ENV_SH=$ENV_SH BENCH=$BENCH ROWS=$ROWS JIT_DIRS='$JIT_DIRS' JIT_MAX_MIB=$JIT_MAX_MIB JIT_CARRIED=$JIT_CARRIED DECODE_REPEATS=$DECODE_REPEATS DECODE_TOKENS=$DECODE_TOKENS DECODE_SECONDS=$DECODE_SECONDS DECODE_CONFIGS=$DECODE_CONFIGS RECIPE_CONFIGS=$RECIPE_CONFIGS RECIPE_ARGS='$RECIPE_ARGS' LATENCY_CONFIGS=$LATENCY_CONFIGS LATENCY_ARGS='$LATENCY_ARGS' run_phases" \
       </dev/null >"$GS/driver.log" 2>&1 &
     log "launched (pid $!, budget ${BUDGET}s, phases $PHASES, commit $COMMIT)"
     ;;

@@ -173,3 +173,25 @@ def test_e2e_deadline_keeps_what_the_later_phases_need(tmp_path):
     assert (d, kept) == (700, 0), log
     d, kept, log = deadline(560, "e2e,kernels")  # 370 s would be under e2e's 420: e2e first, all but 30 s
     assert kept == 160 and 560 - 30 - 15 <= d <= 560 - 30, log
+
+
+def test_a_budget_under_the_first_phases_floor_is_refused_and_e2e_starts_with_less_than_it_reserves(tmp_path):
+    """2026-12-05: `start COMMIT 310 e2e` launched, then skipped e2e whole (420 s reserved for it)
+    and spent the session's last call on nothing. Now e2e starts from its 240 s floor (the deadline
+    logic gives it all but 30 s) and a budget under the first phase's floor is refused before launch."""
+    env = _session_env(tmp_path, OUT=str(tmp_path), HOME=str(tmp_path), CUDA_VISIBLE_DEVICES="")
+    for budget, phases, says in (("200", "e2e", "a budget of 200 s is under what e2e needs to start (240 s)"),
+                                 ("250", "recipe48,e2e", "recipe48 needs to start (300 s)"),
+                                 ("5m", "e2e", "BUDGET_S '5m': give whole seconds")):
+        r = subprocess.run(["bash", str(SCRIPT), "start", "c0ffee1", budget, phases], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and says in r.stderr and not (tmp_path / "gs").exists(), r.stderr
+    r = subprocess.run(["bash", str(SCRIPT), "start", "c0ffee1", "310", "e2e"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(["bash", str(SCRIPT), "watch", "240"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    log = (tmp_path / "gs" / "phases.log").read_text()
+    assert "start e2e" in log and "skip e2e" not in log, log
+    d = int(next(x for x in log.splitlines() if " e2e deadline " in x).split()[3])
+    assert 310 - 30 - 15 <= d <= 310 - 30, log
