@@ -76,6 +76,10 @@ CONFIGS: dict[str, dict] = {
     "default-nvfp4": {"kind": "recipe", "profile": "default", "words": ["MODE=nvfp4"]},
     "default-ple-gpu": {"kind": "recipe", "profile": "default",
                         "words": ["CONTAINER_ENV=VLLM_PLE_MMAP=0", "EXTRA=--engram-config '{\"cpu_offload\":false}'"]},
+    # MODE=hybrid renders VLLM_USE_DEEP_GEMM=0 (DeepGEMM's E8M0 path faults on the GB10's sm_121);
+    # on the H200 that moves every FP8 block linear (side layers, the MTP layer's) from DeepGEMM,
+    # which stock's FP8 parts use here (run1's logs), to CUTLASS block-scaled: an H200-only handicap?
+    "default-deepgemm": {"kind": "recipe", "profile": "default", "words": ["CONTAINER_ENV=VLLM_USE_DEEP_GEMM=1"]},
 }
 
 # NVIDIA's one-Spark recipe is profiles/nvidia.env (its settings on our base): `nvidia` renders it

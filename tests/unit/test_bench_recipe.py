@@ -64,7 +64,8 @@ def test_ablations_change_only_their_setting():
     d = Path("/x")
     base = br.render("default", d, 1)
     # DRAFT_VOCAB=0: the variable is not set at all (patch 10's gate off); DET_TOPK=0: the stock kernel
-    for name, env_key, value in (("default-no10", "VLLM_MTP_DRAFT_VOCAB", None), ("default-no8", "VLLM_QSA_DET_TOPK", "0")):
+    for name, env_key, value in (("default-no10", "VLLM_MTP_DRAFT_VOCAB", None), ("default-no8", "VLLM_QSA_DET_TOPK", "0"),
+                                 ("default-deepgemm", "VLLM_USE_DEEP_GEMM", "1")):
         got = br.render(name, d, 1)
         assert got["argv"] == base["argv"]
         keys = set(got["env"]) | set(base["env"])
