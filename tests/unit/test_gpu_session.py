@@ -38,6 +38,16 @@ def _session_env(tmp_path: Path, env_sh: str = "", **more: str) -> dict:
             "FLASH_SESSION_JIT_TAR": str(tmp_path / "no-carried-jit.tar.gz"), **more}
 
 
+def _start(env: dict, budget: str, phases: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), "start", "c0ffee1", budget, phases], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def _watch(env: dict, secs: str = "240") -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), "watch", secs], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
 def test_start_runs_detached_and_watch_returns_one_archive(tmp_path):
     bindir = tmp_path / "bin"
     bindir.mkdir()
@@ -132,11 +142,9 @@ def test_phases_run_in_the_order_asked_and_unknown_ones_are_refused(tmp_path):
                            env={**env, "DECODE_CONFIGS": configs}, capture_output=True, text=True)
         assert r.returncode == 2 and says in r.stderr and not (tmp_path / "gs").exists(), r.stderr
     # kernels before e2e; on this CPU machine both end at once (no CUDA: exit 3), in that order
-    r = subprocess.run(["bash", str(SCRIPT), "start", "c0ffee1", "700", "kernels,e2e"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=60)
+    r = _start(env, "700", "kernels,e2e")
     assert r.returncode == 0, r.stderr
-    r = subprocess.run(["bash", str(SCRIPT), "watch", "240"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
+    r = _watch(env)
     assert "all phases ended" in r.stdout, r.stdout[-2000:]
     log = (tmp_path / "gs" / "phases.log").read_text()
     starts = [line.split()[2] for line in log.splitlines() if " start " in line]
@@ -155,11 +163,9 @@ def test_e2e_deadline_keeps_what_the_later_phases_need(tmp_path):
     (tmp_path / "out").mkdir()
 
     def deadline(budget, phases, **extra):
-        r = subprocess.run(["bash", str(SCRIPT), "start", "c0ffee1", str(budget), phases], cwd=ROOT,
-                           env={**env, **extra}, capture_output=True, text=True, timeout=60)
+        r = _start({**env, **extra}, str(budget), phases)
         assert r.returncode == 0, r.stderr
-        r = subprocess.run(["bash", str(SCRIPT), "watch", "240"], cwd=ROOT, env={**env, **extra},
-                           capture_output=True, text=True, timeout=300)
+        r = _watch({**env, **extra})
         assert "all phases ended" in r.stdout, r.stdout[-2000:]
         log = (tmp_path / "gs" / "phases.log").read_text()
         line = next(x for x in log.splitlines() if " e2e deadline " in x)
@@ -183,14 +189,11 @@ def test_a_budget_under_the_first_phases_floor_is_refused_and_e2e_starts_with_le
     for budget, phases, says in (("200", "e2e", "a budget of 200 s is under what e2e needs to start (240 s)"),
                                  ("250", "recipe48,e2e", "recipe48 needs to start (300 s)"),
                                  ("5m", "e2e", "BUDGET_S '5m': give whole seconds")):
-        r = subprocess.run(["bash", str(SCRIPT), "start", "c0ffee1", budget, phases], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=60)
+        r = _start(env, budget, phases)
         assert r.returncode == 2 and says in r.stderr and not (tmp_path / "gs").exists(), r.stderr
-    r = subprocess.run(["bash", str(SCRIPT), "start", "c0ffee1", "310", "e2e"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=60)
+    r = _start(env, "310", "e2e")
     assert r.returncode == 0, r.stderr
-    r = subprocess.run(["bash", str(SCRIPT), "watch", "240"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
+    _watch(env)
     log = (tmp_path / "gs" / "phases.log").read_text()
     assert "start e2e" in log and "skip e2e" not in log, log
     d = int(next(x for x in log.splitlines() if " e2e deadline " in x).split()[3])
