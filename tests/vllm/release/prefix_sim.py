@@ -1,0 +1,292 @@
+"""vLLM's own scheduler, on CPU, asked which prompts hit the prefix cache at the real model's shape.
+
+Prefix-cache hits on this hybrid model are decided by the scheduler and the KV cache manager
+(pure Python), not by the GPU: in "align" mode a Mamba state exists only where a prefill chunk
+ended on a block boundary, and the manager keeps or drops those states by
+`prefix_cache_retention_interval`. So the release's real `Scheduler` (the class `EngineCore`
+picks, async included) is built here over the real 48-layer KV layout (the per-layer specs of
+check_plan_kv.py, MTP layers marked `is_draft` as the worker marks them, then the engine core's own
+`get_kv_cache_configs` → `generate_scheduler_kv_cache_config` → block-size steps), requests are
+sent one after another and the model's output is faked (one sampled token per decode step: every
+draft rejected). What comes back is vLLM's own count of prefix-cache hit tokens per request.
+
+What this cannot show: that the GPU writes the right state into the blocks the scheduler names
+(the gpu-e2e tier's prefix_hit scenarios), or what a hit saves in time (lab/bench_latency.py).
+
+Used by check_prefix_hits.py; by hand, inside a release venv (tools/check_vllm_release.py):
+  CUDA_VISIBLE_DEVICES= python tests/vllm/release/prefix_sim.py --model SNAPSHOT [--flash] [--mtp 2]
+      [--kv-dtype auto] [--batched-tokens 8192] [--retention 0|N|none] [--tails 32,2000] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+PREFIXES = (1024, 2048, 4096, 8192, 16384)
+TAILS = (32, 2000)  # a question after a shared document; a user's own document after a shared system prompt
+MAX_MODEL_LEN = 262_144
+POOL_BYTES = 40 * 1024**3  # ~1,000 blocks of 1,600 tokens: no eviction in these scenarios
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The serve settings that decide hits (what `flash serve` renders for them)."""
+
+    mtp: int = 2                      # --speculative-config num_speculative_tokens (MTP)
+    kv_dtype: str = "auto"            # --kv-cache-dtype
+    batched_tokens: int = 8192        # --max-num-batched-tokens
+    retention: int | None = 0         # --prefix-cache-retention-interval (None: dense)
+    long_prefill: int = 0             # --long-prefill-token-threshold
+
+    def label(self) -> str:
+        ret = "dense" if self.retention is None else self.retention
+        return f"mtp{self.mtp}-{self.kv_dtype}-b{self.batched_tokens}-ret{ret}"
+
+
+@dataclass
+class Sent:
+    """One request as the scheduler saw it."""
+
+    prompt: int
+    hit_tokens: int       # vLLM's prefix-cache hits for it (KVCacheManager's stats at admission)
+    chunks: list[int] = field(default_factory=list)  # prefill tokens per step
+
+
+def _planning():
+    try:  # 0.33 moved the planning half out of kv_cache_utils
+        from vllm.v1.core import kv_cache_planning as planning
+    except ImportError:
+        from vllm.v1.core import kv_cache_utils as planning
+    return planning
+
+
+@contextmanager
+def _as_on_cuda():
+    """Build configs as a CUDA machine would. ModelConfig inspects the architecture, which loads
+    vLLM's general plugins, and ours would try to patch Triton kernels on CPU: the check registers
+    the plugin itself (patch 4 is a scheduler patch). Where Triton is missing, vLLM <= 0.32 falls
+    back to the V1 model runner, which changes the hash lookahead and so the hits: the CUDA image
+    has Triton, so the decision is taken as there."""
+    import vllm.config.vllm as vllm_module
+
+    old = os.environ.get("VLLM_PLUGINS")
+    old_triton = getattr(vllm_module, "HAS_TRITON", None)
+    os.environ["VLLM_PLUGINS"] = "flash-prefix-sim-none"
+    if old_triton is not None:
+        vllm_module.HAS_TRITON = True
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_PLUGINS", None)
+        else:
+            os.environ["VLLM_PLUGINS"] = old
+        if old_triton is not None:
+            vllm_module.HAS_TRITON = old_triton
+
+
+class Sim:
+    """One scheduler over the real layout; `send` runs a request to completion."""
+
+    def __init__(self, model: str | Path, settings: Settings, *, seed: int = 0):
+        with _as_on_cuda():
+            self._build(model, settings, seed)
+
+    def _build(self, model, settings: Settings, seed: int) -> None:
+        import torch
+        import vllm.v1.kv_cache_interface as iface
+        from vllm.config import (CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                                 SpeculativeConfig, VllmConfig)
+        from vllm.v1.core import kv_cache_utils as ku
+        from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        from check_plan_kv import release_base, vllm_specs
+        from flash_cli.geometry import REAL
+        from flash_cli.plan.kvcache import layout
+
+        self.settings = s = settings
+        self.rng = random.Random(seed)
+        self._n = 0
+        ours = layout(REAL, base=release_base(), mtp=s.mtp, kv_dtype=s.kv_dtype, prefix_cache=True,
+                      max_model_len=MAX_MODEL_LEN)
+        self.block_size = ours.block_size
+        cache = CacheConfig(block_size=ours.block_size, enable_prefix_caching=True, cache_dtype=s.kv_dtype,
+                            prefix_cache_retention_interval=s.retention)
+        sched = SchedulerConfig(max_num_batched_tokens=s.batched_tokens, max_num_seqs=8, max_model_len=MAX_MODEL_LEN,
+                                enable_chunked_prefill=True, long_prefill_token_threshold=s.long_prefill,
+                                is_encoder_decoder=False)
+        mc = ModelConfig(model=str(model), max_model_len=MAX_MODEL_LEN, dtype="bfloat16")
+        spec = (SpeculativeConfig(method="mtp", num_speculative_tokens=s.mtp, target_model_config=mc,
+                                  target_parallel_config=ParallelConfig()) if s.mtp else None)
+        vc = VllmConfig(model_config=mc, cache_config=cache, scheduler_config=sched, speculative_config=spec,
+                        parallel_config=ParallelConfig(), device_config=DeviceConfig(device="cpu"))
+        # What the CUDA platform leaves and the CPU one changes: the hybrid manager on, the block
+        # size from _align_hybrid_block_size (check_plan_kv proves ours equals it), the QSA layout.
+        vc.scheduler_config.disable_hybrid_kv_cache_manager = False
+        vc.cache_config.block_size = ours.block_size
+        vc.cache_config.kv_cache_layout = "BLNHC"
+        self.mamba_cache_mode = getattr(vc.cache_config, "mamba_cache_mode", None)
+        self.v2_runner = bool(getattr(vc, "use_v2_model_runner", False))
+        register_all_kvcache_specs(vc)
+        specs = vllm_specs(ours, torch, iface, ours.checkpoints)
+        if "is_draft" in {f.name for f in fields(iface.KVCacheSpec)}:  # 0.33: the worker marks the drafter's
+            specs = {name: (replace(sp, is_draft=True) if name.startswith("mtp.") else sp) for name, sp in specs.items()}
+        planning = _planning()
+        if hasattr(planning, "get_global_kv_cache_groups"):
+            groups = planning.get_global_kv_cache_groups(vc, [specs])
+            configs = planning.get_kv_cache_configs(vc, [specs], [POOL_BYTES], groups)
+        else:
+            configs = planning.get_kv_cache_configs(vc, [specs], [POOL_BYTES])
+        kvc = ku.generate_scheduler_kv_cache_config(configs)
+        vc.cache_config.num_gpu_blocks = kvc.num_blocks
+        # EngineCore._initialize_kv_caches: the smallest block of the groups that take part in
+        # prefix caching (0.30+); 0.29 takes every group, so the QSA ring's 8 tokens (patch 4's case)
+        sizes = [g.kv_cache_spec.block_size for g in kvc.kv_cache_groups]
+        cacheable = [g.kv_cache_spec.block_size for g in kvc.kv_cache_groups
+                     if getattr(g.kv_cache_spec, "prefix_cacheable", True)]
+        vc.cache_config.block_size = min(cacheable or sizes)
+        self.cache_block_size = vc.cache_config.block_size
+        self.num_blocks = kvc.num_blocks
+        if hasattr(ku, "resolve_kv_cache_block_sizes"):
+            block, hash_block = ku.resolve_kv_cache_block_sizes(kvc, vc)
+        else:
+            block = hash_block = ours.block_size
+        self.hash_block_size = hash_block
+        self.hasher = self._hasher(vc, hash_block)
+        cls = vc.scheduler_config.get_scheduler_cls()
+        self.scheduler_cls = cls.__name__
+        kwargs = dict(hash_block_size=hash_block) if "hash_block_size" in cls.__init__.__code__.co_varnames else {}
+        self.scheduler = cls(vllm_config=vc, kv_cache_config=kvc, structured_output_manager=StructuredOutputManager(vc),
+                             block_size=block, log_stats=True, **kwargs)
+
+    @staticmethod
+    def _hasher(vc, hash_block: int):
+        from vllm.v1.core import kv_cache_utils as ku
+
+        try:
+            from vllm.utils.hashing import get_hash_fn_by_name
+        except ImportError:
+            from vllm.utils import get_hash_fn_by_name
+        fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
+        ku.init_none_hash(fn)
+        lookahead = getattr(vc, "num_hash_lookahead_tokens", 0)
+        if lookahead:
+            return ku.get_request_block_hasher(hash_block, fn, lookahead)
+        return ku.get_request_block_hasher(hash_block, fn)
+
+    def ids(self, n: int) -> list[int]:
+        return [self.rng.randrange(1000, 150_000) for _ in range(n)]
+
+    def send(self, prompt: list[int], max_tokens: int = 4) -> Sent:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.request import Request
+
+        self._n += 1
+        rid = f"req-{self._n}"
+        s = self.scheduler
+        s.add_request(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                              None, block_hasher=self.hasher))
+        sent = Sent(prompt=len(prompt), hit_tokens=-1)
+        for _ in range(10_000):
+            out = s.schedule()
+            if rid in out.num_scheduled_tokens and sent.hit_tokens < 0:
+                stats = s.kv_cache_manager.make_prefix_cache_stats()
+                sent.hit_tokens = stats.hits if stats is not None else 0
+            reqs = list(out.num_scheduled_tokens)
+            sampled = []
+            for r in reqs:
+                req, n = s.requests[r], out.num_scheduled_tokens[r]
+                # the scheduler advanced num_computed_tokens when it scheduled (async and sync alike)
+                if r == rid and req.num_computed_tokens - n < req.num_prompt_tokens:
+                    sent.chunks.append(min(n, req.num_prompt_tokens - (req.num_computed_tokens - n)))
+                sampled.append([] if req.num_computed_tokens < req.num_prompt_tokens else [self.rng.randrange(1000, 150_000)])
+            s.update_from_output(out, ModelRunnerOutput(req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
+                                                        sampled_token_ids=sampled))
+            if not s.has_unfinished_requests():
+                # the two counts must meet: what hit was not prefilled (else this reads vLLM wrong)
+                if sent.hit_tokens + sum(sent.chunks) != sent.prompt:
+                    raise AssertionError(f"{rid}: {sent.hit_tokens} hit + {sent.chunks} prefilled != {sent.prompt}")
+                return sent
+        raise RuntimeError(f"{rid} did not finish in 10,000 steps")
+
+
+def shared_prefix(sim: Sim, prefix: int, tail: int, requests: int = 3) -> list[Sent]:
+    """`requests` prompts, one after another: the same `prefix` tokens, then `tail` tokens of their own."""
+    shared = sim.ids(prefix)
+    return [sim.send(shared + sim.ids(tail)) for _ in range(requests)]
+
+
+def table(model: str | Path, settings: Settings, prefixes=PREFIXES, tails=TAILS, requests: int = 3) -> dict:
+    sim = Sim(model, settings)
+    rows = []
+    for tail in tails:
+        for prefix in prefixes:
+            sent = shared_prefix(sim, prefix, tail, requests)
+            rows.append({"prefix": prefix, "tail": tail, "hits": [r.hit_tokens for r in sent],
+                         "chunks": [r.chunks for r in sent]})
+    return {"settings": settings.__dict__ | {"label": settings.label()}, "vllm": _version(), "block_size": sim.block_size,
+            "hash_block_size": sim.hash_block_size, "cache_block_size": sim.cache_block_size, "num_blocks": sim.num_blocks, "scheduler": sim.scheduler_cls,
+            "mamba_cache_mode": sim.mamba_cache_mode, "v2_runner": sim.v2_runner, "rows": rows}
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("vllm")
+    except Exception:  # a source tree on PYTHONPATH has no dist-info
+        from vllm.version import __version__
+
+        return __version__
+
+
+def _retention(text: str) -> int | None:
+    if text in ("none", "dense", "None"):
+        return None
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--retention {text!r}: a token count >= 0, or none (dense)")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, help="a qwen4_exp snapshot directory (its config; weights unused)")
+    p.add_argument("--mtp", type=int, default=2)
+    p.add_argument("--kv-dtype", default="auto")
+    p.add_argument("--batched-tokens", type=int, default=8192)
+    p.add_argument("--retention", type=_retention, default=0, help="0 (vLLM's default), N tokens, or none (dense)")
+    p.add_argument("--long-prefill", type=int, default=0)
+    p.add_argument("--prefixes", default=",".join(map(str, PREFIXES)))
+    p.add_argument("--tails", default=",".join(map(str, TAILS)))
+    p.add_argument("--flash", action="store_true", help="register flash_vllm first (patch 4 is a scheduler patch): "
+                   "the recipe rather than stock vLLM")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if a.flash:
+        from flash_vllm import plugin
+
+        plugin.register(env={})
+    settings = Settings(a.mtp, a.kv_dtype, a.batched_tokens, a.retention, a.long_prefill)
+    got = table(a.model, settings, [int(x) for x in a.prefixes.split(",")], [int(x) for x in a.tails.split(",")])
+    if a.json:
+        print(json.dumps(got))
+        return 0
+    print(f"{settings.label()}: block {got['block_size']} tokens, {got['scheduler']}, v2 runner {got['v2_runner']}")
+    for row in got["rows"]:
+        print(f"  prefix {row['prefix']:>6}  tail {row['tail']:>5}  hit tokens per request {row['hits']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # check_plan_kv, as pytest's rootdir does
+    raise SystemExit(main())
