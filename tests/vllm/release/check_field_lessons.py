@@ -19,18 +19,9 @@ TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def serve_parser():
+def serve_parser(serve_cli):
     """The release's full `vllm serve` parser (frontend + engine arguments)."""
-    from vllm.platforms import current_platform
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    try:
-        from vllm.entrypoints.common.cli_args import make_arg_parser  # 0.33
-    except ImportError:
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser  # 0.29-0.32
-    with pytest.MonkeyPatch.context() as mp:  # building the CLI needs a device type; this box has none
-        mp.setattr(type(current_platform), "device_type", "cpu", raising=False)
-        yield make_arg_parser(FlexibleArgumentParser())
+    return serve_cli.parser
 
 
 def our_argv(base: str, **overrides: str) -> list[str]:

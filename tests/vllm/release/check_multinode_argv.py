@@ -20,29 +20,6 @@ PD = [n for n in layout.ACCEPTED if layout.parse(n).kind == "pd"]
 
 
 @pytest.fixture(scope="module")
-def serve_parser():
-    """`vllm serve`'s own parser: the `make_arg_parser` its subcommand calls (model_tag, --headless,
-    every engine flag) and the `validate_parsed_serve_args` it runs. (The subcommand module itself
-    imports uvicorn, which these CPU environments do not carry.) It moved between releases."""
-    import importlib
-
-    from vllm.platforms import current_platform
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    for where in ("vllm.entrypoints.common.cli_args", "vllm.entrypoints.launchers.cli_args"):
-        try:
-            cli_args = importlib.import_module(where)
-            break
-        except ModuleNotFoundError:
-            continue
-    else:
-        pytest.fail("no vllm serve argument parser module in this release")
-    with pytest.MonkeyPatch.context() as mp:  # the CLI builds config defaults: needs a device type
-        mp.setattr(type(current_platform), "device_type", "cpu", raising=False)
-        yield cli_args.make_arg_parser(FlexibleArgumentParser(prog="vllm serve")), cli_args.validate_parsed_serve_args
-
-
-@pytest.fixture(scope="module")
 def boxes(base):
     """Each box of a mode, rendered for the base of the release installed here."""
     def render(mode: str):
@@ -57,24 +34,23 @@ def boxes(base):
     return render
 
 
-def parse(serve_parser, argv):
-    parser, validate = serve_parser
+def parse(serve_cli, argv):
     assert argv[:2] == ["vllm", "serve"]
-    args = parser.parse_args(argv[2:])
-    validate(args)
+    args = serve_cli.parser.parse_args(argv[2:])
+    serve_cli.validate(args)
     assert args.model_tag == argv[2]
     return args
 
 
 @pytest.mark.parametrize("mode", RENDEZVOUS)
-def test_tp_pp_ranks(serve_parser, boxes, mode):
+def test_tp_pp_ranks(serve_cli, boxes, mode):
     from vllm.config import ParallelConfig
 
     lay = layout.parse(mode)
     nodes = boxes(mode)
     assert len(nodes) == lay.boxes
     for node in nodes:
-        a = parse(serve_parser, node.spec.command)
+        a = parse(serve_cli, node.spec.command)
         assert (a.tensor_parallel_size, a.pipeline_parallel_size) == (lay.tp, lay.pp)
         assert (a.nnodes, a.node_rank, a.master_addr, a.master_port) == (lay.boxes, node.index, "10.0.0.1", 29501)
         assert bool(a.enable_expert_parallel) is lay.ep
@@ -88,14 +64,14 @@ def test_tp_pp_ranks(serve_parser, boxes, mode):
 
 
 @pytest.mark.parametrize("mode", DP)
-def test_dp_ranks(serve_parser, boxes, mode):
+def test_dp_ranks(serve_cli, boxes, mode):
     from vllm.config import ParallelConfig
 
     n = layout.parse(mode).boxes
     nodes = boxes(mode)
     assert len(nodes) == n
     for node in nodes:
-        a = parse(serve_parser, node.spec.command)
+        a = parse(serve_cli, node.spec.command)
         assert (a.data_parallel_size, a.data_parallel_size_local, a.data_parallel_address, a.data_parallel_rpc_port) \
             == (n, 1, "10.0.0.1", 29550)
         assert a.headless is (node.index > 0)
@@ -110,14 +86,14 @@ def test_dp_ranks(serve_parser, boxes, mode):
 
 
 @pytest.mark.parametrize("mode", PD)
-def test_pd_kv_transfer_config(serve_parser, boxes, mode):
+def test_pd_kv_transfer_config(serve_cli, boxes, mode):
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     n = layout.parse(mode).boxes
     roles = []
     for node in boxes(mode):
-        a = parse(serve_parser, node.spec.command)
+        a = parse(serve_cli, node.spec.command)
         cfg = a.kv_transfer_config
         cfg = cfg if isinstance(cfg, KVTransferConfig) else KVTransferConfig(**json.loads(cfg) if isinstance(cfg, str) else cfg)
         assert cfg.kv_connector == multinode.NIXL_CONNECTOR
@@ -132,7 +108,7 @@ def test_pd_kv_transfer_config(serve_parser, boxes, mode):
 MULTI_PROFILES = [n for n in profiles.names() if profiles.load(n).values.get("PARALLEL", "none") != "none"]
 
 
-def test_the_multi_box_profiles_on_this_base_parse(serve_parser, base):
+def test_the_multi_box_profiles_on_this_base_parse(serve_cli, base):
     """Each multi-box profile as shipped (NVIDIA's two-Spark settings included: their flags are the
     profile's, not only the layout's), on the release its base names: the profiles whose base is
     this release's (all of them on the current base; none on older releases, which the layout
@@ -151,7 +127,7 @@ def test_the_multi_box_profiles_on_this_base_parse(serve_parser, base):
                                            state_dir="/st").nodes
         assert len(nodes) == n, profile
         for node in nodes:
-            a = parse(serve_parser, node.spec.command)
+            a = parse(serve_cli, node.spec.command)
             # the profile's own settings reach vLLM's parser as the profile means them
             assert (a.max_num_seqs, a.max_model_len) == (int(s["SEQS"]), int(s["CTX"])), profile
             spec = a.speculative_config

@@ -120,3 +120,30 @@ def snap() -> Path:
     assert raw and Path(raw).is_dir(), ("FLASH_TEST_QAD_SNAPSHOT names no snapshot; run through "
                                         "tests/vllm/test_releases.py, which writes the qad fixture")
     return Path(raw)
+
+
+@pytest.fixture(scope="module")  # the device-type patch lives as long as the module using it, as before
+def serve_cli():
+    """`vllm serve`'s own argument parser (the `make_arg_parser` its subcommand calls: model_tag,
+    --headless, every frontend and engine flag) and the `validate_parsed_serve_args` it runs. The
+    subcommand module itself imports uvicorn, which these CPU environments do not carry; the module
+    moved between releases; building the CLI instantiates DeviceConfig's "auto", which needs a device
+    type this box has none of."""
+    import importlib
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    for where in ("vllm.entrypoints.common.cli_args", "vllm.entrypoints.launchers.cli_args"):  # 0.33 / 0.29-0.32
+        try:
+            cli_args = importlib.import_module(where)
+            break
+        except ModuleNotFoundError:
+            continue
+    else:
+        pytest.fail("no vllm serve argument parser module in this release")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(current_platform), "device_type", "cpu", raising=False)
+        yield SimpleNamespace(parser=cli_args.make_arg_parser(FlexibleArgumentParser(prog="vllm serve")),
+                              validate=cli_args.validate_parsed_serve_args)
