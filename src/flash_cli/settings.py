@@ -225,6 +225,12 @@ SETTINGS: tuple[Setting, ...] = (
       "host env HF_HUB_DISABLE_XET, HF_XET_HIGH_PERFORMANCE"),
     # --- patches and kernels ---------------------------------------------------------------
     S("PREFIX_CACHE", "bool", True, "Prefix caching.", "vllm --enable-prefix-caching / --no-enable-prefix-caching"),
+    S("PREFIX_RETAIN", "choice", "0", "Which Mamba states the prefix cache keeps (docs/PREFIX-CACHE.md). 0 = "
+      "vLLM's default: a prompt's last block boundary and shared-prefix junctions, so the second of two prompts "
+      "that share a prefix and then differ by more than a block misses, the third hits. dense = also the state "
+      "every prefill chunk ends on (each BATCHED_TOKENS step): that second prompt hits from the first chunk end "
+      "(8,000 tokens by default); more cached states compete for the pool's free blocks. Not yet run on a GPU.",
+      "vllm --prefix-cache-retention-interval (dense: None)", choices=("0", "dense")),
     S("DET_TOPK", "choice", "repair", "Deterministic QSA block top-k (patch 8): 0 off (the stock kernel), "
       "repair = the stock kernel, then a Triton pass that makes its selection exact and deterministic (ties to "
       "the lowest column; 1.9-3.4x the stock kernel alone on the H200, run44), 1 = exact torch.topk over the "

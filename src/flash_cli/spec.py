@@ -162,6 +162,7 @@ def vllm_args(s: Settings, snapshot: str, host: str, port: int, parallel: list[s
     ]
     if s["KV_CACHE_MEM"] is not None:
         argv += ["--kv-cache-memory-bytes", str(s["KV_CACHE_MEM"])]
+    argv += retention_args(s)
     if yarn:
         overrides = {"text_config": {"rope_parameters": YARN_ROPE}}
         argv += ["--hf-overrides", json.dumps(overrides, separators=(",", ":"))]
@@ -180,6 +181,18 @@ def vllm_args(s: Settings, snapshot: str, host: str, port: int, parallel: list[s
     argv += list(parallel)  # this box's multi-node flags (multinode.py); none on one box
     # EXTRA last: argparse keeps the last occurrence, so a user flag wins over ours.
     return argv + split_args(s["EXTRA"], "EXTRA")
+
+
+def retention_args(s: Settings) -> list[str]:
+    """PREFIX_RETAIN=dense → vLLM's `None` (its optional-int parser's word for "every checkpoint").
+    0 renders nothing: the release's own default, so the proven argv stays as it was."""
+    if s["PREFIX_RETAIN"] == "0":
+        return []
+    if not s["PREFIX_CACHE"]:
+        raise ConfigError(f"PREFIX_RETAIN={s['PREFIX_RETAIN']} needs PREFIX_CACHE=1 (it says which prefix-cache "
+                          "states to keep; with PREFIX_CACHE=0 there is no cache)",
+                          hint="set PREFIX_CACHE=1, or leave PREFIX_RETAIN=0")
+    return ["--prefix-cache-retention-interval", "None"]
 
 
 def mtp_schedule(s: Settings) -> list[list[int]] | None:

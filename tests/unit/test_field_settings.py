@@ -113,3 +113,22 @@ def test_schedule_above_mtp_is_capped_visibly():
     assert spec_json(rs.command)["num_speculative_tokens_per_batch_size"] == [[1, 2, 1], [3, 5, 1], [6, 8, 1]]
     assert any("caps every step at 1" in w for w in rs.warnings)
     assert not spec.build(settings("speed"), profile="speed", snapshot=SNAP, hf_cache="/hf", state_dir="/state").warnings
+
+
+@pytest.mark.parametrize("base", BASES)
+def test_prefix_retain_dense_renders_vllms_none_and_0_renders_nothing(base):
+    """PREFIX_RETAIN (docs/PREFIX-CACHE.md): 0 leaves the release default, so the proven argv is
+    unchanged; dense is `--prefix-cache-retention-interval None` (the vllm tier parses it)."""
+    assert "--prefix-cache-retention-interval" not in argv(BASE=base)
+    cmd = argv(BASE=base, PREFIX_RETAIN="dense")
+    assert cmd[cmd.index("--prefix-cache-retention-interval") + 1] == "None"
+    assert cmd.count("--prefix-cache-retention-interval") == 1
+
+
+def test_prefix_retain_without_a_cache_or_with_a_number_is_refused():
+    with pytest.raises(ConfigError, match=r"PREFIX_RETAIN=dense needs PREFIX_CACHE=1") as e:
+        argv(PREFIX_RETAIN="dense", PREFIX_CACHE="0")
+    assert "PREFIX_RETAIN=0" in e.value.hint
+    with pytest.raises(ConfigError, match=r"PREFIX_RETAIN='8000'") as e:
+        settings(PREFIX_RETAIN="8000")
+    assert "0 | dense" in e.value.hint

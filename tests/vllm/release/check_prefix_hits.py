@@ -1,0 +1,127 @@
+"""Issue 33 item 2: which prompts hit the prefix cache, as flash renders the recipe, asked of this
+release's own scheduler (prefix_sim.py: the real Scheduler over the real 48-layer KV layout, with
+flash_vllm registered, since patch 4 is a scheduler patch).
+
+The settings are not typed in here: the default profile is rendered for this release's base
+(PREFIX_RETAIN=0 and =dense), parsed by the release's `vllm serve` parser, and the parsed
+values (chunk size, MTP depth, KV dtype, retention) are what the scheduler is built with.
+
+What users reported (shared prefixes under ~8k tokens never hit) is a scheduler fact here: in
+"align" mode a Mamba state exists only where a prefill chunk ended, and vLLM's default retention
+keeps only a prompt's last boundary and the junctions it has seen. docs/PREFIX-CACHE.md has the
+whole table; these assertions are the claims that page makes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from prefix_sim import Settings, Sim, shared_prefix
+
+SHORT, LONG = 32, 2000       # a question after a shared document; a user's own document after a shared prompt
+UNDER, PAST = 2048, 9600     # a prefix inside one 8,192-token prefill chunk; one past it
+CHUNK_END = 8000             # the 8,192-token chunk cut back to the 1,600-token block (5 blocks)
+
+
+def _model() -> str:
+    paths = os.environ.get("FLASH_TEST_TINY_MODELS", "")
+    if not paths:
+        pytest.fail("FLASH_TEST_TINY_MODELS is not set: tests/vllm/test_releases.py passes the tiny snapshots")
+    return paths.split(os.pathsep)[0]  # its config only: the layout is the real model's
+
+
+def rendered(serve_cli, base: str, **overrides: str) -> tuple[list[str], Settings]:
+    """The default profile for this base → its argv → this release's parser → the sim's settings."""
+    import json
+
+    from flash_cli import profiles, spec
+    from flash_cli.settings import resolve
+
+    s = resolve(profiles.load("default").layer(), {}, {"BASE": base, **overrides}, profile_name="default")
+    argv = spec.vllm_args(s, "0" * 40, "127.0.0.1", 18300)
+    a = serve_cli.parser.parse_args(argv[2:])
+    serve_cli.validate(a)
+    sc = a.speculative_config
+    sc = json.loads(sc) if isinstance(sc, str) else (sc or {})
+    retention = a.prefix_cache_retention_interval
+    if retention is not None and not isinstance(retention, int):  # 0.29's UNSET: the field's default factory
+        from vllm.config import CacheConfig
+
+        retention = CacheConfig().prefix_cache_retention_interval
+    return argv, Settings(mtp=int(sc.get("num_speculative_tokens", 0)), kv_dtype=a.kv_cache_dtype,
+                          batched_tokens=a.max_num_batched_tokens, retention=retention,
+                          long_prefill=a.long_prefill_token_threshold or 0)
+
+
+@pytest.fixture(scope="module")
+def hits(serve_cli, base, registered):
+    """{retain: {(prefix, tail): [hit tokens of the 1st, 2nd, 3rd prompt]}} and the block size."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert getattr(Scheduler._mamba_block_aligned_split, "__flash_patch__", None) == 4  # the recipe's scheduler
+    out, block = {}, None
+    for retain in ("0", "dense"):
+        _, settings = rendered(serve_cli, base, PREFIX_RETAIN=retain)
+        sim = Sim(_model(), settings)
+        block = sim.block_size
+        out[retain] = {(p, t): [r.hit_tokens for r in shared_prefix(sim, p, t)]
+                       for p in (UNDER, PAST) for t in (SHORT, LONG)}
+    return out, block
+
+
+def test_retain_renders_to_what_vllm_reads(serve_cli, base):
+    """0 leaves the release's default (0: semantic checkpoints only); dense reaches vLLM as None."""
+    from vllm.config import CacheConfig
+
+    argv0, s0 = rendered(serve_cli, base)
+    assert "--prefix-cache-retention-interval" not in argv0  # the proven argv is unchanged
+    assert s0.retention == CacheConfig().prefix_cache_retention_interval == 0
+    argv, dense = rendered(serve_cli, base, PREFIX_RETAIN="dense")
+    assert argv[argv.index("--prefix-cache-retention-interval") + 1] == "None"
+    assert dense.retention is None
+    assert (s0.mtp, s0.batched_tokens, s0.kv_dtype) == (2, 8192, "auto")  # the chunk the numbers below assume
+
+
+def test_hits_land_on_blocks_inside_the_shared_part(hits):
+    """Whatever the release: a hit is whole blocks, never past the shared prefix, none on a cold prompt."""
+    table, block = hits
+    assert block == 1600
+    for retain, rows in table.items():
+        for (prefix, tail), got in rows.items():
+            assert got[0] == 0, (retain, prefix, tail, got)
+            assert all(h % block == 0 and h <= prefix for h in got), (retain, prefix, tail, got)
+
+
+def test_default_misses_the_second_prompt_past_a_block_of_its_own(hits):
+    """The users' report, as vLLM's scheduler decides it: two prompts sharing a prefix, then a tail of
+    their own longer than a block: the second gets nothing back, at any prefix length; the third hits
+    (the second stopped its prefill at the junction it found)."""
+    table, _ = hits
+    for prefix in (UNDER, PAST):
+        assert table["0"][(prefix, LONG)][1] == 0, table["0"]
+    assert table["0"][(PAST, LONG)][2] == CHUNK_END
+
+
+def test_dense_gives_the_second_prompt_the_chunk_end(hits):
+    """PREFIX_RETAIN=dense: the state the first prompt's first chunk ended on is kept, so the second
+    hits 8,000 tokens past one chunk, whatever its tail; it never hits less than the default."""
+    table, _ = hits
+    for tail in (SHORT, LONG):
+        assert table["dense"][(PAST, tail)][1] == CHUNK_END, table["dense"]
+    for key, got in table["0"].items():
+        assert all(d >= z for d, z in zip(table["dense"][key], got)), (key, got, table["dense"][key])
+
+
+def test_v033_hits_from_the_first_block_on(hits, base):
+    """On 0.33 (the default base) a prefix of two blocks' worth hits its first block: at once when the
+    tails are short, from the third prompt when they are long. (0.29-0.32 keep one block back: their
+    MTP drafter drops the last matched block, which 0.33's hash lookahead made unnecessary.)"""
+    if base != "v0.33":
+        table, _ = hits
+        assert table["0"][(UNDER, LONG)] == [0, 0, 0], table["0"]
+        return
+    table, block = hits
+    assert table["0"][(UNDER, SHORT)] == [0, block, block]
+    assert table["0"][(UNDER, LONG)] == [0, 0, block]
