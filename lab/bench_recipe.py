@@ -80,6 +80,8 @@ CONFIGS: dict[str, dict] = {
     # on the H200 that moves every FP8 block linear (side layers, the MTP layer's) from DeepGEMM,
     # which stock's FP8 parts use here (run1's logs), to CUTLASS block-scaled: an H200-only handicap?
     "default-deepgemm": {"kind": "recipe", "profile": "default", "words": ["CONTAINER_ENV=VLLM_USE_DEEP_GEMM=1"]},
+    # every prefill chunk's Mamba state kept (docs/PREFIX-CACHE.md): bench_latency's prefix study
+    "default-dense": {"kind": "recipe", "profile": "default", "words": ["PREFIX_RETAIN=dense"]},
 }
 
 # NVIDIA's one-Spark recipe is profiles/nvidia.env (its settings on our base): `nvidia` renders it

@@ -131,6 +131,11 @@ HX_CHUNK = 512  # --max-num-batched-tokens of the hoisted-mode servers
 # servers take CTX=8192 and prompts of 3,000-7,600 tokens: every decode step selects 512 of up to
 # 1,900 blocks, the case where stock's kernel was seen to answer differently on a second try.
 QB_CTX = 8192
+# PREFIX_RETAIN (docs/PREFIX-CACHE.md): three prompts share PR_PREFIX tokens, each then PR_TAIL of its
+# own (past a 256-token block), prefilled in PR_CHUNK-token steps. vLLM's own scheduler on CPU
+# (tests/vllm/release/check_prefix_hits.py) says: under retention 0 the second misses and the third
+# hits at the junction; dense keeps every chunk end, so the second hits too.
+PR_PREFIX, PR_TAIL, PR_CHUNK, PR_TOKENS = 1024, 600, 512, 24
 QB_PROMPTS = (3000, 4500, 6000, 7600)
 QB_TOKENS = 24
 QB_TRIES = 3
@@ -187,6 +192,9 @@ def _servers() -> dict[str, Server]:
     # torch.topk over the row) and the neutral-off baseline (stock's top-k kernel)
     qb = (f"CTX={QB_CTX}", "BATCHED_TOKENS=2048")
     out["qb-default"] = Server("qb-default", "a", words=qb)
+    pr = ("CTX=4096", f"BATCHED_TOKENS={PR_CHUNK}")
+    out["pr-0"] = Server("pr-0", "a", words=pr)
+    out["pr-dense"] = Server("pr-dense", "a", words=pr + ("PREFIX_RETAIN=dense",))
     out["qb-exact"] = Server("qb-exact", "a", words=qb + ("EXACT_TOPK=0", "DET_TOPK=1"))
     out["qb-off"] = Server("qb-off", "a", words=qb + ("EXACT_TOPK=0", "DET_TOPK=0"), disable=NEUTRAL, baseline=True)
     # diagnosis of patch 1's ids (VLLM_PLE_MMAP_DEBUG) and the stock device-table class on the same ids
@@ -374,6 +382,11 @@ def _scenarios() -> dict[str, Scenario]:
                        "(DET_TOPK=1) and themselves try to try; the neutral-off baseline's try-to-try "
                        "difference rate is recorded, not asserted", lambda ctx: check_qsa_past_budget(ctx),
                        na=lambda base: _na_patch(8)(base)))
+    sc.append(Scenario("prefix_retain", ("pr-0", "pr-dense"), f"three prompts sharing {PR_PREFIX:,} tokens, then "
+                       f"{PR_TAIL} of their own, in {PR_CHUNK}-token chunks: with PREFIX_RETAIN=dense the second "
+                       "hits at least one chunk end; under vLLM's default (0) it misses and the third hits; "
+                       "greedy ids identical between the two servers (hit or not)",
+                       lambda ctx: check_prefix_retain(ctx, "pr-0", "pr-dense")))
     sc.append(Scenario("diag_ple_ids", ("diag-p1", "diag-stockdev"), "patch 1 with VLLM_PLE_MMAP_DEBUG and "
                        "stock vLLM with the PLE table on the GPU: records the id checks and how each boot ended",
                        lambda ctx: check_diag(ctx, ("diag-p1", "diag-stockdev")), na=_na_diag))
@@ -1013,6 +1026,36 @@ def check_greedy_pair(ctx: Context, a: str, b: str) -> dict:
                            for n in (a, b)}}
     assert first is None, f"greedy ids differ: {first}"
     assert all(hits.values()), f"no prefix-cache hits registered on {hits}: the hit case did not test a hit"
+    return res
+
+
+def check_prefix_retain(ctx: Context, default: str, dense: str) -> dict:
+    """PR_PREFIX shared tokens + PR_TAIL of each prompt's own, three prompts one after another on each
+    server; each prompt's hit tokens from vLLM's counter around it, and its greedy ids."""
+    import random
+
+    rng = random.Random(23)
+    shared = [rng.randrange(16, 1024) for _ in range(PR_PREFIX)]
+    prompts = [shared + [rng.randrange(16, 1024) for _ in range(PR_TAIL)] for _ in range(3)]
+    got: dict = {}
+    for name in (default, dense):
+        p = need_up(ctx, name)
+        url, model = p.spec["url"], p.spec["model"]
+        rows = []
+        for prompt in prompts:
+            before = metrics(url).get(PREFIX_HITS, 0.0)
+            ids = _greedy_ids(url, model, prompt, PR_TOKENS)
+            rows.append({"hit_tokens": metrics(url).get(PREFIX_HITS, 0.0) - before, "ids": ids})
+        got[name] = rows
+    keep(ctx, "prefix-retain.json", json.dumps({"prompt_tokens": [len(x) for x in prompts], "shared": PR_PREFIX,
+                                                "chunk": PR_CHUNK, "servers": got}))
+    hits = {n: [r["hit_tokens"] for r in rows] for n, rows in got.items()}
+    differ = [i for i, (x, y) in enumerate(zip(got[default], got[dense])) if x["ids"] != y["ids"]]
+    res = {"hit_tokens": hits, "ids_differ": differ, "block_size": block_size(need_up(ctx, dense).spec)}
+    assert not differ, f"greedy ids differ between {default} and {dense} on prompts {differ}: {hits}"
+    assert hits[dense][1] >= PR_CHUNK, f"{dense}: the second prompt hit {hits[dense][1]:.0f} tokens, not a chunk end: {hits}"
+    assert hits[default][1] == 0, f"{default}: the second prompt hit {hits[default][1]:.0f} (docs/PREFIX-CACHE.md says 0): {hits}"
+    assert hits[default][2] >= PR_CHUNK, f"{default}: the third prompt hit {hits[default][2]:.0f} tokens (junction): {hits}"
     return res
 
 

@@ -1,7 +1,9 @@
 """lab/bench_latency.py (issue 33, item 2) against a stand-in `vllm` module that serves real HTTP:
-a prefix cache that hits only from a block boundary (as Mamba's align mode caches whole blocks), and
-one engine loop where a long prefill holds the step, so a decoding stream's gaps grow while it runs.
-The harness must read the hits from vLLM's own counters and time the gaps inside the prefill's window."""
+a prefix cache shaped like Mamba's align mode under vLLM's default retention (states only at each
+prompt's last block boundary and at a junction a later prompt found: docs/PREFIX-CACHE.md), and one
+engine loop where a long prefill holds the step, so a decoding stream's gaps grow while it runs.
+The harness must read each prompt's hits from vLLM's own counters, keep the second and third
+prompt apart, and time the gaps inside the prefill's window."""
 
 from __future__ import annotations
 
@@ -19,19 +21,27 @@ argv = sys.argv[1:]
 port = int(argv[argv.index("--port") + 1])
 chunked = "--long-prefill-token-threshold" in argv   # the shared profile: long prefills in pieces
 BLOCK = 512 if os.environ.get("VLLM_PLUGINS") == "" else 256   # stock caches coarser blocks
-seen = []                     # prompts already prefilled (the cache)
+seen = []                     # prompts already prefilled
+states = set()                # token prefixes whose state is cached (align mode: block boundaries only)
 counts = {"hits": 0, "queries": 0}
 engine = threading.Lock()     # one step at a time, as one engine core
+def common(a, b):
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 def cached(prompt):
-    best = 0
+    p = (len(prompt) - 1) // BLOCK * BLOCK
+    while p > 0 and tuple(prompt[:p]) not in states:
+        p -= BLOCK
+    return p
+def keep(prompt):
+    # the prompt's last block boundary; the junction with an earlier prompt, where its prefill stopped
+    states.add(tuple(prompt[:(len(prompt) - 1) // BLOCK * BLOCK]))
     for old in seen:
-        n = 0
-        for a, b in zip(old, prompt):
-            if a != b:
-                break
-            n += 1
-        best = max(best, n)
-    return (best // BLOCK) * BLOCK
+        states.add(tuple(prompt[:common(old, prompt) // BLOCK * BLOCK]))
 class H(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     def log_message(self, *a):
@@ -49,6 +59,7 @@ class H(BaseHTTPRequestHandler):
         prompt = req["prompt"]
         hit = cached(prompt)
         counts["hits"] += hit; counts["queries"] += len(prompt)
+        keep(prompt)
         seen.append(prompt)
         todo = len(prompt) - hit
         self.send_response(200); self.send_header("Content-Type", "text/event-stream")
@@ -77,24 +88,34 @@ def test_prefix_hits_and_gaps_under_a_prefill(tmp_path, monkeypatch, capsys):
     assert br.main(["prepare", str(d), "--ple-rows", "100000"]) == 0
     out = tmp_path / "raw.jsonl"
     assert bl.main(["run", str(d), "--configs", "stock,shared", "--out", str(out), "--prefixes", "256,1024,2048",
-                    "--prefill", "20000", "--itl-tokens", "200", "--repeats", "1", "--port", "18830",
-                    "--boot-timeout", "120"]) == 0
+                    "--tails", "32,600", "--prefill", "20000", "--itl-tokens", "200", "--repeats", "1",
+                    "--port", "18830", "--boot-timeout", "120"]) == 0
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["label"] for r in rows if r.get("event") == "booted"] == ["stock", "shared"]
-    prefix = {(r["label"], r["prefix_tokens"]): r for r in rows if r.get("study") == "prefix"}
-    # the hits are the server's own counters around the second request: whole blocks of the prefix
-    assert prefix[("stock", 256)]["hit_tokens"] == 0 and prefix[("stock", 1024)]["hit_tokens"] == 1024
-    assert prefix[("shared", 256)]["hit_tokens"] == 256 and prefix[("shared", 2048)]["hit_tokens"] == 2048
-    assert all(r["query_tokens"] == r["prefix_tokens"] + bl.TAIL for r in prefix.values())
+    prefix = {(r["label"], r["tail_tokens"], r["prefix_tokens"], r["send"]): r for r in rows if r.get("study") == "prefix"}
+    assert len(prefix) == 2 * 2 * 3 * bl.SENDS
+    # the hits are the server's own counters around each prompt: whole blocks of the prefix
+    assert all(prefix[(lb, t, n, 1)]["hit_tokens"] == 0 for lb in ("stock", "shared") for t in (32, 600)
+               for n in (256, 1024, 2048))
+    assert [prefix[("stock", 32, n, 2)]["hit_tokens"] for n in (256, 1024, 2048)] == [0, 1024, 2048]
+    assert prefix[("shared", 32, 256, 2)]["hit_tokens"] == 256
+    # a tail past a block: the second prompt misses, the third hits at the junction the second found
+    assert [prefix[("stock", 600, n, 2)]["hit_tokens"] for n in (1024, 2048)] == [0, 0]
+    assert [prefix[("stock", 600, n, 3)]["hit_tokens"] for n in (1024, 2048)] == [1024, 2048]
+    assert all(r["query_tokens"] == r["prefix_tokens"] + r["tail_tokens"] for r in prefix.values())
     itl = {r["label"]: r for r in rows if r.get("study") == "itl"}
     # one 0.4 s prefill step stalls stock's stream; the shared profile's 512-token pieces interleave
     assert itl["stock"]["busy_gaps"] >= 1 and itl["stock"]["busy_max_ms"] > 300
     assert itl["shared"]["busy_gaps"] > 5 and itl["shared"]["busy_max_ms"] < itl["stock"]["busy_max_ms"] / 2
     rep = bl.report(rows)
-    assert rep["stock"]["hits_from_tokens"] == 1024 and rep["shared"]["hits_from_tokens"] == 256
+    assert rep["stock"]["hits_from_tokens"] == {"32": {"send2": 1024, "send3": 1024},
+                                                "600": {"send2": None, "send3": 1024}}
+    assert rep["shared"]["hits_from_tokens"]["32"] == {"send2": 256, "send3": 256}
+    assert rep["stock"]["prefix"]["600"]["2048"]["send3"]["hit_tokens"] == 2048
+    assert rep["stock"]["hit_goal_met"]  # by the third prompt, from 2,048 tokens on
     assert rep["stock"]["itl"]["p99_ratio"] > rep["shared"]["itl"]["p99_ratio"]
     assert bl.main(["report", str(out), "--json", str(tmp_path / "s.json")]) == 0
-    assert "hits from 1024 tokens" in capsys.readouterr().out
+    assert "tail 600: hits from None tokens on the second prompt, 1024 on the third" in capsys.readouterr().out
     assert json.loads((tmp_path / "s.json").read_text()) == rep
 
 

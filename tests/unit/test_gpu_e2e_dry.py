@@ -62,8 +62,11 @@ def test_every_server_is_the_default_profiles_runspec(planned):
             assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(1 << 30)
         if name.startswith("hx"):
             continue  # the hoisted-mode servers: test_hoisted_mode_servers
-        ctx_len = str(fleet.QB_CTX) if name.startswith("qb-") else "8192" if name == "a-oos" else "2048"
+        ctx_len = (str(fleet.QB_CTX) if name.startswith("qb-") else "8192" if name == "a-oos"
+                   else "4096" if name.startswith("pr-") else "2048")
         assert argv[argv.index("--max-model-len") + 1] == ctx_len
+        # PREFIX_RETAIN's pair differ in that setting only (prefix_retain)
+        assert ("--prefix-cache-retention-interval" in argv) is (name == "pr-dense")
         spec_cfg = json.loads(argv[argv.index("--speculative-config") + 1])
         assert spec_cfg == {"method": "mtp", "num_speculative_tokens": 2}  # the default recipe's MTP=2
         # the default recipe on v0.33: PLE_MODE=auto is the hoisted gather, FULL_AND_PIECEWISE graphs
@@ -211,8 +214,8 @@ def test_selection_is_pytest_like():
     assert names("boot_a or broken") == ["boot_a", "broken_patch_p1"]
     # + probe_p8_repair, prefix_hit_a/off, ple_memory, ple_memory_p1, diag_ple_ids, broken_patch_p1, fix_p4,
     # qsa_past_budget, kv_plan_oos, 3 hoist_exact, the QAD layout's boot_d, flash_test_d, ple_nvfp4_d,
-    # and the guards' triggers guard_p3, guard_p13
-    assert len(names(None)) == len(fleet.SCENARIOS) == 3 * 3 + len(fleet.NEUTRAL) + 1 + 9 + 3 + 3 + 2
+    # the guards' triggers guard_p3, guard_p13, and prefix_retain
+    assert len(names(None)) == len(fleet.SCENARIOS) == 3 * 3 + len(fleet.NEUTRAL) + 1 + 9 + 3 + 3 + 2 + 1
     assert names("_d") == ["boot_d", "flash_test_d", "ple_nvfp4_d"]
 
 
