@@ -44,10 +44,11 @@ class Settings:
     batched_tokens: int = 8192        # --max-num-batched-tokens
     retention: int | None = 0         # --prefix-cache-retention-interval (None: dense)
     long_prefill: int = 0             # --long-prefill-token-threshold
+    block_drop: bool = True           # MTP_BLOCK_DROP: False = speculative-config disable_eagle_block_drop
 
     def label(self) -> str:
         ret = "dense" if self.retention is None else self.retention
-        return f"mtp{self.mtp}-{self.kv_dtype}-b{self.batched_tokens}-ret{ret}"
+        return f"mtp{self.mtp}-{self.kv_dtype}-b{self.batched_tokens}-ret{ret}" + ("" if self.block_drop else "-keepblock")
 
 
 @dataclass
@@ -57,6 +58,8 @@ class Sent:
     prompt: int
     hit_tokens: int       # vLLM's prefix-cache hits for it (KVCacheManager's stats at admission)
     chunks: list[int] = field(default_factory=list)  # prefill tokens per step
+    peak_blocks: int = 0  # pool blocks out of the free queue while it ran (what concurrency pays)
+    cached_blocks: int = 0  # blocks of the pool holding a cache entry once it finished (evictable)
 
 
 def _planning():
@@ -124,8 +127,9 @@ class Sim:
                                 enable_chunked_prefill=True, long_prefill_token_threshold=s.long_prefill,
                                 is_encoder_decoder=False)
         mc = ModelConfig(model=str(model), max_model_len=MAX_MODEL_LEN, dtype="bfloat16")
+        keep = {} if s.block_drop else {"disable_eagle_block_drop": True}  # 0.30+ (flash refuses it on 0.29)
         spec = (SpeculativeConfig(method="mtp", num_speculative_tokens=s.mtp, target_model_config=mc,
-                                  target_parallel_config=ParallelConfig()) if s.mtp else None)
+                                  target_parallel_config=ParallelConfig(), **keep) if s.mtp else None)
         vc = VllmConfig(model_config=mc, cache_config=cache, scheduler_config=sched, speculative_config=spec,
                         parallel_config=ParallelConfig(), device_config=DeviceConfig(device="cpu"))
         # What the CUDA platform leaves and the CPU one changes: the hybrid manager on, the block
@@ -148,11 +152,16 @@ class Sim:
         kvc = ku.generate_scheduler_kv_cache_config(configs)
         vc.cache_config.num_gpu_blocks = kvc.num_blocks
         # EngineCore._initialize_kv_caches: the smallest block of the groups that take part in
-        # prefix caching (0.30+); 0.29 takes every group, so the QSA ring's 8 tokens (patch 4's case)
+        # prefix caching (0.30+); 0.29 takes every group, so the QSA ring's 8 tokens (patch 4's case).
+        # Which of the two this release does is read from that method's own source.
+        import inspect
+
+        from vllm.v1.engine.core import EngineCore
+
         sizes = [g.kv_cache_spec.block_size for g in kvc.kv_cache_groups]
-        cacheable = [g.kv_cache_spec.block_size for g in kvc.kv_cache_groups
-                     if getattr(g.kv_cache_spec, "prefix_cacheable", True)]
-        vc.cache_config.block_size = min(cacheable or sizes)
+        if "prefix_cacheable" in inspect.getsource(EngineCore._initialize_kv_caches):
+            sizes = [g.kv_cache_spec.block_size for g in kvc.kv_cache_groups if g.kv_cache_spec.prefix_cacheable] or sizes
+        vc.cache_config.block_size = min(sizes)
         self.cache_block_size = vc.cache_config.block_size
         self.num_blocks = kvc.num_blocks
         if hasattr(ku, "resolve_kv_cache_block_sizes"):
@@ -196,8 +205,11 @@ class Sim:
         s.add_request(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
                               None, block_hasher=self.hasher))
         sent = Sent(prompt=len(prompt), hit_tokens=-1)
+        pool = s.kv_cache_manager.block_pool
+        free = pool.get_num_free_blocks()
         for _ in range(10_000):
             out = s.schedule()
+            sent.peak_blocks = max(sent.peak_blocks, free - pool.get_num_free_blocks())
             if rid in out.num_scheduled_tokens and sent.hit_tokens < 0:
                 stats = s.kv_cache_manager.make_prefix_cache_stats()
                 sent.hit_tokens = stats.hits if stats is not None else 0
@@ -215,6 +227,7 @@ class Sim:
                 # the two counts must meet: what hit was not prefilled (else this reads vLLM wrong)
                 if sent.hit_tokens + sum(sent.chunks) != sent.prompt:
                     raise AssertionError(f"{rid}: {sent.hit_tokens} hit + {sent.chunks} prefilled != {sent.prompt}")
+                sent.cached_blocks = sum(1 for b in pool.blocks if b.block_hash is not None)
                 return sent
         raise RuntimeError(f"{rid} did not finish in 10,000 steps")
 
@@ -266,8 +279,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batched-tokens", type=int, default=8192)
     p.add_argument("--retention", type=_retention, default=0, help="0 (vLLM's default), N tokens, or none (dense)")
     p.add_argument("--long-prefill", type=int, default=0)
+    p.add_argument("--keep-block", action="store_true", help="MTP_BLOCK_DROP=0 (disable_eagle_block_drop, 0.30+)")
     p.add_argument("--prefixes", default=",".join(map(str, PREFIXES)))
     p.add_argument("--tails", default=",".join(map(str, TAILS)))
+    p.add_argument("--long", type=int, default=0, help="instead: one fresh prompt of this many tokens; the pool "
+                   "blocks it holds while running and those left cached")
     p.add_argument("--flash", action="store_true", help="register flash_vllm first (patch 4 is a scheduler patch): "
                    "the recipe rather than stock vLLM")
     p.add_argument("--json", action="store_true")
@@ -276,7 +292,15 @@ def main(argv: list[str] | None = None) -> int:
         from flash_vllm import plugin
 
         plugin.register(env={})
-    settings = Settings(a.mtp, a.kv_dtype, a.batched_tokens, a.retention, a.long_prefill)
+    settings = Settings(a.mtp, a.kv_dtype, a.batched_tokens, a.retention, a.long_prefill, not a.keep_block)
+    if a.long:
+        sim = Sim(a.model, settings)
+        sent = sim.send(sim.ids(a.long))
+        got = {"settings": settings.__dict__ | {"label": settings.label()}, "vllm": _version(), "prompt": sent.prompt,
+               "num_blocks": sim.num_blocks, "peak_blocks": sent.peak_blocks, "cached_blocks": sent.cached_blocks}
+        print(json.dumps(got) if a.json else f"{settings.label()}: a {sent.prompt:,}-token prompt held "
+              f"{sent.peak_blocks} of {sim.num_blocks} blocks while running, left {sent.cached_blocks} cached")
+        return 0
     got = table(a.model, settings, [int(x) for x in a.prefixes.split(",")], [int(x) for x in a.tails.split(",")])
     if a.json:
         print(json.dumps(got))
