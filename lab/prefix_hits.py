@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""docs/PREFIX-CACHE.md's table: which shared-prefix prompts hit, asked of every release's own
+scheduler (tests/vllm/release/prefix_sim.py, run inside each vllm-tier environment).
+
+  run SNAPSHOT --out DIR [--releases 0.33.0,…]   raw.jsonl (hits per prompt) + footprint.jsonl
+  table RAW.jsonl                                the markdown table (second / third prompt)
+
+SNAPSHOT is any qwen4_exp snapshot (its config only; `python tests/fakes/tiny_model.py DIR`
+makes one offline). Rows: the default recipe (flash_vllm registered) under PREFIX_RETAIN 0 and
+dense on every release; NVIDIA's one-Spark settings on stock 0.33; MTP_BLOCK_DROP=0 on 0.32; and
+one 100,000-token prompt's pool footprint on 0.33 under both retentions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SIM = ROOT / "tests" / "vllm" / "release" / "prefix_sim.py"
+RELEASES = ("0.33.0", "0.32.0", "0.31.0", "0.30.0", "0.29.0")
+RECIPE = (["--flash", "--retention", "0"], ["--flash", "--retention", "none"])
+NVIDIA = ["--mtp", "4", "--kv-dtype", "fp8_e4m3", "--batched-tokens", "4096"]  # profiles/nvidia.env
+PLAN = {
+    "0.33.0": [*RECIPE, NVIDIA + ["--retention", "0"], NVIDIA + ["--retention", "none"]],
+    "0.32.0": [*RECIPE, ["--flash", "--retention", "0", "--keep-block"]],
+}
+FOOTPRINT = ("0.33.0", [["--flash", "--retention", r, "--long", "100000"] for r in ("0", "none")])
+
+
+def sim(release: str, snapshot: str, args: list[str]) -> dict:
+    """One prefix_sim run in that release's vllm-tier environment; its JSON with `args` added."""
+    sys.path.insert(0, str(ROOT))
+    from tools import check_vllm_release
+
+    rt = check_vllm_release.ensure(release)
+    env = dict(rt["env"], CUDA_VISIBLE_DEVICES="", VLLM_LOGGING_LEVEL="ERROR", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([rt["python"], str(SIM), "--model", snapshot, *args, "--json"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"prefix_sim on {release} {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "args": " ".join(args)}
+
+
+def run(a) -> int:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "raw.jsonl").open("w") as f:
+        for release in a.releases.split(","):
+            for args in PLAN.get(release, RECIPE):
+                print(release, " ".join(args), file=sys.stderr, flush=True)
+                f.write(json.dumps(sim(release, a.snapshot, args)) + "\n")
+                f.flush()
+    release, runs = FOOTPRINT
+    with (out / "footprint.jsonl").open("w") as f:
+        for args in runs:
+            f.write(json.dumps(sim(release, a.snapshot, args)) + "\n")
+    return 0
+
+
+def name(args: str) -> str:
+    retain = "dense" if "none" in args else "0"
+    if "--flash" not in args:
+        return f"NVIDIA's settings, stock vLLM, retention {retain}"
+    return f"flash default, PREFIX_RETAIN={retain}" + (", MTP_BLOCK_DROP=0" if "--keep-block" in args else "")
+
+
+def table(rows: list[dict]) -> str:
+    prefixes = sorted({r["prefix"] for d in rows for r in d["rows"]})
+    lines = ["| vLLM | settings (block, tokens) | tail | " + " | ".join(f"{p:,}" for p in prefixes) + " |",
+             "|---|---|---|" + "---|" * len(prefixes)]
+    for d in rows:
+        for tail in sorted({r["tail"] for r in d["rows"]}):
+            cells = []
+            for p in prefixes:
+                hits = next(r["hits"] for r in d["rows"] if r["prefix"] == p and r["tail"] == tail)
+                cells.append(f"{hits[1]:,} / {hits[2]:,}")
+            lines.append(f"| {d['vllm']} | {name(d['args'])} ({d['block_size']:,}) | {tail:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def table_cmd(a) -> int:
+    print(table([json.loads(x) for x in Path(a.raw).read_text().splitlines() if x.strip()]))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("run")
+    p.add_argument("snapshot")
+    p.add_argument("--out", required=True)
+    p.add_argument("--releases", default=",".join(RELEASES))
+    p.set_defaults(func=run)
+    p = sub.add_parser("table")
+    p.add_argument("raw")
+    p.set_defaults(func=table_cmd)
+    a = ap.parse_args(argv)
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    os.chdir(ROOT)
+    sys.exit(main())
