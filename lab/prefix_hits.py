@@ -2,8 +2,8 @@
 """docs/PREFIX-CACHE.md's table: which shared-prefix prompts hit, asked of every release's own
 scheduler (tests/vllm/release/prefix_sim.py, run inside each vllm-tier environment).
 
-  run SNAPSHOT --out DIR [--releases 0.33.0,…]   raw.jsonl (hits per prompt) + footprint.jsonl
-  table RAW.jsonl                                the markdown table (second / third prompt)
+  python -m lab.prefix_hits run SNAPSHOT --out DIR [--releases 0.33.0,…]   raw.jsonl + footprint.jsonl
+  python -m lab.prefix_hits table RAW.jsonl     the markdown table (hits of the second / third prompt)
 
 SNAPSHOT is any qwen4_exp snapshot (its config only; `python tests/fakes/tiny_model.py DIR`
 makes one offline). Rows: the default recipe (flash_vllm registered) under PREFIX_RETAIN 0 and
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +33,6 @@ FOOTPRINT = ("0.33.0", [["--flash", "--retention", r, "--long", "100000"] for r 
 
 def sim(release: str, snapshot: str, args: list[str]) -> dict:
     """One prefix_sim run in that release's vllm-tier environment; its JSON with `args` added."""
-    sys.path.insert(0, str(ROOT))
     from tools import check_vllm_release
 
     rt = check_vllm_release.ensure(release)
@@ -104,5 +102,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    os.chdir(ROOT)
     sys.exit(main())
