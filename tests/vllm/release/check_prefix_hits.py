@@ -52,18 +52,25 @@ def rendered(serve_cli, base: str, **overrides: str) -> tuple[list[str], Setting
         retention = CacheConfig().prefix_cache_retention_interval
     return argv, Settings(mtp=int(sc.get("num_speculative_tokens", 0)), kv_dtype=a.kv_cache_dtype,
                           batched_tokens=a.max_num_batched_tokens, retention=retention,
-                          long_prefill=a.long_prefill_token_threshold or 0)
+                          long_prefill=a.long_prefill_token_threshold or 0,
+                          block_drop=not sc.get("disable_eagle_block_drop", False))
 
 
 @pytest.fixture(scope="module")
 def hits(serve_cli, base, registered):
-    """{retain: {(prefix, tail): [hit tokens of the 1st, 2nd, 3rd prompt]}} and the block size."""
+    """{variant: {(prefix, tail): [hit tokens of the 1st, 2nd, 3rd prompt]}} and the block size; the
+    variants: PREFIX_RETAIN 0 (the default) and dense, MTP_BLOCK_DROP=0 where the base takes it."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     assert getattr(Scheduler._mamba_block_aligned_split, "__flash_patch__", None) == 4  # the recipe's scheduler
+    from flash_common import releases
+
     out, block = {}, None
-    for retain in ("0", "dense"):
-        _, settings = rendered(serve_cli, base, PREFIX_RETAIN=retain)
+    variants = {"0": {}, "dense": {"PREFIX_RETAIN": "dense"}}
+    if releases.has(base, "spec_eagle_block_drop_flag"):  # flash refuses MTP_BLOCK_DROP=0 elsewhere
+        variants["keep"] = {"MTP_BLOCK_DROP": "0"}
+    for retain, words in variants.items():
+        _, settings = rendered(serve_cli, base, **words)
         sim = Sim(_model(), settings)
         block = sim.block_size
         out[retain] = {(p, t): [r.hit_tokens for r in shared_prefix(sim, p, t)]
@@ -125,3 +132,15 @@ def test_v033_hits_from_the_first_block_on(hits, base):
     table, block = hits
     assert table["0"][(UNDER, SHORT)] == [0, block, block]
     assert table["0"][(UNDER, LONG)] == [0, 0, block]
+
+
+def test_keeping_the_drafters_block_gives_it_back(hits, base):
+    """MTP_BLOCK_DROP=0 (0.30+): on 0.30-0.32, where the drafter drops the last matched block, keeping
+    it gives the short-tail second prompt its first block, as 0.33 has without it; never fewer hits."""
+    table, block = hits
+    if "keep" not in table:
+        assert base == "v0.29"
+        return
+    for key, got in table["0"].items():
+        assert all(k >= z for k, z in zip(table["keep"][key], got)), (key, got, table["keep"][key])
+    assert table["keep"][(UNDER, SHORT)] == [0, block, block], table["keep"]
