@@ -40,12 +40,12 @@ def release_base() -> str:
     return f"v{major}.{minor}"
 
 
-def vllm_specs(ours, torch, iface, checkpoints: bool):
-    """Our Spec list → the release's spec objects, field by field as the layers build them."""
+def vllm_specs(ours, torch, iface, checkpoints: bool, g=REAL):
+    """Our Spec list → the release's spec objects, field by field as the layers build them (for the
+    geometry `ours` was laid out with: the real model's unless told)."""
     out = {}
     kv_dtype = torch.float8_e4m3fn if ours.kv_dtype_bytes == 1 else torch.bfloat16
     quant = iface.get_kv_quant_mode("fp8_e4m3" if ours.kv_dtype_bytes == 1 else "auto")
-    g = REAL
     conv = (g.gdn_conv_dim, g.linear_conv_kernel_dim - 1 + ours.num_spec)
     ssm = (g.linear_num_value_heads, g.linear_value_head_dim, g.linear_key_head_dim)
     ple = (g.hc_width, g.ple_conv_state_len + ours.num_spec)

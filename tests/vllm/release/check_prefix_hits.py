@@ -65,17 +65,17 @@ def hits(serve_cli, base, registered):
     assert getattr(Scheduler._mamba_block_aligned_split, "__flash_patch__", None) == 4  # the recipe's scheduler
     from flash_common import releases
 
-    out, block = {}, None
+    out, block, cache_block = {}, None, None
     variants = {"0": {}, "dense": {"PREFIX_RETAIN": "dense"}}
     if releases.has(base, "spec_eagle_block_drop_flag"):  # flash refuses MTP_BLOCK_DROP=0 elsewhere
         variants["keep"] = {"MTP_BLOCK_DROP": "0"}
     for retain, words in variants.items():
         _, settings = rendered(serve_cli, base, **words)
         sim = Sim(_model(), settings)
-        block = sim.block_size
+        block, cache_block = sim.block_size, sim.cache_block_size
         out[retain] = {(p, t): [r.hit_tokens for r in shared_prefix(sim, p, t)]
                        for p in (UNDER, PAST) for t in (SHORT, LONG)}
-    return out, block
+    return out, block, cache_block
 
 
 def test_retain_renders_to_what_vllm_reads(serve_cli, base):
@@ -91,10 +91,13 @@ def test_retain_renders_to_what_vllm_reads(serve_cli, base):
     assert (s0.mtp, s0.batched_tokens, s0.kv_dtype) == (2, 8192, "auto")  # the chunk the numbers below assume
 
 
-def test_hits_land_on_blocks_inside_the_shared_part(hits):
-    """Whatever the release: a hit is whole blocks, never past the shared prefix, none on a cold prompt."""
-    table, block = hits
+def test_hits_land_on_blocks_inside_the_shared_part(hits, base):
+    """Whatever the release: a hit is whole blocks, never past the shared prefix, none on a cold prompt.
+    The scheduler ran with the cache block the release's engine core sets: the 1,600-token block, but
+    on 0.29 the QSA ring's 8 tokens (every group counted), the case patch 4 corrects."""
+    table, block, cache_block = hits
     assert block == 1600
+    assert cache_block == (8 if base == "v0.29" else block)
     for retain, rows in table.items():
         for (prefix, tail), got in rows.items():
             assert got[0] == 0, (retain, prefix, tail, got)
@@ -105,7 +108,7 @@ def test_default_misses_the_second_prompt_past_a_block_of_its_own(hits):
     """The users' report, as vLLM's scheduler decides it: two prompts sharing a prefix, then a tail of
     their own longer than a block: the second gets nothing back, at any prefix length; the third hits
     (the second stopped its prefill at the junction it found)."""
-    table, _ = hits
+    table, _, _ = hits
     for prefix in (UNDER, PAST):
         assert table["0"][(prefix, LONG)][1] == 0, table["0"]
     assert table["0"][(PAST, LONG)][2] == CHUNK_END
@@ -114,7 +117,7 @@ def test_default_misses_the_second_prompt_past_a_block_of_its_own(hits):
 def test_dense_gives_the_second_prompt_the_chunk_end(hits):
     """PREFIX_RETAIN=dense: the state the first prompt's first chunk ended on is kept, so the second
     hits 8,000 tokens past one chunk, whatever its tail; it never hits less than the default."""
-    table, _ = hits
+    table, _, _ = hits
     for tail in (SHORT, LONG):
         assert table["dense"][(PAST, tail)][1] == CHUNK_END, table["dense"]
     for key, got in table["0"].items():
@@ -126,10 +129,10 @@ def test_v033_hits_from_the_first_block_on(hits, base):
     tails are short, from the third prompt when they are long. (0.29-0.32 keep one block back: their
     MTP drafter drops the last matched block, which 0.33's hash lookahead made unnecessary.)"""
     if base != "v0.33":
-        table, _ = hits
+        table, _, _ = hits
         assert table["0"][(UNDER, LONG)] == [0, 0, 0], table["0"]
         return
-    table, block = hits
+    table, block, _ = hits
     assert table["0"][(UNDER, SHORT)] == [0, block, block]
     assert table["0"][(UNDER, LONG)] == [0, 0, block]
 
@@ -137,7 +140,7 @@ def test_v033_hits_from_the_first_block_on(hits, base):
 def test_keeping_the_drafters_block_gives_it_back(hits, base):
     """MTP_BLOCK_DROP=0 (0.30+): on 0.30-0.32, where the drafter drops the last matched block, keeping
     it gives the short-tail second prompt its first block, as 0.33 has without it; never fewer hits."""
-    table, block = hits
+    table, block, _ = hits
     if "keep" not in table:
         assert base == "v0.29"
         return

@@ -15,7 +15,10 @@ What this cannot show: that the GPU writes the right state into the blocks the s
 
 Used by check_prefix_hits.py; by hand, inside a release venv (tools/check_vllm_release.py):
   CUDA_VISIBLE_DEVICES= python tests/vllm/release/prefix_sim.py --model SNAPSHOT [--flash] [--mtp 2]
-      [--kv-dtype auto] [--batched-tokens 8192] [--retention 0|N|none] [--tails 32,2000] [--json]
+      [--kv-dtype auto] [--batched-tokens 8192] [--retention 0|N|none] [--keep-block]
+      [--prefixes 1024,…] [--tails 32,2000] [--long N] [--json]
+  the gpu-e2e tier's tiny shape instead of the real one (its prefix_retain scenario):
+      ... --own-geometry --block-floor 256 --triton-gdn --max-model-len 4096 --batched-tokens 512
 """
 
 from __future__ import annotations
@@ -45,6 +48,12 @@ class Settings:
     retention: int | None = 0         # --prefix-cache-retention-interval (None: dense)
     long_prefill: int = 0             # --long-prefill-token-threshold
     block_drop: bool = True           # MTP_BLOCK_DROP: False = speculative-config disable_eagle_block_drop
+    # the shape: the real model's, or (own_geometry) the snapshot's config, e.g. the gpu-e2e tier's tiny
+    # model with its --block-size floor and Triton's GDN prefill (no prefill checkpoints)
+    own_geometry: bool = False
+    block_floor: int | None = None    # --block-size
+    flashinfer_gdn: bool = True       # False: --gdn-prefill-backend triton
+    max_model_len: int = MAX_MODEL_LEN
 
     def label(self) -> str:
         ret = "dense" if self.retention is None else self.retention
@@ -112,21 +121,22 @@ class Sim:
         from vllm.v1.structured_output import StructuredOutputManager
 
         from check_plan_kv import release_base, vllm_specs
-        from flash_cli.geometry import REAL
+        from flash_cli.geometry import REAL, from_config
         from flash_cli.plan.kvcache import layout
 
         self.settings = s = settings
         self.rng = random.Random(seed)
         self._n = 0
-        ours = layout(REAL, base=release_base(), mtp=s.mtp, kv_dtype=s.kv_dtype, prefix_cache=True,
-                      max_model_len=MAX_MODEL_LEN)
+        geom = from_config(Path(model) / "config.json") if s.own_geometry else REAL
+        ours = layout(geom, base=release_base(), mtp=s.mtp, kv_dtype=s.kv_dtype, prefix_cache=True,
+                      max_model_len=s.max_model_len, flashinfer_gdn=s.flashinfer_gdn, user_block_size=s.block_floor)
         self.block_size = ours.block_size
         cache = CacheConfig(block_size=ours.block_size, enable_prefix_caching=True, cache_dtype=s.kv_dtype,
                             prefix_cache_retention_interval=s.retention)
-        sched = SchedulerConfig(max_num_batched_tokens=s.batched_tokens, max_num_seqs=8, max_model_len=MAX_MODEL_LEN,
+        sched = SchedulerConfig(max_num_batched_tokens=s.batched_tokens, max_num_seqs=8, max_model_len=s.max_model_len,
                                 enable_chunked_prefill=True, long_prefill_token_threshold=s.long_prefill,
                                 is_encoder_decoder=False)
-        mc = ModelConfig(model=str(model), max_model_len=MAX_MODEL_LEN, dtype="bfloat16")
+        mc = ModelConfig(model=str(model), max_model_len=s.max_model_len, dtype="bfloat16")
         keep = {} if s.block_drop else {"disable_eagle_block_drop": True}  # 0.30+ (flash refuses it on 0.29)
         spec = (SpeculativeConfig(method="mtp", num_speculative_tokens=s.mtp, target_model_config=mc,
                                   target_parallel_config=ParallelConfig(), **keep) if s.mtp else None)
@@ -136,11 +146,13 @@ class Sim:
         # size from _align_hybrid_block_size (check_plan_kv proves ours equals it), the QSA layout.
         vc.scheduler_config.disable_hybrid_kv_cache_manager = False
         vc.cache_config.block_size = ours.block_size
+        if hasattr(vc.cache_config, "mamba_block_size"):  # _align_hybrid_block_size sets both
+            vc.cache_config.mamba_block_size = ours.block_size
         vc.cache_config.kv_cache_layout = "BLNHC"
         self.mamba_cache_mode = getattr(vc.cache_config, "mamba_cache_mode", None)
         self.v2_runner = bool(getattr(vc, "use_v2_model_runner", False))
         register_all_kvcache_specs(vc)
-        specs = vllm_specs(ours, torch, iface, ours.checkpoints)
+        specs = vllm_specs(ours, torch, iface, ours.checkpoints, geom)
         if "is_draft" in {f.name for f in fields(iface.KVCacheSpec)}:  # 0.33: the worker marks the drafter's
             specs = {name: (replace(sp, is_draft=True) if name.startswith("mtp.") else sp) for name, sp in specs.items()}
         planning = _planning()
@@ -159,7 +171,8 @@ class Sim:
         from vllm.v1.engine.core import EngineCore
 
         sizes = [g.kv_cache_spec.block_size for g in kvc.kv_cache_groups]
-        if "prefix_cacheable" in inspect.getsource(EngineCore._initialize_kv_caches):
+        method = EngineCore._initialize_kv_caches  # the release's, under patch 4's logging wrapper
+        if "prefix_cacheable" in inspect.getsource(getattr(method, "__flash_original__", method)):
             sizes = [g.kv_cache_spec.block_size for g in kvc.kv_cache_groups if g.kv_cache_spec.prefix_cacheable] or sizes
         vc.cache_config.block_size = min(sizes)
         self.cache_block_size = vc.cache_config.block_size
@@ -280,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retention", type=_retention, default=0, help="0 (vLLM's default), N tokens, or none (dense)")
     p.add_argument("--long-prefill", type=int, default=0)
     p.add_argument("--keep-block", action="store_true", help="MTP_BLOCK_DROP=0 (disable_eagle_block_drop, 0.30+)")
+    p.add_argument("--own-geometry", action="store_true", help="the snapshot's config's shape, not the real model's")
+    p.add_argument("--block-floor", type=int, help="--block-size (the user's floor and alignment)")
+    p.add_argument("--triton-gdn", action="store_true", help="--gdn-prefill-backend triton (no prefill checkpoints)")
+    p.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
     p.add_argument("--prefixes", default=",".join(map(str, PREFIXES)))
     p.add_argument("--tails", default=",".join(map(str, TAILS)))
     p.add_argument("--long", type=int, default=0, help="instead: one fresh prompt of this many tokens; the pool "
@@ -292,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         from flash_vllm import plugin
 
         plugin.register(env={})
-    settings = Settings(a.mtp, a.kv_dtype, a.batched_tokens, a.retention, a.long_prefill, not a.keep_block)
+    settings = Settings(a.mtp, a.kv_dtype, a.batched_tokens, a.retention, a.long_prefill, not a.keep_block,
+                        a.own_geometry, a.block_floor, not a.triton_gdn, a.max_model_len)
     if a.long:
         sim = Sim(a.model, settings)
         sent = sim.send(sim.ids(a.long))
