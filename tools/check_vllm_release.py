@@ -282,6 +282,9 @@ PROBES = {
     # or over every group (0.29: the QSA ring's block)
     "block_size_prefix_groups": lambda read, names: ((read("vllm/v1/engine/core.py") or "").split(
         "cache_config.block_size = min(", 1) + [""])[1].split()[:1] == ["participating"],
+    # Scheduler.__init__ reads vllm_config.num_hash_lookahead_tokens (and then needs no drafter block drop)
+    "mtp_hash_lookahead": lambda read, names: "self.num_hash_lookahead_tokens = vllm_config.num_hash_lookahead_tokens" in (
+        read("vllm/v1/core/sched/scheduler.py") or ""),
     "overhead_fitted": lambda read, names: False,  # a new release has not been calibrated on hardware
     # the QSA block top-k that patches 5 and 8 hook (p05_qsa_exact_topk/hook.py's targets)
     "qsa_topk_site": lambda read, names: (

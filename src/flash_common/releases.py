@@ -54,6 +54,10 @@ CAPS: Mapping[str, tuple[tuple[object, ...], str]] = MappingProxyType({
     "spec_eagle_block_drop_flag": ((True, False),
                                    "SpeculativeConfig.disable_eagle_block_drop exists (MTP_BLOCK_DROP=0); "
                                    "0.29's config forbids unknown keys, so the boot would fail"),
+    "mtp_hash_lookahead": ((True, False),
+                           "with MTP the scheduler hashes one token past each block (num_hash_lookahead_tokens), so "
+                           "a prefix-cache hit keeps its last matched block (0.33); without it the drafter drops that "
+                           "block (use_eagle_block_drop) unless MTP_BLOCK_DROP=0 (docs/PREFIX-CACHE.md)"),
     "overhead_fitted": ((True, False),
                         "the planner's runtime-overhead constant was fitted on pools measured on this release"),
     "qsa_topk_site": (("select-paged-tokens", "indexer", None),
@@ -111,15 +115,15 @@ RELEASES: tuple[Release, ...] = (
              reasoning_effort_map=False, mamba_prefill_checkpoints=False, ring_state_bucket=False,
              overhead_fitted=True, spec_tokens_per_batch_size=True, spec_eagle_block_drop_flag=False,
              ple_hoisted=False, ple_fp8_modelopt=False, block_size_prefix_groups=False,
-             qsa_topk_site="select-paged-tokens"),
+             qsa_topk_site="select-paged-tokens", mtp_hash_lookahead=False),
     _release("0.30.0", "2.13.0", **_NEWER, qsa_fp8_kv="patch", reasoning_effort_map=False,
-             mamba_prefill_checkpoints=False),
+             mamba_prefill_checkpoints=False, mtp_hash_lookahead=False),
     _release("0.31.0", "2.13.0", **_NEWER, qsa_fp8_kv="native", reasoning_effort_map=False,
-             mamba_prefill_checkpoints=False),
+             mamba_prefill_checkpoints=False, mtp_hash_lookahead=False),
     _release("0.32.0", "2.13.0", **_NEWER, qsa_fp8_kv="native", reasoning_effort_map=False,
-             mamba_prefill_checkpoints=False),
+             mamba_prefill_checkpoints=False, mtp_hash_lookahead=False),
     _release("0.33.0", "2.14.0", **_NEWER, qsa_fp8_kv="native", reasoning_effort_map=True,
-             mamba_prefill_checkpoints=True),
+             mamba_prefill_checkpoints=True, mtp_hash_lookahead=True),
 )
 
 CURRENT = "v0.33"  # the base the default profiles, the Dockerfile and `flash setup` build on

@@ -74,6 +74,10 @@ def render(p: dict) -> str:
         f"{b['activations_gib']} + top-k buffers {b['topk_buffers_gib']} + runtime {b['runtime_overhead_gib']} + KV {b['kv_cache_gib']}",
         "  weights        " + ", ".join(f"{k} {v}" for k, v in p["weights"]["gib"].items()),
     ]
+    if p.get("prefix_cache"):
+        from ..plan import prefix
+
+        lines.append(prefix.line(p["prefix_cache"]))
     if host.get("page_cache_for_ple_gib") is not None:
         lines.append(f"  host           {host['page_cache_for_ple_gib']} GiB left to the page cache for the "
                      f"{host['ple_table_gib']} GiB PLE table ({host['ple_table_cached_fraction']:.0%} of it)")

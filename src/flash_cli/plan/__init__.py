@@ -27,7 +27,7 @@ from flash_common import releases
 from .. import geometry as geometry_mod
 from ..spec import ple_hoisted
 from . import hardware as hardware_mod
-from . import kvcache, weights as weights_mod
+from . import kvcache, prefix, weights as weights_mod
 from .calibration import (DISCRETE_OVERHEAD_BAND, DISCRETE_OVERHEAD_BAND_FULL, H200_RUN, H200_RUN_FULL, OVERHEAD_BAND,
                           RUNTIME_OVERHEAD, RUNTIME_OVERHEAD_DISCRETE, RUNTIME_OVERHEAD_DISCRETE_FULL)
 from .hardware import GIB, Hardware
@@ -320,6 +320,7 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
             "bytes_per_block": lay.bytes_per_block, "blocks_per_request_at_ctx": lay.blocks_per_request,
             "num_blocks": lay.num_blocks(kv_bytes),
         },
+        "prefix_cache": prefix.plan(s, lay.block_size),
         "host": host,
         "assumptions": assumptions,
     }

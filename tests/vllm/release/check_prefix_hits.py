@@ -56,26 +56,37 @@ def rendered(serve_cli, base: str, **overrides: str) -> tuple[list[str], Setting
                           block_drop=not sc.get("disable_eagle_block_drop", False))
 
 
+VARIANTS = {"0": {}, "dense": {"PREFIX_RETAIN": "dense"}, "keep": {"MTP_BLOCK_DROP": "0"}}
+
+
 @pytest.fixture(scope="module")
-def hits(serve_cli, base, registered):
-    """{variant: {(prefix, tail): [hit tokens of the 1st, 2nd, 3rd prompt]}} and the block size; the
-    variants: PREFIX_RETAIN 0 (the default) and dense, MTP_BLOCK_DROP=0 where the base takes it."""
+def sims(serve_cli, base, registered):
+    """{variant: (its settings resolved by flash, a Sim built from its parsed argv)}: PREFIX_RETAIN 0
+    (the default) and dense, MTP_BLOCK_DROP=0 where the base takes it (flash refuses it elsewhere)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    assert getattr(Scheduler._mamba_block_aligned_split, "__flash_patch__", None) == 4  # the recipe's scheduler
+    from flash_cli import profiles
+    from flash_cli.settings import resolve
     from flash_common import releases
 
-    out, block, cache_block = {}, None, None
-    variants = {"0": {}, "dense": {"PREFIX_RETAIN": "dense"}}
-    if releases.has(base, "spec_eagle_block_drop_flag"):  # flash refuses MTP_BLOCK_DROP=0 elsewhere
-        variants["keep"] = {"MTP_BLOCK_DROP": "0"}
-    for retain, words in variants.items():
+    assert getattr(Scheduler._mamba_block_aligned_split, "__flash_patch__", None) == 4  # the recipe's scheduler
+    out = {}
+    for variant, words in VARIANTS.items():
+        if variant == "keep" and not releases.has(base, "spec_eagle_block_drop_flag"):
+            continue
         _, settings = rendered(serve_cli, base, **words)
-        sim = Sim(_model(), settings)
-        block, cache_block = sim.block_size, sim.cache_block_size
-        out[retain] = {(p, t): [r.hit_tokens for r in shared_prefix(sim, p, t)]
-                       for p in (UNDER, PAST) for t in (SHORT, LONG)}
-    return out, block, cache_block
+        flash = resolve(profiles.load("default").layer(), {}, {"BASE": base, **words}, profile_name="default")
+        out[variant] = (flash, Sim(_model(), settings))
+    return out
+
+
+@pytest.fixture(scope="module")
+def hits(sims):
+    """{variant: {(prefix, tail): [hit tokens of the 1st, 2nd, 3rd prompt]}}, the block, the cache block."""
+    out = {variant: {(p, t): [r.hit_tokens for r in shared_prefix(sim, p, t)] for p in (UNDER, PAST)
+                     for t in (SHORT, LONG)} for variant, (_, sim) in sims.items()}
+    sim = sims["0"][1]
+    return out, sim.block_size, sim.cache_block_size
 
 
 def test_retain_renders_to_what_vllm_reads(serve_cli, base):
@@ -147,3 +158,35 @@ def test_keeping_the_drafters_block_gives_it_back(hits, base):
     for key, got in table["0"].items():
         assert all(k >= z for k, z in zip(table["keep"][key], got)), (key, got, table["keep"][key])
     assert table["keep"][(UNDER, SHORT)] == [0, block, block], table["keep"]
+
+
+def test_flash_plan_says_where_hits_start(sims):
+    """`flash plan`'s prefix-cache line (flash_cli/plan/prefix.py) against this release's scheduler, at
+    its own thresholds: the third prompt sharing a prefix misses one token short of `first_hit_tokens`
+    and hits at it, short tails or long; with dense and long tails the second prompt hits the chunk
+    end from `dense_second_hit_from_tokens` on and not one token before."""
+    from flash_cli.plan import prefix as plan_prefix
+
+    for variant, (flash, sim) in sims.items():
+        p = plan_prefix.plan(flash, sim.block_size)
+        first = p["first_hit_tokens"]
+        for tail in (SHORT, LONG):
+            assert shared_prefix(sim, first - 1, tail)[2].hit_tokens == 0, (variant, tail, p)
+            assert shared_prefix(sim, first, tail)[2].hit_tokens > 0, (variant, tail, p)
+        if variant == "dense":
+            at = p["dense_second_hit_from_tokens"]
+            assert shared_prefix(sim, at - 1, LONG)[1].hit_tokens < p["chunk_end_tokens"], p
+            assert shared_prefix(sim, at, LONG)[1].hit_tokens == p["chunk_end_tokens"], p
+
+
+def test_catalogue_knows_whether_the_drafter_drops_a_block(sims, base):
+    """flash_common.releases' `mtp_hash_lookahead` (what the plan reads) is what this release's own
+    scheduler does with MTP on: hash one token ahead and keep the block, or drop the block."""
+    from flash_common import releases
+
+    sched = sims["0"][1].scheduler
+    lookahead = bool(getattr(sched, "num_hash_lookahead_tokens", 0))
+    assert releases.has(base, "mtp_hash_lookahead") is lookahead
+    drop = getattr(sched, "use_eagle_block_drop", None)
+    drop = sched.use_eagle if drop is None else drop  # 0.29: the drafter's drop is use_eagle itself
+    assert drop is not lookahead
