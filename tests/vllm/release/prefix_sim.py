@@ -185,7 +185,9 @@ class Sim:
         self.hasher = self._hasher(vc, hash_block)
         cls = vc.scheduler_config.get_scheduler_cls()
         self.scheduler_cls = cls.__name__
-        kwargs = dict(hash_block_size=hash_block) if "hash_block_size" in cls.__init__.__code__.co_varnames else {}
+        from vllm.v1.core.sched.scheduler import Scheduler  # AsyncScheduler passes *args/**kwargs to it
+
+        kwargs = dict(hash_block_size=hash_block) if "hash_block_size" in inspect.signature(Scheduler.__init__).parameters else {}
         self.scheduler = cls(vllm_config=vc, kv_cache_config=kvc, structured_output_manager=StructuredOutputManager(vc),
                              block_size=block, log_stats=True, **kwargs)
 
