@@ -174,6 +174,7 @@ def test_propose_reads_capabilities_from_source_markers():
                                       "    num_speculative_tokens_per_batch_size: list | None = None\n",
         "vllm/v1/engine/core.py": "            vllm_config.cache_config.block_size = min(\n"
                                   "                participating\n                if participating\n",
+        "vllm/v1/core/sched/scheduler.py": "        self.num_hash_lookahead_tokens = vllm_config.num_hash_lookahead_tokens\n",
     }
     caps, entry = _tool().propose_from("0.34.0", "2.15.0", files.get, set(files))
     assert caps == {**releases.get("v0.33").caps, "overhead_fitted": False}
@@ -188,6 +189,8 @@ def test_propose_reads_capabilities_from_source_markers():
     assert not caps["ple_hoisted"]  # no storage flavour, no hoisted mode
     assert not caps["ple_fp8_modelopt"]  # 0.29's gate: the fp8 table only under Fp8Config
     assert caps["block_size_prefix_groups"]
+    no_lookahead = {k: v for k, v in files.items() if "sched" not in k}  # 0.29-0.32: the drafter's block drop
+    assert not _tool().propose_from("0.34.0", "2.15.0", no_lookahead.get, set(no_lookahead))[0]["mtp_hash_lookahead"]
     every_group = dict(files, **{"vllm/v1/engine/core.py": "cache_config.block_size = min(\n"
                                  "    g.kv_cache_spec.block_size for g in kv_cache_groups\n)\n# participating later"})
     assert not _tool().propose_from("0.34.0", "2.15.0", every_group.get, set(every_group))[0]["block_size_prefix_groups"]
