@@ -3,8 +3,9 @@ release's own scheduler (prefix_sim.py: the real Scheduler over the real 48-laye
 flash_vllm registered, since patch 4 is a scheduler patch).
 
 The settings are not typed in here: the default profile is rendered for this release's base
-(PREFIX_RETAIN=0 and =dense), parsed by the release's `vllm serve` parser, and the parsed
-values (chunk size, MTP depth, KV dtype, retention) are what the scheduler is built with.
+(PREFIX_RETAIN=0 and =dense; MTP_BLOCK_DROP=0 where the base takes it), parsed by the release's
+`vllm serve` parser, and the parsed values (chunk size, MTP depth and block drop, KV dtype,
+retention) are what the scheduler is built with.
 
 What users reported (shared prefixes under ~8k tokens never hit) is a scheduler fact here: in
 "align" mode a Mamba state exists only where a prefill chunk ended, and vLLM's default retention
