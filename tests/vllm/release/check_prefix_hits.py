@@ -33,8 +33,9 @@ def _model() -> str:
     return paths.split(os.pathsep)[0]  # its config only: the layout is the real model's
 
 
-def rendered(serve_cli, base: str, **overrides: str) -> tuple[list[str], Settings]:
-    """The default profile for this base → its argv → this release's parser → the sim's settings."""
+def rendered(serve_cli, base: str, **overrides: str):
+    """The default profile for this base → (flash's resolved settings, its argv, the sim's settings
+    parsed from that argv by this release's parser)."""
     import json
 
     from flash_cli import profiles, spec
@@ -51,10 +52,10 @@ def rendered(serve_cli, base: str, **overrides: str) -> tuple[list[str], Setting
         from vllm.config import CacheConfig
 
         retention = CacheConfig().prefix_cache_retention_interval
-    return argv, Settings(mtp=int(sc.get("num_speculative_tokens", 0)), kv_dtype=a.kv_cache_dtype,
-                          batched_tokens=a.max_num_batched_tokens, retention=retention,
-                          long_prefill=a.long_prefill_token_threshold or 0,
-                          block_drop=not sc.get("disable_eagle_block_drop", False))
+    return s, argv, Settings(mtp=int(sc.get("num_speculative_tokens", 0)), kv_dtype=a.kv_cache_dtype,
+                             batched_tokens=a.max_num_batched_tokens, retention=retention,
+                             long_prefill=a.long_prefill_token_threshold or 0,
+                             block_drop=not sc.get("disable_eagle_block_drop", False))
 
 
 VARIANTS = {"0": {}, "dense": {"PREFIX_RETAIN": "dense"}, "keep": {"MTP_BLOCK_DROP": "0"}}
@@ -66,8 +67,6 @@ def sims(serve_cli, base, registered):
     (the default) and dense, MTP_BLOCK_DROP=0 where the base takes it (flash refuses it elsewhere)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from flash_cli import profiles
-    from flash_cli.settings import resolve
     from flash_common import releases
 
     assert getattr(Scheduler._mamba_block_aligned_split, "__flash_patch__", None) == 4  # the recipe's scheduler
@@ -75,8 +74,7 @@ def sims(serve_cli, base, registered):
     for variant, words in VARIANTS.items():
         if variant == "keep" and not releases.has(base, "spec_eagle_block_drop_flag"):
             continue
-        _, settings = rendered(serve_cli, base, **words)
-        flash = resolve(profiles.load("default").layer(), {}, {"BASE": base, **words}, profile_name="default")
+        flash, _, settings = rendered(serve_cli, base, **words)
         out[variant] = (flash, Sim(_model(), settings))
     return out
 
@@ -94,10 +92,10 @@ def test_retain_renders_to_what_vllm_reads(serve_cli, base):
     """0 leaves the release's default (0: semantic checkpoints only); dense reaches vLLM as None."""
     from vllm.config import CacheConfig
 
-    argv0, s0 = rendered(serve_cli, base)
+    _, argv0, s0 = rendered(serve_cli, base)
     assert "--prefix-cache-retention-interval" not in argv0  # the proven argv is unchanged
     assert s0.retention == CacheConfig().prefix_cache_retention_interval == 0
-    argv, dense = rendered(serve_cli, base, PREFIX_RETAIN="dense")
+    _, argv, dense = rendered(serve_cli, base, PREFIX_RETAIN="dense")
     assert argv[argv.index("--prefix-cache-retention-interval") + 1] == "None"
     assert dense.retention is None
     assert (s0.mtp, s0.batched_tokens, s0.kv_dtype) == (2, 8192, "auto")  # the chunk the numbers below assume
