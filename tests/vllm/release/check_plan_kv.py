@@ -40,6 +40,17 @@ def release_base() -> str:
     return f"v{major}.{minor}"
 
 
+def release_planning():
+    """The module holding this release's KV planning functions (0.33 moved them out of kv_cache_utils)."""
+    from vllm.v1.core import kv_cache_utils as ku
+
+    if hasattr(ku, "get_kv_cache_groups"):
+        return ku
+    from vllm.v1.core import kv_cache_planning
+
+    return kv_cache_planning
+
+
 def vllm_specs(ours, torch, iface, checkpoints: bool, g=REAL):
     """Our Spec list → the release's spec objects, field by field as the layers build them (for the
     geometry `ours` was laid out with: the real model's unless told)."""
@@ -95,9 +106,7 @@ def test_groups_blocks_and_tokens_match_vllm(case):
     import vllm.v1.kv_cache_interface as iface
     from vllm.v1.core import kv_cache_utils as ku
 
-    planning = getattr(ku, "get_kv_cache_groups", None) and ku
-    if not hasattr(ku, "get_kv_cache_groups"):  # 0.33 moved the planning half out of kv_cache_utils
-        from vllm.v1.core import kv_cache_planning as planning
+    planning = release_planning()
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 
     base = release_base()

@@ -71,14 +71,6 @@ class Sent:
     cached_blocks: int = 0  # blocks of the pool holding a cache entry once it finished (evictable)
 
 
-def _planning():
-    try:  # 0.33 moved the planning half out of kv_cache_utils
-        from vllm.v1.core import kv_cache_planning as planning
-    except ImportError:
-        from vllm.v1.core import kv_cache_utils as planning
-    return planning
-
-
 @contextmanager
 def _as_on_cuda():
     """Build configs as a CUDA machine would. ModelConfig inspects the architecture, which loads
@@ -120,7 +112,7 @@ class Sim:
         from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
         from vllm.v1.structured_output import StructuredOutputManager
 
-        from check_plan_kv import release_base, vllm_specs
+        from check_plan_kv import release_base, release_planning, vllm_specs
         from flash_cli.geometry import REAL, from_config
         from flash_cli.plan.kvcache import layout
 
@@ -155,7 +147,7 @@ class Sim:
         specs = vllm_specs(ours, torch, iface, ours.checkpoints, geom)
         if "is_draft" in {f.name for f in fields(iface.KVCacheSpec)}:  # 0.33: the worker marks the drafter's
             specs = {name: (replace(sp, is_draft=True) if name.startswith("mtp.") else sp) for name, sp in specs.items()}
-        planning = _planning()
+        planning = release_planning()
         if hasattr(planning, "get_global_kv_cache_groups"):
             groups = planning.get_global_kv_cache_groups(vc, [specs])
             configs = planning.get_kv_cache_configs(vc, [specs], [POOL_BYTES], groups)
