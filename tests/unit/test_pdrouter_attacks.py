@@ -437,6 +437,11 @@ def test_a_decode_server_one_worker_saw_go_down_is_down_for_every_worker(tmp_pat
         while len(r.workers()) != 2 and time.monotonic() < end:  # both forked
             time.sleep(0.05)
         a, b = r.workers()
+        # both workers' first checks done while decode was up: otherwise B may see it down itself
+        # (its own verdict, not the shared one this test is about)
+        while d.health_probes < 2 and time.monotonic() < end:
+            time.sleep(0.05)
+        assert d.health_probes >= 2, d.health_probes
         closed = {**AUTH, "Connection": "close"}
         d.stop()
         n = len(p.seen)
