@@ -62,7 +62,6 @@ class FakeServer:
         self.issued: dict[str, dict] = {}  # prefill: remote_request_id -> the kv_transfer_params answered
         self.status = 200
         self.health = 200
-        self.health_probes = 0  # GET /health answered: a router's checks, counted
         self.break_after: int | None = None
         self.hold: threading.Event | None = None
         self.hold_answer: threading.Event | None = None
@@ -180,7 +179,6 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         f = self.fake
         if self.path == "/health":
-            f.health_probes += 1
             self.send_response(f.health)
             self.send_header("Content-Length", "0")
             self.end_headers()

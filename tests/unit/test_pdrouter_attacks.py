@@ -426,11 +426,14 @@ def test_a_scrape_sums_the_requests_of_every_worker(tmp_path, fakes):
         r.stop()
 
 
-def test_a_decode_server_one_worker_saw_go_down_is_down_for_every_worker(tmp_path, fakes):
+def test_a_decode_server_one_worker_saw_go_down_is_down_for_every_worker(tmp_path, fakes, monkeypatch):
     """Worker A alone probes /health and sees the decode server dead; worker B, whose own watcher has
     not run since (a 60 s interval), must answer 503 at once and spend no prefill: the verdict is
     shared (without it B sent the prefill, then met the refused decode: 502, the engine tier's pd test)."""
     p, d = fakes
+    probes = []  # the decode fake's /health answers: each worker's first check is one
+    handler = d.httpd.RequestHandlerClass
+    monkeypatch.setattr(handler, "do_GET", lambda h, _get=handler.do_GET: (probes.append(h.path), _get(h))[1])
     r = RouterProcess(tmp_path, p.url, d.url, "--workers", "2", "--health-interval", "60")
     try:
         end = time.monotonic() + 10
@@ -439,9 +442,9 @@ def test_a_decode_server_one_worker_saw_go_down_is_down_for_every_worker(tmp_pat
         a, b = r.workers()
         # both workers' first checks done while decode was up: otherwise B may see it down itself
         # (its own verdict, not the shared one this test is about)
-        while d.health_probes < 2 and time.monotonic() < end:
+        while probes.count("/health") < 2 and time.monotonic() < end:
             time.sleep(0.05)
-        assert d.health_probes >= 2, d.health_probes
+        assert probes.count("/health") >= 2, probes
         closed = {**AUTH, "Connection": "close"}
         d.stop()
         n = len(p.seen)
