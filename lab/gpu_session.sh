@@ -8,6 +8,10 @@
 #   lab/gpu_session.sh watch SECONDS   progress every 20 s; copies the results so far to $OUT
 #                                 (every minute, and at the end); returns after SECONDS or once
 #                                 every phase ended
+#   lab/gpu_session.sh jit        pack the JIT caches as they are now and return them in $OUT:
+#                                 a session whose device time ends with its last phase never gets
+#                                 the end-of-phases pack (2026-12-05); call it once the first
+#                                 servers have booted
 #
 # Needs the vLLM payload installed (python3 -m lab.device_payload install, lab/README.md). Phases, run
 # in the order PHASES lists them (`none`: only restore the JIT caches), each skipped when the budget
@@ -206,6 +210,14 @@ collect() {
   rm -rf "$tmp"
 }
 
+# the newest JIT pack, once, in parts the device tool returns (files of at most 16 MiB, 8 a call:
+# a 19 MiB pack in one piece was left out, run38); here: cat jit-cache.tar.gz.* > .payload/jit-cache-RELEASE.tar.gz
+return_jit() {
+  if [ -f "$GS/jit-cache.tar.gz" ] && [ "$GS/jit-cache.tar.gz" -nt "$GS/jit-returned" ]; then
+    split -b 15M -d "$GS/jit-cache.tar.gz" "$OUT/jit-cache.tar.gz." && touch "$GS/jit-returned"
+  fi
+}
+
 case "${1:-}" in
   start)
     COMMIT=${2:?start COMMIT BUDGET_S [PHASES]}; BUDGET=${3:?start COMMIT BUDGET_S [PHASES]}
@@ -266,16 +278,20 @@ case "${1:-}" in
       tail -n 3 "$GS"/e2e.log "$GS"/decode8.log "$GS"/decode4.log "$GS"/recipe48.log "$GS"/latency48.log 2>/dev/null | cut -c1-220
     done
     collect
-    # the newest JIT pack (after e2e, then at the end), once, in parts the device tool returns
-    # (files of at most 16 MiB, 8 a call: a 19 MiB pack in one piece was left out, run38);
-    # here: cat jit-cache.tar.gz.* > .payload/jit-cache-RELEASE.tar.gz
-    if [ -f "$GS/jit-cache.tar.gz" ] && [ "$GS/jit-cache.tar.gz" -nt "$GS/jit-returned" ]; then
-      split -b 15M -d "$GS/jit-cache.tar.gz" "$OUT/jit-cache.tar.gz." && touch "$GS/jit-returned"
-    fi
+    return_jit  # the newest pack (after e2e, at the end, or `jit`'s), once
     echo "=== phases"; cat "$GS/phases.log" 2>/dev/null
     [ -f "$GS/done" ] && echo "=== all phases ended"
     ;;
+  jit)
+    [ -d "$GS" ] || { echo "gpu_session: no session in $GS: nothing to pack (start one first)" >&2; exit 3; }
+    # Triton writes each kernel by rename, so its entries are whole; FlashInfer's and vLLM's
+    # compile outputs are not known to be: pack between boots (a bench's measuring blocks), not
+    # while a server compiles
+    jit_pack "$GS/jit-cache.tar.gz"
+    return_jit
+    tail -n 2 "$GS/phases.log"
+    ;;
   *)
-    echo "usage: lab/gpu_session.sh start COMMIT BUDGET_S [PHASES] | watch SECONDS" >&2
+    echo "usage: lab/gpu_session.sh start COMMIT BUDGET_S [PHASES] | watch SECONDS | jit" >&2
     exit 2 ;;
 esac

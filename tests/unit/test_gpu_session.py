@@ -198,3 +198,33 @@ def test_a_budget_under_the_first_phases_floor_is_refused_and_e2e_starts_with_le
     assert "start e2e" in log and "skip e2e" not in log, log
     d = int(next(x for x in log.splitlines() if " e2e deadline " in x).split()[3])
     assert 310 - 30 - 15 <= d <= 310 - 30, log
+
+
+def test_jit_returns_the_caches_mid_session_once_and_refuses_without_a_session(tmp_path):
+    """`jit` packs what the caches hold now and returns it in parts (run2 of recipe48: the session's
+    device time ended with its phase, so the end-of-phases pack never came back); `watch` does not
+    return the same pack again."""
+    home, out = tmp_path / "h", tmp_path / "out"
+    (home / ".triton" / "cache" / "k1").mkdir(parents=True)
+    (home / ".triton" / "cache" / "k1" / "kernel.cubin").write_bytes(b"\x7fELF" + os.urandom(4096))
+    out.mkdir()
+    env = {**_session_env(tmp_path, OUT=str(out)), "HOME": str(home)}
+    r = subprocess.run(["bash", str(SCRIPT), "jit"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3 and "no session" in r.stderr, r.stderr
+    assert _start(env, "60", "none").returncode == 0
+    end = time.monotonic() + 30
+    while not (tmp_path / "gs" / "done").exists() and time.monotonic() < end:  # its own pack made first
+        time.sleep(0.1)
+    (home / ".triton" / "cache" / "k2").mkdir()  # compiled after the session started
+    (home / ".triton" / "cache" / "k2" / "kernel.cubin").write_bytes(b"\x7fELF" + os.urandom(4096))
+    r = subprocess.run(["bash", str(SCRIPT), "jit"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    parts = sorted(out.glob("jit-cache.tar.gz.*"))
+    assert parts, r.stdout + r.stderr
+    packed = subprocess.run(["tar", "tzf", "-"], input=b"".join(p.read_bytes() for p in parts), capture_output=True)
+    assert {".triton/cache/k1/kernel.cubin", ".triton/cache/k2/kernel.cubin"} <= set(packed.stdout.decode().split())
+    for p in parts:
+        p.unlink()
+    w = _watch(env, "60")
+    assert w.returncode == 0 and "all phases ended" in w.stdout, w.stdout + w.stderr
+    assert not list(out.glob("jit-cache.tar.gz.*"))  # returned once: `jit`'s pack is the newest
