@@ -43,16 +43,20 @@ class Box:
         return self.scheme == "tcp"
 
 
-def _bad(word: str, why: str) -> ConfigError:
-    return ConfigError(f"NODES entry {word!r} {why}", hint=f"NODES accepts {ACCEPTED}")
+class _BadEntry(ConfigError):
+    """One NODES entry refused; `parse` names the whole value around it when there are several."""
+
+    def __init__(self, word: str, why: str):
+        super().__init__(f"NODES entry {word!r} {why}", hint=f"NODES accepts {ACCEPTED}")
+        self.word, self.why = word, why
 
 
 def _port(word: str, text: str) -> int:
     if not text.isascii() or not text.isdigit():
-        raise _bad(word, f"has the port {text!r}, which is not a number")
+        raise _BadEntry(word, f"has the port {text!r}, which is not a number")
     port = int(text)
     if not 1 <= port <= 65535:
-        raise _bad(word, f"has the port {port}, outside 1-65535")
+        raise _BadEntry(word, f"has the port {port}, outside 1-65535")
     return port
 
 
@@ -61,25 +65,25 @@ def _host_port(word: str, rest: str, *, user_ok: bool, port_required: bool) -> t
     user = ""
     if "@" in rest:
         if not user_ok:
-            raise _bad(word, "names a user, which only ssh:// takes")
+            raise _BadEntry(word, "names a user, which only ssh:// takes")
         user, _, rest = rest.rpartition("@")
         if not user:
-            raise _bad(word, "has an empty user before '@'")
+            raise _BadEntry(word, "has an empty user before '@'")
         if not _USER.fullmatch(user):
-            raise _bad(word, f"has the user {user!r}: letters, digits, '_', '.', '-' (not first) only")
+            raise _BadEntry(word, f"has the user {user!r}: letters, digits, '_', '.', '-' (not first) only")
     if rest.count(":") > 1:
-        raise _bad(word, "has more than one ':' (host:port takes one; an IPv6 box needs a host name or an "
+        raise _BadEntry(word, "has more than one ':' (host:port takes one; an IPv6 box needs a host name or an "
                          "ssh config alias)")
     host, colon, port_text = rest.partition(":")
     if not host:
-        raise _bad(word, "has an empty host")
+        raise _BadEntry(word, "has an empty host")
     if not _HOST.fullmatch(host):
-        raise _bad(word, f"has the host {host!r}: letters, digits, '_', '.', '-' (not first) only")
+        raise _BadEntry(word, f"has the host {host!r}: letters, digits, '_', '.', '-' (not first) only")
     if colon and not port_text:
-        raise _bad(word, "has an empty port after ':'")
+        raise _BadEntry(word, "has an empty port after ':'")
     port = _port(word, port_text) if colon else None
     if port is None and port_required:
-        raise _bad(word, "needs a port (tcp://host:port)")
+        raise _BadEntry(word, "needs a port (tcp://host:port)")
     return user, host, port
 
 
@@ -89,19 +93,19 @@ def parse_one(word: str) -> Box:
     if "://" in word:
         scheme, _, rest = word.partition("://")
         if scheme in _REFUSED_SCHEMES:
-            raise _bad(word, f"uses {scheme}://, {_REFUSED_SCHEMES[scheme]}")
+            raise _BadEntry(word, f"uses {scheme}://, {_REFUSED_SCHEMES[scheme]}")
         if scheme == "unix":
             if not rest.startswith("/") or rest.rstrip("/") == "":
-                raise _bad(word, "needs an absolute socket path (unix:///run/docker.sock)")
+                raise _BadEntry(word, "needs an absolute socket path (unix:///run/docker.sock)")
             return Box(word, word, "unix")
         if scheme not in ("ssh", "tcp"):
-            raise _bad(word, f"has an unknown scheme {scheme!r}")
+            raise _BadEntry(word, f"has an unknown scheme {scheme!r}")
         if "/" in rest:
-            raise _bad(word, f"has a path after the host ({rest[rest.index('/'):]!r}); {scheme}:// takes none")
+            raise _BadEntry(word, f"has a path after the host ({rest[rest.index('/'):]!r}); {scheme}:// takes none")
         user, host, port = _host_port(word, rest, user_ok=scheme == "ssh", port_required=scheme == "tcp")
     else:
         if "/" in word:
-            raise _bad(word, "is neither a host nor an engine URL (a '/' without a scheme)")
+            raise _BadEntry(word, "is neither a host nor an engine URL (a '/' without a scheme)")
         scheme = "ssh"
         user, host, port = _host_port(word, word, user_ok=True, port_required=False)
     url = f"{scheme}://{user + '@' if user else ''}{host}{f':{port}' if port is not None else ''}"
@@ -122,11 +126,11 @@ def parse(text: str | None) -> list[Box]:
             raise ConfigError(f"NODES={text!r} has an empty entry (position {i + 1})", hint=f"NODES accepts {ACCEPTED}")
         try:
             box = parse_one(word)
-        except ConfigError as exc:
+        except _BadEntry as exc:
             if len(words) == 1:
                 raise
             # name the whole value as well: the user typed it, not the entry alone
-            raise ConfigError(f"NODES={text!r}: {exc.args[0].removeprefix('NODES ')}", hint=exc.hint) from None
+            raise ConfigError(f"NODES={text!r}: entry {exc.word!r} {exc.why}", hint=exc.hint) from None
         if box.scheme != "local" and box.url in seen:
             raise ConfigError(f"NODES={text!r} names the same box twice ({seen[box.url]!r} and {word!r})",
                               hint="one entry per box, head first; two ranks on one machine: "
