@@ -4,6 +4,9 @@ scheduler (tests/vllm/release/prefix_sim.py, run inside each vllm-tier environme
 
   python -m lab.prefix_hits run SNAPSHOT --out DIR [--releases 0.33.0,…]   raw.jsonl + footprint.jsonl
   python -m lab.prefix_hits table RAW.jsonl     the markdown table (hits of the second / third prompt)
+  python -m lab.prefix_hits beside SNAPSHOT --out DIR [--releases …]   beside.jsonl: a 32,768-token
+      prompt prefilling beside a decoding stream (and alone), default vs shared, per release
+  python -m lab.prefix_hits beside-table BESIDE.jsonl
 
 SNAPSHOT is any qwen4_exp snapshot (its config only; `python tests/fakes/tiny_model.py DIR`
 makes one offline). Rows: the default recipe (flash_vllm registered) under PREFIX_RETAIN 0 and
@@ -81,6 +84,67 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# a 32,768-token prompt beside a decoding stream (docs/PREFIX-CACHE.md, "A long prefill beside a
+# decoding stream"): default; shared (800, profiles/shared.env); shared's value until 2026-12-05
+# (1,024); each also alone; NVIDIA's settings on stock 0.33
+BESIDE_LONG = 32768
+BESIDE = (["--flash"], ["--flash", "--long-prefill", "800"], ["--flash", "--long-prefill", "1024"])
+BESIDE_PLAN = {"0.33.0": [*BESIDE, NVIDIA]}
+
+
+def beside(a) -> int:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "beside.jsonl").open("w") as f:
+        for release in a.releases.split(","):
+            for args in BESIDE_PLAN.get(release, BESIDE):
+                for alone in ([], ["--alone"]):
+                    run_args = [*args, "--beside", str(BESIDE_LONG), *alone]
+                    print(release, " ".join(run_args), file=sys.stderr, flush=True)
+                    f.write(json.dumps(sim(release, a.snapshot, run_args)) + "\n")
+                    f.flush()
+    return 0
+
+
+def beside_name(args: str) -> str:
+    if "--flash" not in args:
+        return "NVIDIA's settings, stock vLLM"
+    if "--long-prefill 800" in args:
+        return "flash shared (800)"
+    if "--long-prefill 1024" in args:
+        return "flash shared, 1,024 (before 2026-12-05)"
+    return "flash default"
+
+
+def beside_table(rows: list[dict]) -> str:
+    lines = ["| vLLM | settings | beside a stream: steps (stream stalls) | chunks | alone: steps | chunks |",
+             "|---|---|---|---|---|---|"]
+
+    def chunks(c: list[int]) -> str:
+        # runs of equal chunks: 8,000 ×4, 768
+        out, i = [], 0
+        while i < len(c):
+            j = i
+            while j < len(c) and c[j] == c[i]:
+                j += 1
+            out.append(f"{c[i]:,}" + (f" ×{j - i}" if j - i > 1 else ""))
+            i = j
+        return ", ".join(out) if len(out) <= 4 else ", ".join(out[:2]) + f", … ({len(out)} runs; pattern repeats), {out[-1]}"
+
+    keyed = {(d["vllm"], d["args"].replace(" --alone", "")): d for d in rows if "--alone" not in d["args"]}
+    alone = {(d["vllm"], d["args"].replace(" --alone", "")): d for d in rows if "--alone" in d["args"]}
+    for key, d in keyed.items():
+        a = alone.get(key)
+        lines.append(f"| {d['vllm']} | {beside_name(d['args'])} | {d['steps']} ({d['stalls']}) | {chunks(d['chunks'])} | "
+                     + (f"{a['steps']} | {chunks(a['chunks'])} |" if a else "– | – |"))
+    return "\n".join(lines)
+
+
+def beside_table_cmd(a) -> int:
+    print(beside_table([json.loads(x) for x in Path(a.raw).read_text().splitlines() if x.strip()]))
+    return 0
+
+
 def table_cmd(a) -> int:
     print(table([json.loads(x) for x in Path(a.raw).read_text().splitlines() if x.strip()]))
     return 0
@@ -97,6 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("table")
     p.add_argument("raw")
     p.set_defaults(func=table_cmd)
+    p = sub.add_parser("beside")
+    p.add_argument("snapshot")
+    p.add_argument("--out", required=True)
+    p.add_argument("--releases", default=",".join(RELEASES))
+    p.set_defaults(func=beside)
+    p = sub.add_parser("beside-table")
+    p.add_argument("raw")
+    p.set_defaults(func=beside_table_cmd)
     a = ap.parse_args(argv)
     return a.func(a)
 

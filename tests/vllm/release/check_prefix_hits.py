@@ -33,15 +33,15 @@ def _model() -> str:
     return paths.split(os.pathsep)[0]  # its config only: the layout is the real model's
 
 
-def rendered(serve_cli, base: str, **overrides: str):
-    """The default profile for this base → (flash's resolved settings, its argv, the sim's settings
-    parsed from that argv by this release's parser)."""
+def rendered(serve_cli, base: str, profile: str = "default", **overrides: str):
+    """A profile for this base → (flash's resolved settings, its argv, the sim's settings parsed from
+    that argv by this release's parser)."""
     import json
 
     from flash_cli import profiles, spec
     from flash_cli.settings import resolve
 
-    s = resolve(profiles.load("default").layer(), {}, {"BASE": base, **overrides}, profile_name="default")
+    s = resolve(profiles.load(profile).layer(), {}, {"BASE": base, **overrides}, profile_name=profile)
     argv = spec.vllm_args(s, "0" * 40, "127.0.0.1", 18300)
     a = serve_cli.parser.parse_args(argv[2:])
     serve_cli.validate(a)

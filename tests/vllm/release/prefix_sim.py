@@ -16,7 +16,7 @@ What this cannot show: that the GPU writes the right state into the blocks the s
 Used by check_prefix_hits.py; by hand, inside a release venv (tools/check_vllm_release.py):
   CUDA_VISIBLE_DEVICES= python tests/vllm/release/prefix_sim.py --model SNAPSHOT [--flash] [--mtp 2]
       [--kv-dtype auto] [--batched-tokens 8192] [--retention 0|N|none] [--keep-block]
-      [--prefixes 1024,…] [--tails 32,2000] [--long N] [--json]
+      [--prefixes 1024,…] [--tails 32,2000] [--long N | --beside N [--alone]] [--json]
   the gpu-e2e tier's tiny shape instead of the real one (its prefix_retain scenario):
       ... --own-geometry --block-floor 256 --triton-gdn --max-model-len 4096 --batched-tokens 512
 """
@@ -238,6 +238,61 @@ class Sim:
                 return sent
         raise RuntimeError(f"{rid} did not finish in 10,000 steps")
 
+    def beside(self, stream_prompt: int, long_prompt: int, warm_steps: int = 4) -> dict:
+        """One stream decoding while a fresh `long_prompt`-token prompt arrives and prefills (issue 33
+        item 2's ITL question, the scheduler's half): per step from the long prompt's arrival to its
+        first sampled token, the stream's scheduled tokens (0: no token that step, a stall) and the
+        long prompt's chunk. `stream_prompt` 0: the long prompt alone (what one user's prefill gets).
+        What a step costs on the GPU is not here (lab/bench_latency.py)."""
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.request import Request
+
+        s = self.scheduler
+        self._n += 1
+        stream, long = f"stream-{self._n}", f"long-{self._n}"
+        params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
+        if stream_prompt:
+            s.add_request(Request(stream, self.ids(stream_prompt), params, None, block_hasher=self.hasher))
+        else:
+            warm_steps = 0
+        steps: list[dict] = []
+        step = 0
+        for step in range(10_000):
+            if step == warm_steps:  # the stream is decoding: the long prompt arrives
+                s.add_request(Request(long, self.ids(long_prompt), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+                                      None, block_hasher=self.hasher))
+            out = s.schedule()
+            reqs = list(out.num_scheduled_tokens)
+            sampled = []
+            for r in reqs:
+                req = s.requests[r]
+                sampled.append([] if req.num_computed_tokens < req.num_prompt_tokens else [self.rng.randrange(1000, 150_000)])
+            if step >= warm_steps:
+                lr = s.requests.get(long)
+                steps.append({"stream": out.num_scheduled_tokens.get(stream, 0),
+                              "chunk": out.num_scheduled_tokens.get(long, 0),
+                              "long_done": lr is not None and lr.num_computed_tokens >= lr.num_prompt_tokens})
+            s.update_from_output(out, ModelRunnerOutput(req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
+                                                        sampled_token_ids=sampled))
+            if steps and steps[-1]["long_done"]:
+                break
+        else:
+            raise RuntimeError(f"{long} did not finish its prefill in 10,000 steps")
+        s.finish_requests([r for r in (stream, long) if r in s.requests], _finished_aborted())
+        chunks = [st["chunk"] for st in steps if st["chunk"]]
+        if sum(chunks) != long_prompt:  # every prompt token prefilled once (a fresh prompt: no hits)
+            raise AssertionError(f"{long}: chunks {chunks} sum to {sum(chunks)}, not {long_prompt}")
+        return {"stream_prompt": stream_prompt, "long_prompt": long_prompt, "steps": len(steps),
+                "stalls": sum(1 for st in steps if st["stream"] == 0) if stream_prompt else None, "chunks": chunks,
+                "stream_tokens": [st["stream"] for st in steps]}
+
+
+def _finished_aborted():
+    from vllm.v1.request import RequestStatus
+
+    return RequestStatus.FINISHED_ABORTED
+
 
 def shared_prefix(sim: Sim, prefix: int, tail: int, requests: int = 3) -> list[Sent]:
     """`requests` prompts, one after another: the same `prefix` tokens, then `tail` tokens of their own."""
@@ -295,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tails", default=",".join(map(str, TAILS)))
     p.add_argument("--long", type=int, default=0, help="instead: one fresh prompt of this many tokens; the pool "
                    "blocks it holds while running and those left cached")
+    p.add_argument("--beside", type=int, default=0, help="instead: a stream decoding while a fresh prompt of this "
+                   "many tokens prefills; per step the stream's tokens and the prompt's chunk")
+    p.add_argument("--alone", action="store_true", help="with --beside: no stream, the prompt alone")
     p.add_argument("--flash", action="store_true", help="register flash_vllm first (patch 4 is a scheduler patch): "
                    "the recipe rather than stock vLLM")
     p.add_argument("--json", action="store_true")
@@ -312,6 +370,14 @@ def main(argv: list[str] | None = None) -> int:
                "num_blocks": sim.num_blocks, "peak_blocks": sent.peak_blocks, "cached_blocks": sent.cached_blocks}
         print(json.dumps(got) if a.json else f"{settings.label()}: a {sent.prompt:,}-token prompt held "
               f"{sent.peak_blocks} of {sim.num_blocks} blocks while running, left {sent.cached_blocks} cached")
+        return 0
+    if a.beside:
+        sim = Sim(a.model, settings)
+        got = {"settings": settings.__dict__ | {"label": settings.label()}, "vllm": _version(),
+               "block_size": sim.block_size, **sim.beside(0 if a.alone else 64, a.beside)}
+        print(json.dumps(got) if a.json else f"{settings.label()}: a {a.beside:,}-token prefill "
+              f"{'alone' if a.alone else 'beside a decoding stream'}: {got['steps']} steps, stream stalls "
+              f"{got['stalls']}, chunks {got['chunks']}")
         return 0
     got = table(a.model, settings, [int(x) for x in a.prefixes.split(",")], [int(x) for x in a.tails.split(",")])
     if a.json:
