@@ -121,15 +121,14 @@ def beside_table(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|"]
 
     def chunks(c: list[int]) -> str:
-        # runs of equal chunks: 8,000 ×4, 768
-        out, i = [], 0
-        while i < len(c):
-            j = i
-            while j < len(c) and c[j] == c[i]:
-                j += 1
-            out.append(f"{c[i]:,}" + (f" ×{j - i}" if j - i > 1 else ""))
-            i = j
-        return ", ".join(out) if len(out) <= 4 else ", ".join(out[:2]) + f", … ({len(out)} runs; pattern repeats), {out[-1]}"
+        # a repeated pattern folded (8,000 ×4, 768; (1,024, 576) ×20, 768), the rest listed
+        body, last = c[:-1], c[-1]
+        for period in (1, 2):
+            n = len(body) // period
+            if n > 1 and body == body[:period] * n:
+                pat = ", ".join(f"{x:,}" for x in body[:period])
+                return f"{'(' + pat + ')' if period > 1 else pat} ×{n}, {last:,}"
+        return ", ".join(f"{x:,}" for x in c)
 
     keyed = {(d["vllm"], d["args"].replace(" --alone", "")): d for d in rows if "--alone" not in d["args"]}
     alone = {(d["vllm"], d["args"].replace(" --alone", "")): d for d in rows if "--alone" in d["args"]}
