@@ -73,7 +73,7 @@ def _host_port(word: str, rest: str, *, user_ok: bool, port_required: bool) -> t
             raise _BadEntry(word, f"has the user {user!r}: letters, digits, '_', '.', '-' (not first) only")
     if rest.count(":") > 1:
         raise _BadEntry(word, "has more than one ':' (host:port takes one; an IPv6 box needs a host name or an "
-                         "ssh config alias)")
+                              "ssh config alias)")
     host, colon, port_text = rest.partition(":")
     if not host:
         raise _BadEntry(word, "has an empty host")
