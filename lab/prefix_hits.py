@@ -47,19 +47,21 @@ def sim(release: str, snapshot: str, args: list[str]) -> dict:
     return {**json.loads(proc.stdout.strip().splitlines()[-1]), "args": " ".join(args)}
 
 
+def write(path: Path, snapshot: str, jobs) -> None:
+    """One prefix_sim row per (release, args) of `jobs`, written as each comes (a long run keeps what it has)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for release, args in jobs:
+            print(release, " ".join(args), file=sys.stderr, flush=True)
+            f.write(json.dumps(sim(release, snapshot, args)) + "\n")
+            f.flush()
+
+
 def run(a) -> int:
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / "raw.jsonl").open("w") as f:
-        for release in a.releases.split(","):
-            for args in PLAN.get(release, RECIPE):
-                print(release, " ".join(args), file=sys.stderr, flush=True)
-                f.write(json.dumps(sim(release, a.snapshot, args)) + "\n")
-                f.flush()
+    write(out / "raw.jsonl", a.snapshot, [(r, args) for r in a.releases.split(",") for args in PLAN.get(r, RECIPE)])
     release, runs = FOOTPRINT
-    with (out / "footprint.jsonl").open("w") as f:
-        for args in runs:
-            f.write(json.dumps(sim(release, a.snapshot, args)) + "\n")
+    write(out / "footprint.jsonl", a.snapshot, [(release, args) for args in runs])
     return 0
 
 
@@ -93,16 +95,9 @@ BESIDE_PLAN = {"0.33.0": [*BESIDE, NVIDIA]}
 
 
 def beside(a) -> int:
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / "beside.jsonl").open("w") as f:
-        for release in a.releases.split(","):
-            for args in BESIDE_PLAN.get(release, BESIDE):
-                for alone in ([], ["--alone"]):
-                    run_args = [*args, "--beside", str(BESIDE_LONG), *alone]
-                    print(release, " ".join(run_args), file=sys.stderr, flush=True)
-                    f.write(json.dumps(sim(release, a.snapshot, run_args)) + "\n")
-                    f.flush()
+    write(Path(a.out) / "beside.jsonl", a.snapshot,
+          [(r, [*args, "--beside", str(BESIDE_LONG), *alone]) for r in a.releases.split(",")
+           for args in BESIDE_PLAN.get(r, BESIDE) for alone in ([], ["--alone"])])
     return 0
 
 
@@ -139,35 +134,29 @@ def beside_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def beside_table_cmd(a) -> int:
-    print(beside_table([json.loads(x) for x in Path(a.raw).read_text().splitlines() if x.strip()]))
-    return 0
+def rows(path: str) -> list[dict]:
+    return [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
 
 
-def table_cmd(a) -> int:
-    print(table([json.loads(x) for x in Path(a.raw).read_text().splitlines() if x.strip()]))
+def show(a) -> int:
+    """`table` / `beside-table`: the markdown table of a raw file."""
+    print(a.render(rows(a.raw)))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("run")
-    p.add_argument("snapshot")
-    p.add_argument("--out", required=True)
-    p.add_argument("--releases", default=",".join(RELEASES))
-    p.set_defaults(func=run)
-    p = sub.add_parser("table")
-    p.add_argument("raw")
-    p.set_defaults(func=table_cmd)
-    p = sub.add_parser("beside")
-    p.add_argument("snapshot")
-    p.add_argument("--out", required=True)
-    p.add_argument("--releases", default=",".join(RELEASES))
-    p.set_defaults(func=beside)
-    p = sub.add_parser("beside-table")
-    p.add_argument("raw")
-    p.set_defaults(func=beside_table_cmd)
+    for cmd, func in (("run", run), ("beside", beside)):
+        p = sub.add_parser(cmd)
+        p.add_argument("snapshot")
+        p.add_argument("--out", required=True)
+        p.add_argument("--releases", default=",".join(RELEASES))
+        p.set_defaults(func=func)
+    for cmd, render in (("table", table), ("beside-table", beside_table)):
+        p = sub.add_parser(cmd)
+        p.add_argument("raw")
+        p.set_defaults(func=show, render=render)
     a = ap.parse_args(argv)
     return a.func(a)
 

@@ -201,9 +201,20 @@ class Sim:
     def ids(self, n: int) -> list[int]:
         return [self.rng.randrange(1000, 150_000) for _ in range(n)]
 
+    def _ran(self, out) -> None:
+        """The model's answer to a scheduled step, faked: one sampled token for each request past its
+        prompt (every draft rejected), nothing for a prefill chunk; the scheduler takes it in."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        s = self.scheduler
+        reqs = list(out.num_scheduled_tokens)
+        sampled = [[] if s.requests[r].num_computed_tokens < s.requests[r].num_prompt_tokens
+                   else [self.rng.randrange(1000, 150_000)] for r in reqs]
+        s.update_from_output(out, ModelRunnerOutput(req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
+                                                    sampled_token_ids=sampled))
+
     def send(self, prompt: list[int], max_tokens: int = 4) -> Sent:
         from vllm.sampling_params import SamplingParams
-        from vllm.v1.outputs import ModelRunnerOutput
         from vllm.v1.request import Request
 
         self._n += 1
@@ -220,16 +231,12 @@ class Sim:
             if rid in out.num_scheduled_tokens and sent.hit_tokens < 0:
                 stats = s.kv_cache_manager.make_prefix_cache_stats()
                 sent.hit_tokens = stats.hits if stats is not None else 0
-            reqs = list(out.num_scheduled_tokens)
-            sampled = []
-            for r in reqs:
-                req, n = s.requests[r], out.num_scheduled_tokens[r]
+            if rid in out.num_scheduled_tokens:
+                req, n = s.requests[rid], out.num_scheduled_tokens[rid]
                 # the scheduler advanced num_computed_tokens when it scheduled (async and sync alike)
-                if r == rid and req.num_computed_tokens - n < req.num_prompt_tokens:
+                if req.num_computed_tokens - n < req.num_prompt_tokens:
                     sent.chunks.append(min(n, req.num_prompt_tokens - (req.num_computed_tokens - n)))
-                sampled.append([] if req.num_computed_tokens < req.num_prompt_tokens else [self.rng.randrange(1000, 150_000)])
-            s.update_from_output(out, ModelRunnerOutput(req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
-                                                        sampled_token_ids=sampled))
+            self._ran(out)
             if not s.has_unfinished_requests():
                 # the two counts must meet: what hit was not prefilled (else this reads vLLM wrong)
                 if sent.hit_tokens + sum(sent.chunks) != sent.prompt:
@@ -245,8 +252,7 @@ class Sim:
         long prompt's chunk. `stream_prompt` 0: the long prompt alone (what one user's prefill gets).
         What a step costs on the GPU is not here (lab/bench_latency.py)."""
         from vllm.sampling_params import SamplingParams
-        from vllm.v1.outputs import ModelRunnerOutput
-        from vllm.v1.request import Request
+        from vllm.v1.request import Request, RequestStatus
 
         s = self.scheduler
         self._n += 1
@@ -256,42 +262,30 @@ class Sim:
             s.add_request(Request(stream, self.ids(stream_prompt), params, None, block_hasher=self.hasher))
         else:
             warm_steps = 0
-        steps: list[dict] = []
-        step = 0
+        stream_tokens: list[int] = []  # per step from the long prompt's arrival
+        chunks: list[int] = []
         for step in range(10_000):
             if step == warm_steps:  # the stream is decoding: the long prompt arrives
                 s.add_request(Request(long, self.ids(long_prompt), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
                                       None, block_hasher=self.hasher))
             out = s.schedule()
-            reqs = list(out.num_scheduled_tokens)
-            sampled = []
-            for r in reqs:
-                req = s.requests[r]
-                sampled.append([] if req.num_computed_tokens < req.num_prompt_tokens else [self.rng.randrange(1000, 150_000)])
             if step >= warm_steps:
-                lr = s.requests.get(long)
-                steps.append({"stream": out.num_scheduled_tokens.get(stream, 0),
-                              "chunk": out.num_scheduled_tokens.get(long, 0),
-                              "long_done": lr is not None and lr.num_computed_tokens >= lr.num_prompt_tokens})
-            s.update_from_output(out, ModelRunnerOutput(req_ids=reqs, req_id_to_index={r: i for i, r in enumerate(reqs)},
-                                                        sampled_token_ids=sampled))
-            if steps and steps[-1]["long_done"]:
+                stream_tokens.append(out.num_scheduled_tokens.get(stream, 0))
+                chunks.append(out.num_scheduled_tokens.get(long, 0))
+            lr = s.requests.get(long)
+            done = lr is not None and lr.num_computed_tokens >= lr.num_prompt_tokens  # its last chunk scheduled
+            self._ran(out)
+            if done:
                 break
         else:
             raise RuntimeError(f"{long} did not finish its prefill in 10,000 steps")
-        s.finish_requests([r for r in (stream, long) if r in s.requests], _finished_aborted())
-        chunks = [st["chunk"] for st in steps if st["chunk"]]
+        s.finish_requests([r for r in (stream, long) if r in s.requests], RequestStatus.FINISHED_ABORTED)
+        chunks = [c for c in chunks if c]
         if sum(chunks) != long_prompt:  # every prompt token prefilled once (a fresh prompt: no hits)
             raise AssertionError(f"{long}: chunks {chunks} sum to {sum(chunks)}, not {long_prompt}")
-        return {"stream_prompt": stream_prompt, "long_prompt": long_prompt, "steps": len(steps),
-                "stalls": sum(1 for st in steps if st["stream"] == 0) if stream_prompt else None, "chunks": chunks,
-                "stream_tokens": [st["stream"] for st in steps]}
-
-
-def _finished_aborted():
-    from vllm.v1.request import RequestStatus
-
-    return RequestStatus.FINISHED_ABORTED
+        return {"stream_prompt": stream_prompt, "long_prompt": long_prompt, "steps": len(stream_tokens),
+                "stalls": stream_tokens.count(0) if stream_prompt else None, "chunks": chunks,
+                "stream_tokens": stream_tokens}
 
 
 def shared_prefix(sim: Sim, prefix: int, tail: int, requests: int = 3) -> list[Sent]:
