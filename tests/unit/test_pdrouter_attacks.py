@@ -431,9 +431,15 @@ def test_a_decode_server_one_worker_saw_go_down_is_down_for_every_worker(tmp_pat
     not run since (a 60 s interval), must answer 503 at once and spend no prefill: the verdict is
     shared (without it B sent the prefill, then met the refused decode: 502, the engine tier's pd test)."""
     p, d = fakes
-    probes = []  # the decode fake's /health answers: each worker's first check is one
+    probes = []  # the paths the decode fake answered GET for: each worker's first check is a /health
     handler = d.httpd.RequestHandlerClass
-    monkeypatch.setattr(handler, "do_GET", lambda h, _get=handler.do_GET: (probes.append(h.path), _get(h))[1])
+    answer = handler.do_GET
+
+    def counted(h):
+        probes.append(h.path)
+        answer(h)
+
+    monkeypatch.setattr(handler, "do_GET", counted)
     r = RouterProcess(tmp_path, p.url, d.url, "--workers", "2", "--health-interval", "60")
     try:
         end = time.monotonic() + 10
