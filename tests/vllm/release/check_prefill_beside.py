@@ -36,7 +36,7 @@ def runs(serve_cli, base, registered):
     for name, profile, words, stream in (("default", "default", {}, 64), ("shared", "shared", {}, 64),
                                          ("shared-1024", "shared", {"EXTRA": "--long-prefill-token-threshold 1024"}, 64),
                                          ("shared-alone", "shared", {}, 0)):
-        _, argv, settings = rendered(serve_cli, base, profile, **words)
+        _, _, settings = rendered(serve_cli, base, profile, **words)
         sim = Sim(_model(), settings)
         assert sim.block_size == BLOCK, sim.block_size  # the recipe's block: what the alignment is to
         out[name] = (settings.long_prefill, sim.beside(stream, LONG))
