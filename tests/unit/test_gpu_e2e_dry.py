@@ -198,6 +198,14 @@ def test_bad_shares_are_named(monkeypatch):
     assert fleet.kv_mem() is None
 
 
+def test_kv_plan_names_the_h200_preset_only_on_an_h200():
+    """kv_plan compares with `flash plan`: the h200 preset (its cudaMemGetInfo total) on an H200; on
+    any other card (an H100 when no H200 is lent) the planner detects the card, never the H200's size."""
+    assert fleet.plan_hardware([("NVIDIA H200", "143771", "9.0")]) == ["--hardware", "h200"]
+    assert fleet.plan_hardware([("NVIDIA H100 80GB HBM3", "81559", "9.0")]) == []
+    assert fleet.plan_hardware([]) == []
+
+
 def test_only_kv_plan_servers_boot_alone(planned):
     ctx, _, _ = planned
     specs = {s["server"]: s for s in fleet.plan(ctx, fleet.select("kv_plan or probe_p1"))}
