@@ -280,6 +280,11 @@ SETTINGS: tuple[Setting, ...] = (
       "vllm --kv-cache-memory-bytes", optional=True),
     S("BATCHED_TOKENS", "int", 8192, "Prefill chunk: maximum tokens per scheduler step.",
       "vllm --max-num-batched-tokens", minimum=256, maximum=131072),
+    S("LONG_PREFILL", "int", 0, "Most prompt tokens a long prompt gets per step while other requests run "
+      "(vLLM's --long-prefill-token-threshold), so their streams keep decoding; 0 = vLLM's default (no cap: a "
+      "long prompt takes the whole BATCHED_TOKENS step). With prefix caching a value that does not divide the "
+      "KV block gives uneven pieces: `flash plan` names the even one (docs/PREFIX-CACHE.md).",
+      "vllm --long-prefill-token-threshold", minimum=0, maximum=131072),
     S("COMPILE_FLAGS", "str", None, "Replaces the compilation flags flash picks per base (upstream's CC, "
       "renamed: CC is the C compiler's variable). Split with shlex. Must keep cudagraph_mode PIECEWISE or "
       "NONE unless the PLE gather is hoisted (PLE_MODE auto on v0.30+, or hoisted; checked before a boot: "

@@ -163,6 +163,7 @@ def vllm_args(s: Settings, snapshot: str, host: str, port: int, parallel: list[s
     if s["KV_CACHE_MEM"] is not None:
         argv += ["--kv-cache-memory-bytes", str(s["KV_CACHE_MEM"])]
     argv += retention_args(s)
+    argv += long_prefill_args(s)
     if yarn:
         overrides = {"text_config": {"rope_parameters": YARN_ROPE}}
         argv += ["--hf-overrides", json.dumps(overrides, separators=(",", ":"))]
@@ -193,6 +194,17 @@ def retention_args(s: Settings) -> list[str]:
                           "states to keep; with PREFIX_CACHE=0 there is no cache)",
                           hint="set PREFIX_CACHE=1, or leave PREFIX_RETAIN=0")
     return ["--prefix-cache-retention-interval", "None"]
+
+
+def long_prefill_args(s: Settings) -> list[str]:
+    """LONG_PREFILL=N → `--long-prefill-token-threshold N`; 0 renders nothing (vLLM's default)."""
+    n = s["LONG_PREFILL"]
+    if not n:
+        return []
+    if n > s["CTX"]:  # vLLM's SchedulerConfig refuses it at start
+        raise ConfigError(f"LONG_PREFILL={n} is above CTX={s['CTX']} (vLLM refuses a long-prefill threshold "
+                          "above the context length)", hint=f"LONG_PREFILL accepts 0 (off) to {s['CTX']}")
+    return ["--long-prefill-token-threshold", str(n)]
 
 
 def mtp_schedule(s: Settings) -> list[list[int]] | None:

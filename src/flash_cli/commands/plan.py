@@ -78,6 +78,10 @@ def render(p: dict) -> str:
         from ..plan import prefix
 
         lines.append(prefix.line(p["prefix_cache"]))
+    if p.get("long_prefill"):
+        from ..plan import prefill
+
+        lines.append(prefill.line(p["long_prefill"]))
     if host.get("page_cache_for_ple_gib") is not None:
         lines.append(f"  host           {host['page_cache_for_ple_gib']} GiB left to the page cache for the "
                      f"{host['ple_table_gib']} GiB PLE table ({host['ple_table_cached_fraction']:.0%} of it)")

@@ -27,7 +27,7 @@ from flash_common import releases
 from .. import geometry as geometry_mod
 from ..spec import ple_hoisted
 from . import hardware as hardware_mod
-from . import kvcache, prefix, weights as weights_mod
+from . import kvcache, prefill, prefix, weights as weights_mod
 from .calibration import (DISCRETE_OVERHEAD_BAND, DISCRETE_OVERHEAD_BAND_FULL, H200_RUN, H200_RUN_FULL, OVERHEAD_BAND,
                           RUNTIME_OVERHEAD, RUNTIME_OVERHEAD_DISCRETE, RUNTIME_OVERHEAD_DISCRETE_FULL)
 from .hardware import GIB, Hardware
@@ -321,6 +321,7 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
             "num_blocks": lay.num_blocks(kv_bytes),
         },
         "prefix_cache": prefix.plan(s, lay.block_size),
+        "long_prefill": prefill.plan(s, lay.block_size),
         "host": host,
         "assumptions": assumptions,
     }
@@ -359,6 +360,8 @@ def findings(plan: dict, s, hw: Hardware, live_checks: bool = True) -> list[tupl
     if live_checks and hw.host_available is not None and hw.unified and not s["KV_CACHE_MEM"] and b["requested_gib"] * GIB > hw.host_available:
         out.append(("fail", f"GPU_MEM={s['GPU_MEM']} asks for {b['requested_gib']} GiB but only "
                             f"{_gib(hw.host_available)} GiB is available now: vLLM refuses at start; free memory or lower GPU_MEM"))
+    if plan.get("long_prefill") and prefill.finding(plan["long_prefill"]):
+        out.append(prefill.finding(plan["long_prefill"]))
     if conc >= 1 and s["SEQS"] > conc:
         out.append(("info", f"the pool holds {conc:.2f} requests of CTX={s['CTX']:,} tokens; SEQS={s['SEQS']} only runs "
                             "concurrently for shorter requests"))

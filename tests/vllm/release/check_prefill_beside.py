@@ -28,18 +28,23 @@ BLOCK = 1_600
 SHARED = 800  # profiles/shared.env's threshold
 
 
+# MTP=4 moves the block off 1,600 (the QSA ring then needs 8 | block): 800 no longer divides it
+CASES = (("default", "default", {}, 64), ("shared", "shared", {}, 64),
+         ("shared-1024", "shared", {"LONG_PREFILL": "1024"}, 64), ("shared-alone", "shared", {}, 0),
+         ("shared-mtp4", "shared", {"MTP": "4"}, 64))
+
+
 @pytest.fixture(scope="module")
 def runs(serve_cli, base, registered):
-    """{name: (the parsed threshold, Sim.beside's result)} for default, shared, shared at the old 1,024,
-    and shared's prompt alone."""
+    """{name: (the parsed threshold, Sim.beside's result, the scheduler's block, flash's settings)} for
+    default, shared, shared at the old 1,024, shared's prompt alone, and shared with MTP=4."""
     out = {}
-    for name, profile, words, stream in (("default", "default", {}, 64), ("shared", "shared", {}, 64),
-                                         ("shared-1024", "shared", {"EXTRA": "--long-prefill-token-threshold 1024"}, 64),
-                                         ("shared-alone", "shared", {}, 0)):
-        _, _, settings = rendered(serve_cli, base, profile, **words)
+    for name, profile, words, stream in CASES:
+        flash, _, settings = rendered(serve_cli, base, profile, **words)
         sim = Sim(_model(), settings)
-        assert sim.block_size == BLOCK, sim.block_size  # the recipe's block: what the alignment is to
-        out[name] = (settings.long_prefill, sim.beside(stream, LONG))
+        if "MTP" not in words:
+            assert sim.block_size == BLOCK, sim.block_size  # the recipe's block: what the alignment is to
+        out[name] = (settings.long_prefill, sim.beside(stream, LONG), sim.block_size, flash)
     return out
 
 
@@ -47,13 +52,13 @@ def test_the_stream_gets_a_token_in_every_step_of_the_prefill(runs):
     """Running requests are scheduled before a new prompt's chunk takes the rest of the budget: no
     step of the prefill leaves the decoding stream out, in either profile."""
     for name in ("default", "shared", "shared-1024"):
-        _, got = runs[name]
+        got = runs[name][1]
         assert got["stalls"] == 0 and all(t >= 1 for t in got["stream_tokens"]), (name, got["stream_tokens"])
 
 
 def test_default_shares_four_steps_with_block_aligned_8000_token_chunks(runs):
     """default: no threshold; the 8,192-token budget less the stream's token, cut back to the block."""
-    threshold, got = runs["default"]
+    threshold, got = runs["default"][:2]
     assert threshold == 0
     chunks = got["chunks"]
     assert all(c % BLOCK == 0 and c <= 8192 for c in chunks[:-1]), chunks
@@ -61,8 +66,8 @@ def test_default_shares_four_steps_with_block_aligned_8000_token_chunks(runs):
 
 
 def test_shared_cuts_the_prefill_into_800_token_steps(runs):
-    threshold, got = runs["shared"]
-    assert threshold == SHARED  # the profile's EXTRA, parsed by this release
+    threshold, got = runs["shared"][:2]
+    assert threshold == SHARED  # the profile's LONG_PREFILL, rendered and parsed by this release
     chunks = got["chunks"]
     assert chunks[:-1] == [SHARED] * (len(chunks) - 1) and 0 < chunks[-1] <= SHARED, chunks
     assert len(chunks) == math.ceil(LONG / SHARED) == 41
@@ -72,8 +77,7 @@ def test_1024_was_no_fewer_steps_than_800_and_carried_more_tokens_in_half_of_the
     """Why shared's value changed: a threshold that does not divide the block re-aligns every other
     chunk (1,024 + 576 = one block), so 1,024 took as many steps as 800 and put 224 more tokens in
     half of them; a stream's worst gaps come from those."""
-    _, old = runs["shared-1024"]
-    _, new = runs["shared"]
+    old, new = runs["shared-1024"][1], runs["shared"][1]
     assert old["chunks"][:4] == [1024, BLOCK - 1024, 1024, BLOCK - 1024], old["chunks"][:6]
     assert len(old["chunks"]) == len(new["chunks"]) and max(old["chunks"]) > max(new["chunks"])
 
@@ -83,9 +87,30 @@ def test_shared_alone(runs):
     eligible (the whole budget: default's chunks); 0.29 and 0.30 chunk it all the same (41 steps)."""
     import vllm
 
-    _, alone = runs["shared-alone"]
-    _, default = runs["default"]
+    alone, default = runs["shared-alone"][1], runs["default"][1]
     if tuple(int(x) for x in vllm.__version__.split(".")[:2]) >= (0, 31):
         assert alone["chunks"] == default["chunks"], (alone["chunks"], default["chunks"])
     else:
         assert len(alone["chunks"]) == 41, alone["chunks"]
+
+
+def test_flash_plan_names_the_block_and_the_pieces_this_scheduler_cuts(runs):
+    """`flash plan`'s long_prefill section (plan/prefill.py over plan/kvcache.py's block) against this
+    release's scheduler: the same block, and the prompt's chunks (all but the one that ends it) are
+    the plan's pieces per block, over and over; where the threshold does not divide the block the
+    plan's warning names the one that does."""
+    from flash_cli.plan import build, prefill
+    from flash_cli.plan.hardware import preset
+
+    for name in ("shared", "shared-1024", "shared-mtp4"):
+        threshold, got, block, flash = runs[name]
+        plan = build(flash, preset("gb10"), snapshot=None, live_checks=False)
+        assert plan["kv_layout"]["block_size"] == block, (name, plan["kv_layout"]["block_size"], block)
+        lp = plan["long_prefill"]
+        per = lp["pieces_per_block"]
+        body = got["chunks"][:-1]
+        whole = len(body) // len(per) * len(per)
+        assert whole >= len(per) and body[:whole] == per * (whole // len(per)), (name, per, body[:8])
+        even = lp["even_threshold_tokens"]
+        assert block % even == 0 and (lp["even"] or prefill.finding(lp)[1].endswith(f"({block // even} pieces of {even:,})"))
+    assert runs["shared-mtp4"][2] % SHARED, "MTP=4's block is no longer a multiple of 800: this case shows nothing"
