@@ -63,13 +63,14 @@ def line(p: dict) -> str:
 
 def finding(p: dict) -> tuple[str, str] | None:
     """A warning when the threshold does not cut the block evenly (its largest piece, which sets
-    the other streams' worst gaps, is larger than an even cut with as many steps)."""
-    if p["even"]:
-        return None
+    the other streams' worst gaps, is larger than an even cut's); a note when one above the block
+    is cut back to whole blocks."""
     per, n, block, even = p["pieces_per_block"], p["threshold_tokens"], p["block_tokens"], p["even_threshold_tokens"]
-    if n > block:
+    if p["aligned"] and n > block and n % block:
         return ("info", f"LONG_PREFILL={n:,} is cut back to whole {block:,}-token blocks with prefix caching on: "
                         f"pieces of {per[0]:,}")
+    if p["even"]:
+        return None
     return ("warn", f"LONG_PREFILL={n:,} does not divide the {block:,}-token KV block: with prefix caching on a long "
                     f"prompt beside other requests goes in pieces of {', '.join(f'{x:,}' for x in per)}; "
                     f"LONG_PREFILL={even:,} cuts the block evenly ({block // even} pieces of {even:,})")

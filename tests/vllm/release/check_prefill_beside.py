@@ -28,7 +28,7 @@ BLOCK = 1_600
 SHARED = 800  # profiles/shared.env's threshold
 
 
-# MTP=4 moves the block off 1,600 (the QSA ring then needs 8 | block): 800 no longer divides it
+# MTP=4 moves the block to 1,664 (the Mamba state page grows with the draft depth): 800 no longer divides it
 CASES = (("default", "default", {}, 64), ("shared", "shared", {}, 64),
          ("shared-1024", "shared", {"LONG_PREFILL": "1024"}, 64), ("shared-alone", "shared", {}, 0),
          ("shared-mtp4", "shared", {"MTP": "4"}, 64))
