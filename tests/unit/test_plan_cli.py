@@ -148,6 +148,10 @@ def test_detection_discrete_and_none():
     assert hw.name == "h200" and not hw.unified and hw.host_total == 2 * 1024**4
     hw, how = H.detect(meminfo={}, gpus=None, probe=False)
     assert hw.name == "gb10" and not hw.detected and "--hardware" in how
+    # an H100: nvidia-smi's 81,559 MiB is matched to the preset, whose total is what vLLM sees
+    # (79.18 GiB; gpu-e2e run46's kv_plan_oos planned from nvidia-smi's figure and came 0.06 GiB high)
+    hw, _ = H.detect(meminfo={"MemTotal": 1024**4}, gpus=[("NVIDIA H100 80GB HBM3", "81559", "9.0")], probe=False)
+    assert hw.name == "h100" and hw.device_total == int(79.18 * H.GIB) < 81559 * 1024**2
 
 
 def test_planned_from_headers_when_the_snapshot_is_there(tmp_path, monkeypatch):

@@ -69,10 +69,10 @@ LAYOUTS = {
                   "nvfp4", "NVFP4: U8 codes + F8_E4M3 per-16 scales + F32 weight_scale_2",
                   # vllm/models/qwen4_exp/common/ngram_embedding.py Qwen4ExpPLENvFp4EmbeddingMethod:
                   # in the 0.33.0 wheel, in none of 0.29.0-0.32.0
-                  stock_table_from="0.33.0",
-                  unproven="patch 1's NVFP4 table decode (from disk) is bit-exact with vLLM 0.33's own method on "
-                           "CPU but has not run on a GPU yet (gpu-e2e scenarios ple_nvfp4_d, boot_d); if answers "
-                           "look wrong, VLLM_PLE_MMAP=0 in CONTAINER_ENV serves the table with vLLM's method"),
+                  # patch 1's NVFP4 codec booted in a real `vllm serve` and decoded greedy output
+                  # byte-identical to vLLM's own table method: gpu-e2e run46 (boot_d, flash_test_d,
+                  # ple_nvfp4_d; an H100, fb2c46b), so nothing is left `unproven` for this layout
+                  stock_table_from="0.33.0"),
 }
 
 # repo (case-insensitive) → layout; an unlisted repo is `detect()`ed once it is on disk

@@ -55,6 +55,12 @@ PRESETS: dict[str, Hardware] = {
         evidence=("139.81 GiB: cudaMemGetInfo total on an H200 (torch OOM messages 'GPU 0 has a total capacity of "
                   "139.81 GiB'; 139.72-139.81 GiB seen across H200 boards); nvidia-smi says 143,771 MiB = 140.4 GiB, "
                   "which counts memory the driver keeps",)),
+    "h100": Hardware(
+        "h100", "NVIDIA H100 80GB HBM3 (sm_90, discrete: the PLE table's page cache is host RAM, separate)",
+        device_total=int(79.18 * GIB), unified=False, host_total=None, sm="9.0", host_reserve=0,
+        vllm_baseline=int(0.5 * GIB),
+        evidence=("79.18 GiB: vLLM 0.33's 'Free memory on device (78.48/79.18 GiB) on startup' on an H100 80GB HBM3 "
+                  "(gpu-e2e run46); nvidia-smi says 81,559 MiB = 79.65 GiB, which counts memory the driver keeps",)),
     "rtx-pro-6000": Hardware(
         "rtx-pro-6000", "NVIDIA RTX PRO 6000 Blackwell (96 GB GDDR7, sm_120, discrete)",
         device_total=97_887 * 1024**2, unified=False, host_total=None, sm="12.0", host_reserve=0,
