@@ -38,13 +38,25 @@ KEY = "sk-bench-0123456789"
 WORDS = 10
 
 
-def serve_fakes() -> None:
-    """--fakes: the prefill and decode fakes in this process until stdin closes."""
+def serve_fakes(procs: int = 1) -> None:
+    """--fakes: the prefill and decode fakes until stdin closes, in `procs` processes: the listening
+    sockets are bound once, then the process forks (before any thread starts) and every copy serves
+    both on them, the kernel handing each accepted connection to one. One process is one GIL: at 200
+    clients it held a full core in every device run (2026-12-05), so its queue, not the router's,
+    set the tail. The bench's direct requests carry complete params and the decode fake has no
+    peer, so the copies share no state a request needs."""
     from tests.fakes.pd import FakeServer  # run from the repository root (python3 -m lab.bench_pd_router)
 
-    p = FakeServer("prefill", KEY).start()
-    d = FakeServer("decode", KEY).start()  # no peer: direct requests carry complete params of their own
-    print(json.dumps({"prefill": p.url, "decode": d.url}), flush=True)
+    p = FakeServer("prefill", KEY)
+    d = FakeServer("decode", KEY)  # no peer: direct requests carry complete params of their own
+    parent = os.getpid()
+    for _ in range(procs - 1):
+        if os.fork() == 0:
+            break  # a copy: it serves below and ends at stdin's EOF, as the parent does
+    p.start()
+    d.start()
+    if os.getpid() == parent:
+        print(json.dumps({"prefill": p.url, "decode": d.url}), flush=True)
     sys.stdin.read()
 
 
@@ -95,6 +107,30 @@ async def load(url: str, body: dict, clients: int, rounds: int, timeout: float) 
             "requests": clients * rounds}
 
 
+def _load_share(args: tuple) -> dict:
+    return asyncio.run(load(*args))
+
+
+def load_split(url: str, body: dict, clients: int, rounds: int, timeout: float, procs: int) -> dict:
+    """load() over `procs` client processes (clients split evenly): one asyncio loop is one core,
+    and at 200 clients it was ~50-80% busy, its own queue part of every latency. The processes
+    fork at once and start sending as they come up (a few ms apart)."""
+    if procs == 1:
+        return asyncio.run(load(url, body, clients, rounds, timeout))
+    import multiprocessing
+
+    shares = [clients // procs + (i < clients % procs) for i in range(procs)]
+    with multiprocessing.get_context("fork").Pool(procs) as pool:
+        parts = pool.map(_load_share, [(url, body, n, rounds, timeout) for n in shares if n])
+    kinds: dict[str, int] = {}
+    for part in parts:
+        for k, v in part["error_kinds"].items():
+            kinds[k] = kinds.get(k, 0) + v
+    return {"latencies": [x for part in parts for x in part["latencies"]], "errors": sum(kinds.values()),
+            "error_kinds": kinds, "error_samples": [x for part in parts for x in part["error_samples"]][:5],
+            "wall_s": max(part["wall_s"] for part in parts), "requests": sum(part["requests"] for part in parts)}
+
+
 def child_pids(pid: int) -> list[int]:
     """The live (not zombie) children of pid, from /proc/*/stat (field 4: the parent)."""
     out = []
@@ -120,12 +156,20 @@ def cpu_s(pid: int) -> float:
     return own(pid) + sum(own(c) for c in child_pids(pid))
 
 
+def client_cpu_s() -> float:
+    """This process's CPU plus that of its ended children (load_split's client processes)."""
+    import resource
+
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + kids.ru_utime + kids.ru_stime
+
+
 def measured(pids: dict, run) -> dict:
     before = {k: cpu_s(v) for k, v in pids.items()}
-    own = time.process_time()
+    own = client_cpu_s()
     out = run()
     out["cpu_s"] = {**{k: round(cpu_s(v) - before[k], 3) for k, v in pids.items()},
-                    "client": round(time.process_time() - own, 3)}
+                    "client": round(client_cpu_s() - own, 3)}
     return out
 
 
@@ -163,11 +207,19 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per request before it is an error")
     ap.add_argument("--workers", default="1", metavar="N[,N...]",
                     help="router worker processes (pdrouter --workers); several: one router run per count")
+    ap.add_argument("--fake-procs", type=int, default=1, metavar="N",
+                    help="processes serving the prefill and decode fakes (one GIL each; 1: as every run before "
+                         "2026-12-05 evening, whose fakes held one core at 200 clients)")
+    ap.add_argument("--client-procs", type=int, default=1, metavar="N",
+                    help="client processes the --clients are split over (1: one asyncio loop, as before)")
     ap.add_argument("--json", metavar="PATH", help="write the summary and every latency here")
     ap.add_argument("--fakes", action="store_true", help=argparse.SUPPRESS)
     ns = ap.parse_args()
+    for name in ("fake_procs", "client_procs"):
+        if not 1 <= getattr(ns, name) <= 64:
+            ap.error(f"--{name.replace('_', '-')} {getattr(ns, name)}: between 1 and 64")
     if ns.fakes:
-        serve_fakes()
+        serve_fakes(ns.fake_procs)
         return 0
     import tempfile
 
@@ -177,7 +229,8 @@ def main() -> int:
         ap.error(f"--workers {ns.workers!r}: comma-separated integers, e.g. 1,2")
     if any(w < 1 for w in counts):
         ap.error("--workers: each count at least 1 (0, the router's auto, would hide what was measured)")
-    fk = subprocess.Popen([sys.executable, "-m", "lab.bench_pd_router", "--fakes"], stdin=subprocess.PIPE,
+    fk = subprocess.Popen([sys.executable, "-m", "lab.bench_pd_router", "--fakes", "--fake-procs", str(ns.fake_procs)],
+                          stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, text=True, cwd=ROOT)
     client = {"model": "m", "prompt": "hi", "max_tokens": WORDS, "stream": True}
     direct = {**client, "kv_transfer_params": direct_params()}
@@ -193,10 +246,10 @@ def main() -> int:
                 asyncio.run(load(fakes["decode"], direct, 10, 2, ns.timeout))
                 pids = {"router": router.pid, "fakes": fk.pid}
                 # direct right before its router run: both halves of a ratio see the same load average
-                raw = {"direct": measured(pids, lambda: asyncio.run(load(
-                           fakes["decode"], direct, ns.clients, ns.rounds, ns.timeout))),
-                       "router": measured(pids, lambda: asyncio.run(load(url, client, ns.clients, ns.rounds,
-                                                                         ns.timeout)))}
+                cp = ns.client_procs
+                raw = {"direct": measured(pids, lambda: load_split(fakes["decode"], direct, ns.clients, ns.rounds,
+                                                                   ns.timeout, cp)),
+                       "router": measured(pids, lambda: load_split(url, client, ns.clients, ns.rounds, ns.timeout, cp))}
             finally:
                 router.terminate()
                 router.wait(30)
@@ -205,6 +258,7 @@ def main() -> int:
         fk.stdin.close()
         fk.wait(30)
     setup = {"clients": ns.clients, "rounds": ns.rounds, "tokens_per_stream": WORDS, "workers": counts,
+             "fake_procs": ns.fake_procs, "client_procs": ns.client_procs,
              "cores": os.cpu_count(), "loadavg_before": os.getloadavg()[0], "machine": platform.machine(),
              "python": platform.python_version(), "command": " ".join(["python3 -m lab.bench_pd_router", *sys.argv[1:]])}
     runs = {}
