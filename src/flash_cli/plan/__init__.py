@@ -360,8 +360,9 @@ def findings(plan: dict, s, hw: Hardware, live_checks: bool = True) -> list[tupl
     if live_checks and hw.host_available is not None and hw.unified and not s["KV_CACHE_MEM"] and b["requested_gib"] * GIB > hw.host_available:
         out.append(("fail", f"GPU_MEM={s['GPU_MEM']} asks for {b['requested_gib']} GiB but only "
                             f"{_gib(hw.host_available)} GiB is available now: vLLM refuses at start; free memory or lower GPU_MEM"))
-    if plan.get("long_prefill") and prefill.finding(plan["long_prefill"]):
-        out.append(prefill.finding(plan["long_prefill"]))
+    uneven = plan.get("long_prefill") and prefill.finding(plan["long_prefill"])
+    if uneven:
+        out.append(uneven)
     if conc >= 1 and s["SEQS"] > conc:
         out.append(("info", f"the pool holds {conc:.2f} requests of CTX={s['CTX']:,} tokens; SEQS={s['SEQS']} only runs "
                             "concurrently for shorter requests"))
