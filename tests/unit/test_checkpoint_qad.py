@@ -5,6 +5,7 @@ steps that do not apply, planned with its NVFP4 PLE table, and rendered."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -197,7 +198,7 @@ def test_render_serves_the_snapshot_as_published_with_the_table_left_to_vllm():
     assert r.labels["org.flash.model"] == ckpt.FP4_LOCAL
 
 
-def test_no_layout_is_left_unproven_once_the_gpu_tier_has_booted_it():
+def test_no_layout_is_left_unproven_once_the_gpu_tier_has_booted_it(monkeypatch):
     """qad's NVFP4 table codec passed boot_d / ple_nvfp4_d in gpu-e2e run46 (fb2c46b): serve no longer
     warns for it, nor for any other layout; the mechanism stays for the next layout that arrives
     unproven (a warning naming the model and the way back to vLLM's own method)."""
@@ -205,17 +206,14 @@ def test_no_layout_is_left_unproven_once_the_gpu_tier_has_booted_it():
     on = spec.build(_settings(MODEL=ckpt.FP4_LOCAL, MODE="nvfp4"), profile="nvidia", snapshot=COMMIT,
                     hf_cache="/h", state_dir="/s")
     assert not [w for w in on.warnings if "has not run on a GPU" in w]
-    import dataclasses
-
     unproven = dataclasses.replace(known.LAYOUTS["qad"], unproven="not on a GPU yet; VLLM_PLE_MMAP=0 is vLLM's method")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(known.LAYOUTS, "qad", unproven)
-        said = spec.build(_settings(MODEL=ckpt.FP4_LOCAL, MODE="nvfp4"), profile="nvidia", snapshot=COMMIT,
-                          hf_cache="/h", state_dir="/s").warnings
-        assert f"{ckpt.FP4_LOCAL}: not on a GPU yet; VLLM_PLE_MMAP=0 is vLLM's method" in said
-        off = spec.build(_settings(MODEL=ckpt.FP4_LOCAL, MODE="nvfp4", CONTAINER_ENV="VLLM_PLE_MMAP=0"),
-                         profile="nvidia", snapshot=COMMIT, hf_cache="/h", state_dir="/s").warnings
-        assert not [w for w in off if "not on a GPU yet" in w]  # vLLM's own method: nothing of ours
+    monkeypatch.setitem(known.LAYOUTS, "qad", unproven)
+    said = spec.build(_settings(MODEL=ckpt.FP4_LOCAL, MODE="nvfp4"), profile="nvidia", snapshot=COMMIT,
+                      hf_cache="/h", state_dir="/s").warnings
+    assert f"{ckpt.FP4_LOCAL}: not on a GPU yet; VLLM_PLE_MMAP=0 is vLLM's method" in said
+    off = spec.build(_settings(MODEL=ckpt.FP4_LOCAL, MODE="nvfp4", CONTAINER_ENV="VLLM_PLE_MMAP=0"),
+                     profile="nvidia", snapshot=COMMIT, hf_cache="/h", state_dir="/s").warnings
+    assert not [w for w in off if "not on a GPU yet" in w]  # vLLM's own method: nothing of ours
 
 
 def test_quant_configs_of_the_fixture_are_the_exports_groups(snaps):

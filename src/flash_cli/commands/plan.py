@@ -22,8 +22,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help=summary("plan"),
                        description=__doc__.split("\n\n")[0])
     recipe.add_arguments(p)
-    p.add_argument("--hardware", metavar="NAME", help="plan for a preset (gb10, h200, h100, rtx-pro-6000) instead of "
-                   "detecting this machine")
+    # the names live in plan/hardware.py's PRESETS (an unknown one is refused with the list); not
+    # imported here: that pulls in the whole planner on every command's start
+    p.add_argument("--hardware", metavar="NAME", help="plan for a named hardware preset (gb10, h200, …; an unknown "
+                   "name lists them) instead of detecting this machine")
     p.add_argument("--no-snapshot", action="store_true", help="ignore the checkpoint on disk; plan from the geometry")
     p.add_argument("--config", metavar="PATH", help="plan for this checkpoint directory (or its config.json) instead "
                    "of MODEL's snapshot under HF_CACHE, e.g. a tiny test checkpoint")

@@ -17,6 +17,7 @@ prefill beside a decoding stream".
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import pytest
 
@@ -34,17 +35,24 @@ CASES = (("default", "default", {}, 64), ("shared", "shared", {}, 64),
          ("shared-mtp4", "shared", {"MTP": "4"}, 64))
 
 
+class Run(NamedTuple):
+    threshold: int  # --long-prefill-token-threshold as this release parsed it
+    got: dict       # Sim.beside's result
+    block: int      # the scheduler's block
+    flash: object   # flash's resolved settings
+
+
 @pytest.fixture(scope="module")
 def runs(serve_cli, base, registered):
-    """{name: (the parsed threshold, Sim.beside's result, the scheduler's block, flash's settings)} for
-    default, shared, shared at the old 1,024, shared's prompt alone, and shared with MTP=4."""
+    """{name: Run} for default, shared, shared at the old 1,024, shared's prompt alone, and shared
+    with MTP=4."""
     out = {}
     for name, profile, words, stream in CASES:
         flash, _, settings = rendered(serve_cli, base, profile, **words)
         sim = Sim(_model(), settings)
         if "MTP" not in words:
             assert sim.block_size == BLOCK, sim.block_size  # the recipe's block: what the alignment is to
-        out[name] = (settings.long_prefill, sim.beside(stream, LONG), sim.block_size, flash)
+        out[name] = Run(settings.long_prefill, sim.beside(stream, LONG), sim.block_size, flash)
     return out
 
 
@@ -52,13 +60,13 @@ def test_the_stream_gets_a_token_in_every_step_of_the_prefill(runs):
     """Running requests are scheduled before a new prompt's chunk takes the rest of the budget: no
     step of the prefill leaves the decoding stream out, in either profile."""
     for name in ("default", "shared", "shared-1024"):
-        got = runs[name][1]
+        got = runs[name].got
         assert got["stalls"] == 0 and all(t >= 1 for t in got["stream_tokens"]), (name, got["stream_tokens"])
 
 
 def test_default_shares_four_steps_with_block_aligned_8000_token_chunks(runs):
     """default: no threshold; the 8,192-token budget less the stream's token, cut back to the block."""
-    threshold, got = runs["default"][:2]
+    threshold, got = runs["default"].threshold, runs["default"].got
     assert threshold == 0
     chunks = got["chunks"]
     assert all(c % BLOCK == 0 and c <= 8192 for c in chunks[:-1]), chunks
@@ -66,7 +74,7 @@ def test_default_shares_four_steps_with_block_aligned_8000_token_chunks(runs):
 
 
 def test_shared_cuts_the_prefill_into_800_token_steps(runs):
-    threshold, got = runs["shared"][:2]
+    threshold, got = runs["shared"].threshold, runs["shared"].got
     assert threshold == SHARED  # the profile's LONG_PREFILL, rendered and parsed by this release
     chunks = got["chunks"]
     assert chunks[:-1] == [SHARED] * (len(chunks) - 1) and 0 < chunks[-1] <= SHARED, chunks
@@ -77,7 +85,7 @@ def test_1024_was_no_fewer_steps_than_800_and_carried_more_tokens_in_half_of_the
     """Why shared's value changed: a threshold that does not divide the block re-aligns every other
     chunk (1,024 + 576 = one block), so 1,024 took as many steps as 800 and put 224 more tokens in
     half of them; a stream's worst gaps come from those."""
-    old, new = runs["shared-1024"][1], runs["shared"][1]
+    old, new = runs["shared-1024"].got, runs["shared"].got
     assert old["chunks"][:4] == [1024, BLOCK - 1024, 1024, BLOCK - 1024], old["chunks"][:6]
     assert len(old["chunks"]) == len(new["chunks"]) and max(old["chunks"]) > max(new["chunks"])
 
@@ -87,7 +95,7 @@ def test_shared_alone(runs):
     eligible (the whole budget: default's chunks); 0.29 and 0.30 chunk it all the same (41 steps)."""
     import vllm
 
-    alone, default = runs["shared-alone"][1], runs["default"][1]
+    alone, default = runs["shared-alone"].got, runs["default"].got
     if tuple(int(x) for x in vllm.__version__.split(".")[:2]) >= (0, 31):
         assert alone["chunks"] == default["chunks"], (alone["chunks"], default["chunks"])
     else:
@@ -113,4 +121,4 @@ def test_flash_plan_names_the_block_and_the_pieces_this_scheduler_cuts(runs):
         assert whole >= len(per) and body[:whole] == per * (whole // len(per)), (name, per, body[:8])
         even = lp["even_threshold_tokens"]
         assert block % even == 0 and (lp["even"] or prefill.finding(lp)[1].endswith(f"({block // even} pieces of {even:,})"))
-    assert runs["shared-mtp4"][2] % SHARED, "MTP=4's block is no longer a multiple of 800: this case shows nothing"
+    assert runs["shared-mtp4"].block % SHARED, "MTP=4's block is no longer a multiple of 800: this case shows nothing"
