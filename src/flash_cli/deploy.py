@@ -173,6 +173,28 @@ def first_down(states: list[tuple[Box, engine.State]], up: tuple[str, ...] = ("r
     return b, st, [o for o, _ in down if o is not b]
 
 
+def settled_down(boxes: list[Box], up: tuple[str, ...] = ("running", "created", "restarting"), *,
+                 quiet_s: float = 1.0, limit_s: float = 4.0, poll_s: float = 0.25,
+                 read=None, clock=time.monotonic, sleep=time.sleep) -> tuple[Box, engine.State, list[Box]] | None:
+    """first_down once the set of boxes down has held still for quiet_s (at most limit_s): a lost
+    rank takes the head down within milliseconds, and the two engines (two boxes) record their
+    exits independently, so one read can see the head exited while the worker's engine still says
+    running. Naming the head then sends the user to the wrong box's logs."""
+    read = read or (lambda b: engine.state(b.container))
+    states = [(b, read(b)) for b in boxes]
+    if first_down(states, up) is None:
+        return None
+    start = changed = clock()
+    seen = {b.node for b, st in states if st.status not in up}
+    while clock() - changed < quiet_s and clock() - start < limit_s:
+        sleep(poll_s)
+        states = [(b, read(b)) for b in boxes]
+        now = {b.node for b, st in states if st.status not in up}
+        if now != seen:
+            seen, changed = now, clock()
+    return first_down(states, up)
+
+
 def died(b: Box, st: engine.State, n: int = 25, also: list[Box] = ()) -> ContainerDied:
     lines = engine.tail(b.container, n)
     print(f"--- {b.label}: last {len(lines)} log lines ---", file=sys.stderr)
@@ -255,7 +277,7 @@ def serve(dep: "Deployment", s, *, force: bool, start_check: float, kv_label: st
     deadline = time.monotonic() + start_check
     while True:
         # restarting counts as down here: a box that crashed in its first seconds (its restart policy)
-        down = first_down([(b, engine.state(b.container)) for b in boxes], up=("created", "running"))
+        down = settled_down(boxes, up=("created", "running"))
         if down is not None:
             err = died(*down)
             remove_all(boxes)
@@ -290,8 +312,7 @@ def wait(boxes: list[Box], timeout: float, interval: float) -> int:
     api_boxes = [b for b in boxes if b.container.labels.get(f"{LABEL}.role") != "worker"]
     while True:
         states = [(b, engine.state(b.container)) for b in boxes]  # every box first: a dead rank never recovers
-        down = first_down(states)
-        if down is not None:
+        if first_down(states) is not None and (down := settled_down(boxes)) is not None:
             raise died(*down)
         if all(st.status == "running" for _, st in states) and all(healthy(b, st) for b, st in states if b in api_boxes):
             break

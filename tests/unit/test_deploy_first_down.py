@@ -64,3 +64,43 @@ def test_docker_timestamps_parse():
     assert epoch("2026-12-04T21:33:59.5Z") - epoch("2026-12-04T21:33:59Z") == 0.5
     assert epoch("2026-12-04T21:33:59.001Z") > epoch("2026-12-04T21:33:59Z")  # (float64 holds ~0.2 µs here)
     assert epoch("0001-01-01T00:00:00Z") is None and epoch("") is None and epoch("yesterday") is None
+
+
+class Timeline:
+    """Engines whose states change at given times on a fake clock (sleep advances it)."""
+
+    def __init__(self, events: dict[str, list[tuple[float, State]]]):
+        self.t, self.events = 0.0, events
+
+    def clock(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+
+    def read(self, b: deploy.Box) -> State:
+        return [st for at, st in self.events[b.node] if at <= self.t][-1]
+
+
+def test_a_worker_whose_engine_reports_its_exit_late_is_still_named():
+    """The CI flake of 2d797f6: the killed worker's engine still said running when the head's said
+    exited; one read named the head. Settling names the worker, which ended first."""
+    head, w1, w2 = box(0, "head"), box(1, "worker"), box(2, "worker")
+    tl = Timeline({"0": [(0, State("exited", 1, finished_at="2026-12-05T16:52:25.40Z"))],
+                   "1": [(0, State("running"))],
+                   "2": [(0, State("running")), (0.6, State("exited", 137, finished_at="2026-12-05T16:52:25.10Z"))]})
+    b, st, also = deploy.settled_down([head, w1, w2], read=tl.read, clock=tl.clock, sleep=tl.sleep)
+    assert b is w2 and st.exit_code == 137 and also == [head]
+    assert 1.6 <= tl.t <= 2.0  # waited for the change, then quiet_s more, not the whole limit
+
+
+def test_settling_is_bounded_and_free_when_every_box_is_up():
+    head, w1 = box(0, "head"), box(1, "worker")
+    up = Timeline({"0": [(0, State("running"))], "1": [(0, State("running"))]})
+    assert deploy.settled_down([head, w1], read=up.read, clock=up.clock, sleep=up.sleep) is None and up.t == 0
+    # a box that flaps forever: the answer still comes by limit_s
+    flap = Timeline({"0": [(0, State("exited", 1, finished_at="2026-12-05T16:00:00Z"))],
+                     "1": [(i * 0.25, State("exited" if i % 2 else "running", 1, finished_at="2026-12-05T16:00:01Z"))
+                           for i in range(100)]})
+    b, _, _ = deploy.settled_down([head, w1], read=flap.read, clock=flap.clock, sleep=flap.sleep, limit_s=4.0)
+    assert b is head and 4.0 <= flap.t <= 4.25
