@@ -60,6 +60,11 @@ CAPS: Mapping[str, tuple[tuple[object, ...], str]] = MappingProxyType({
                            "block (use_eagle_block_drop) unless MTP_BLOCK_DROP=0 (docs/PREFIX-CACHE.md)"),
     "overhead_fitted": ((True, False),
                         "the planner's runtime-overhead constant was fitted on pools measured on this release"),
+    "qsa_logits_workspace": (("chunks-128", "chunks-env", "worst-case-env"),
+                             "how the QSA indexer's top-k sizes its float32 logits, memory vLLM's profile run never "
+                             "sees (plan/workspace.py): chunks of at most 128 MiB (0.29's qsa_select_paged_tokens), "
+                             "chunks of at most VLLM_SPARSE_INDEXER_MAX_LOGITS_MB (0.30), or that many MiB allocated "
+                             "whole on every prefill (0.31+)"),
     "qsa_topk_site": (("select-paged-tokens", "indexer", None),
                       "where QSA picks its blocks, the hook patches 5 and 8 replace: inline in "
                       "ops/qsa.py's qsa_select_paged_tokens (0.29), or ops/qsa_indexer.py's _topk, whose "
@@ -107,7 +112,8 @@ def _release(version: str, torch: str, **caps: object) -> Release:
 
 _NEWER = dict(dockerfile="Dockerfile", ple_storage="storage", ring_state_bucket=True, overhead_fitted=False,
               spec_tokens_per_batch_size=True, spec_eagle_block_drop_flag=True, ple_hoisted=True,
-              ple_fp8_modelopt=True, block_size_prefix_groups=True, qsa_topk_site="indexer")
+              ple_fp8_modelopt=True, block_size_prefix_groups=True, qsa_topk_site="indexer",
+              qsa_logits_workspace="worst-case-env")
 
 # Oldest first. 0.29.0 is the first release with qwen4_exp.
 RELEASES: tuple[Release, ...] = (
@@ -115,9 +121,9 @@ RELEASES: tuple[Release, ...] = (
              reasoning_effort_map=False, mamba_prefill_checkpoints=False, ring_state_bucket=False,
              overhead_fitted=True, spec_tokens_per_batch_size=True, spec_eagle_block_drop_flag=False,
              ple_hoisted=False, ple_fp8_modelopt=False, block_size_prefix_groups=False,
-             qsa_topk_site="select-paged-tokens", mtp_hash_lookahead=False),
-    _release("0.30.0", "2.13.0", **_NEWER, qsa_fp8_kv="patch", reasoning_effort_map=False,
-             mamba_prefill_checkpoints=False, mtp_hash_lookahead=False),
+             qsa_topk_site="select-paged-tokens", mtp_hash_lookahead=False, qsa_logits_workspace="chunks-128"),
+    _release("0.30.0", "2.13.0", **{**_NEWER, "qsa_logits_workspace": "chunks-env"}, qsa_fp8_kv="patch",
+             reasoning_effort_map=False, mamba_prefill_checkpoints=False, mtp_hash_lookahead=False),
     _release("0.31.0", "2.13.0", **_NEWER, qsa_fp8_kv="native", reasoning_effort_map=False,
              mamba_prefill_checkpoints=False, mtp_hash_lookahead=False),
     _release("0.32.0", "2.13.0", **_NEWER, qsa_fp8_kv="native", reasoning_effort_map=False,

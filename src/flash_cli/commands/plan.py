@@ -76,6 +76,9 @@ def render(p: dict) -> str:
         f"{b['activations_gib']} + top-k buffers {b['topk_buffers_gib']} + runtime {b['runtime_overhead_gib']} + KV {b['kv_cache_gib']}",
         "  weights        " + ", ".join(f"{k} {v}" for k, v in p["weights"]["gib"].items()),
     ]
+    if b.get("outside_budget_gib"):
+        lines.append(f"  outside        up to {b['outside_budget_gib']} GiB beyond GPU_MEM from the first prefill on: the "
+                     "QSA indexer's logits, which vLLM's profile run never allocates")
     if p.get("prefix_cache"):
         from ..plan import prefix
 

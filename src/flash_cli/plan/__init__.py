@@ -27,7 +27,7 @@ from flash_common import releases
 from .. import geometry as geometry_mod
 from ..spec import ple_hoisted
 from . import hardware as hardware_mod
-from . import kvcache, prefill, prefix, weights as weights_mod
+from . import kvcache, prefill, prefix, weights as weights_mod, workspace
 from .calibration import (DISCRETE_OVERHEAD_BAND, DISCRETE_OVERHEAD_BAND_FULL, H200_RUN, H200_RUN_FULL, OVERHEAD_BAND,
                           RUNTIME_OVERHEAD, RUNTIME_OVERHEAD_DISCRETE, RUNTIME_OVERHEAD_DISCRETE_FULL)
 from .hardware import GIB, Hardware
@@ -61,9 +61,11 @@ def _gib(x: float | int | None) -> float | None:
 def activation_bytes(g: geometry_mod.Geometry, batched_tokens: int) -> int:
     """Transient peak of the profile run (a BATCHED_TOKENS-token prefill), estimated from the
     largest tensors alive together: the HC streams (in, out, mix), one MoE layer's top-k
-    intermediates (w13 out, activation, down out) and the QSA projections; plus the QSA
-    logits workspace (`_LOGITS_WORKSPACE_BYTES`, 128 MiB). An estimate: its error at 8192 tokens
-    is absorbed by the calibrated overhead, it only sets how the budget moves with BATCHED_TOKENS."""
+    intermediates (w13 out, activation, down out) and the QSA projections; plus a constant 128
+    MiB, first taken for 0.29's QSA logits chunk, which the profile run never allocates (it builds
+    no attention metadata: workspace.py); the fitted overheads absorb the constant, so it stays
+    rather than move them. An estimate: its error at 8192 tokens is absorbed by the calibrated
+    overhead, it only sets how the budget moves with BATCHED_TOKENS."""
     hc = 3 * g.hc_width * 2
     moe = g.num_experts_per_tok * (3 * g.moe_intermediate_size + g.hidden_size) * 2
     qsa = (2 * g.num_attention_heads * g.head_dim + 2 * g.num_key_value_heads * g.head_dim
@@ -249,13 +251,15 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
     tokens = lay.tokens(kv_bytes)
     conc = lay.concurrency(kv_bytes)
     one_request = lay.bytes_for_requests(1, s["CTX"])
+    # taken by the first prefill after the KV pool was sized, kept by the caching allocator
+    outside = workspace.qsa_logits_bytes(base, s["CTX"], lay.block_size, geom.indexer_compress_ratio, batched)
 
     host: dict[str, Any] = {"unified_memory": hw.unified}
     table = w.on_disk.get("ple_table") or geom.ple_table_bytes  # the checkpoint's own (NVFP4 in the QAD export)
     page_cache = None
     if hw.unified and hw.host_total:
-        page_cache = hw.host_total - claim - hw.host_reserve - hw.vllm_baseline
-        host.update(host_total_gib=_gib(hw.host_total), vllm_claim_gib=_gib(claim),
+        page_cache = hw.host_total - claim - outside - hw.host_reserve - hw.vllm_baseline
+        host.update(host_total_gib=_gib(hw.host_total), vllm_claim_gib=_gib(claim), outside_budget_gib=_gib(outside),
                     os_reserve_gib=_gib(hw.host_reserve), vllm_pre_snapshot_gib=_gib(hw.vllm_baseline))
     elif hw.host_total:
         page_cache = hw.host_total - hw.host_reserve - 6 * GIB
@@ -284,6 +288,16 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
         assumptions.append("graphs FULL_AND_PIECEWISE (PLE_MODE resolves to the hoisted gather): the unified-memory "
                            "fit was measured with PIECEWISE graphs; on the H200 this regime's non-KV memory came out "
                            "0.46 GiB smaller (run43 vs run37), so the pool may come out larger than planned")
+    assumptions.append(f"outside the budget: the QSA indexer's float32 logits, up to {_gib(outside)} GiB from the "
+                       f"first prefill on (the most at CTX={s['CTX']:,}, BATCHED_TOKENS={batched:,}; {base}: "
+                       + {"chunks-128": "chunks of at most 128 MiB",
+                          "chunks-env": f"chunks of at most VLLM_SPARSE_INDEXER_MAX_LOGITS_MB={workspace.MAX_LOGITS_MB}",
+                          "worst-case-env": f"VLLM_SPARSE_INDEXER_MAX_LOGITS_MB={workspace.MAX_LOGITS_MB} allocated "
+                                            "whole on every prefill"}[releases.cap(base, "qsa_logits_workspace")]
+                       + "); vLLM's profile run builds no attention metadata, so it never sees this. It comes on top "
+                       "of what else a prefill step holds at the indexer, which may stay under the profiled activation "
+                       "peak or pass it: counted whole, beyond the budget, so the page-cache figure is the low end "
+                       "(sizes from each release's own function run on CPU; not measured on a GPU)")
     if not releases.has(base, "overhead_fitted"):
         assumptions.append(f"accounting of {base}: same allocator path as 0.29 except where noted; the overhead "
                            "was fitted on pools measured with the 0.29-era image")
@@ -308,7 +322,8 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
                     "checkpoint_on_disk_gib": {k: _gib(v) for k, v in w.on_disk.items() if v}},
         "budget": {"gpu_mem": s["GPU_MEM"], "requested_gib": _gib(requested), "weights_gib": _gib(w_total),
                    "activations_gib": _gib(act), "topk_buffers_gib": _gib(topk), "runtime_overhead_gib": _gib(overhead),
-                   "non_kv_gib": _gib(non_kv), "kv_cache_gib": _gib(kv_bytes), "kv_cache_mem_set": bool(s["KV_CACHE_MEM"])},
+                   "non_kv_gib": _gib(non_kv), "kv_cache_gib": _gib(kv_bytes), "kv_cache_mem_set": bool(s["KV_CACHE_MEM"]),
+                   "outside_budget_gib": _gib(outside)},
         "kv_layout": {
             "accounting": f"vLLM {base} hybrid allocator (packed block-outermost groups)",
             "block_size": lay.block_size, "attention_page_bytes_per_token": lay.attn_page_per_token,
