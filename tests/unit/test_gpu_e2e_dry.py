@@ -54,7 +54,7 @@ def test_every_server_is_the_default_profiles_runspec(planned):
         assert argv[argv.index("--block-size") + 1] == "256" and argv[argv.index("--gdn-prefill-backend") + 1] == "triton"
         assert argv[argv.index("--port") + 1] == str(s["port"]) and argv[argv.index("--host") + 1] == "127.0.0.1"
         # a fixed KV pool for side-by-side boots; a profiled one (and a larger share) for those booting alone
-        solo = name in ("a-default", "b-default", "c-default", "a-oos")
+        solo = name in ("a-default", "b-default", "c-default", "a-oos", "a-shape-2k", "a-shape-8k")
         assert s["solo"] is solo
         assert argv[argv.index("--gpu-memory-utilization") + 1] == ("0.12" if solo else "0.05")
         assert ("--kv-cache-memory-bytes" in argv) is not solo
@@ -62,7 +62,7 @@ def test_every_server_is_the_default_profiles_runspec(planned):
             assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(1 << 30)
         if name.startswith("hx"):
             continue  # the hoisted-mode servers: test_hoisted_mode_servers
-        ctx_len = (str(fleet.QB_CTX) if name.startswith("qb-") else "8192" if name == "a-oos"
+        ctx_len = (str(fleet.QB_CTX) if name.startswith("qb-") else "8192" if name in ("a-oos", "a-shape-2k", "a-shape-8k")
                    else "4096" if name.startswith("pr-") else "2048")
         assert argv[argv.index("--max-model-len") + 1] == ctx_len
         # PREFIX_RETAIN's pair differ in that setting only (prefix_retain)
@@ -209,7 +209,8 @@ def test_kv_plan_names_the_h200_preset_only_on_an_h200():
 def test_only_kv_plan_servers_boot_alone(planned):
     ctx, _, _ = planned
     specs = {s["server"]: s for s in fleet.plan(ctx, fleet.select("kv_plan or probe_p1"))}
-    assert {n for n, s in specs.items() if s["solo"]} == {"a-default", "b-default", "c-default", "a-oos"}
+    assert {n for n, s in specs.items() if s["solo"]} == {"a-default", "b-default", "c-default", "a-oos",
+                                                          "a-shape-2k", "a-shape-8k"}
     assert not specs["probe-p1"]["solo"]
     specs = {s["server"]: s for s in fleet.plan(ctx, fleet.select("boot_a"))}
     assert list(specs) == ["a-default"] and not specs["a-default"]["solo"]
@@ -221,9 +222,9 @@ def test_selection_is_pytest_like():
     assert names("probe and not repair") == [f"probe_p{n}" for n in fleet.NEUTRAL]
     assert names("boot_a or broken") == ["boot_a", "broken_patch_p1"]
     # + probe_p8_repair, prefix_hit_a/off, ple_memory, ple_memory_p1, diag_ple_ids, broken_patch_p1, fix_p4,
-    # qsa_past_budget, kv_plan_oos, 3 hoist_exact, the QAD layout's boot_d, flash_test_d, ple_nvfp4_d,
+    # qsa_past_budget, kv_plan_oos, kv_plan_shape_2k/8k, 3 hoist_exact, the QAD layout's boot_d, flash_test_d, ple_nvfp4_d,
     # the guards' triggers guard_p3, guard_p13, and prefix_retain
-    assert len(names(None)) == len(fleet.SCENARIOS) == 3 * 3 + len(fleet.NEUTRAL) + 1 + 9 + 3 + 3 + 2 + 1
+    assert len(names(None)) == len(fleet.SCENARIOS) == 3 * 3 + len(fleet.NEUTRAL) + 1 + 9 + 2 + 3 + 3 + 2 + 1
     assert names("_d") == ["boot_d", "flash_test_d", "ple_nvfp4_d"]
 
 
