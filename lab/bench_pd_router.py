@@ -38,7 +38,7 @@ KEY = "sk-bench-0123456789"
 WORDS = 10
 
 
-def serve_fakes(procs: int = 1) -> None:
+def serve_fakes(procs: int = 1, token_gap_s: float = 0.01) -> None:
     """--fakes: the prefill and decode fakes until stdin closes, in `procs` processes: the listening
     sockets are bound once, then the process forks (before any thread starts) and every copy serves
     both on them, the kernel handing each accepted connection to one. One process is one GIL: at 200
@@ -49,6 +49,7 @@ def serve_fakes(procs: int = 1) -> None:
 
     p = FakeServer("prefill", KEY)
     d = FakeServer("decode", KEY)  # no peer: direct requests carry complete params of their own
+    d.token_gap_s = token_gap_s
     parent = os.getpid()
     for _ in range(procs - 1):
         if os.fork() == 0:
@@ -212,14 +213,23 @@ def main() -> int:
                          "2026-12-05 evening, whose fakes held one core at 200 clients)")
     ap.add_argument("--client-procs", type=int, default=1, metavar="N",
                     help="client processes the --clients are split over (1: one asyncio loop, as before)")
+    ap.add_argument("--tokens", type=int, default=WORDS, metavar="N",
+                    help=f"tokens the decode fake streams per request (default {WORDS})")
+    ap.add_argument("--token-ms", type=float, default=10.0, metavar="MS",
+                    help="milliseconds between the decode fake's tokens (default 10: instant next to a real "
+                         "server; a Spark serving many streams spaces its tokens far more)")
     ap.add_argument("--json", metavar="PATH", help="write the summary and every latency here")
     ap.add_argument("--fakes", action="store_true", help=argparse.SUPPRESS)
     ns = ap.parse_args()
     for name in ("fake_procs", "client_procs"):
         if not 1 <= getattr(ns, name) <= 64:
             ap.error(f"--{name.replace('_', '-')} {getattr(ns, name)}: between 1 and 64")
+    if not 1 <= ns.tokens <= 4096:
+        ap.error(f"--tokens {ns.tokens}: between 1 and 4096")
+    if not 0 <= ns.token_ms <= 10_000:  # nan fails both comparisons
+        ap.error(f"--token-ms {ns.token_ms}: between 0 and 10000")
     if ns.fakes:
-        serve_fakes(ns.fake_procs)
+        serve_fakes(ns.fake_procs, ns.token_ms / 1000)
         return 0
     import tempfile
 
@@ -229,10 +239,11 @@ def main() -> int:
         ap.error(f"--workers {ns.workers!r}: comma-separated integers, e.g. 1,2")
     if any(w < 1 for w in counts):
         ap.error("--workers: each count at least 1 (0, the router's auto, would hide what was measured)")
-    fk = subprocess.Popen([sys.executable, "-m", "lab.bench_pd_router", "--fakes", "--fake-procs", str(ns.fake_procs)],
+    fk = subprocess.Popen([sys.executable, "-m", "lab.bench_pd_router", "--fakes", "--fake-procs", str(ns.fake_procs),
+                           "--token-ms", repr(ns.token_ms)],
                           stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    client = {"model": "m", "prompt": "hi", "max_tokens": WORDS, "stream": True}
+    client = {"model": "m", "prompt": "hi", "max_tokens": ns.tokens, "stream": True}
     direct = {**client, "kv_transfer_params": direct_params()}
     results: dict[int, dict] = {}
     try:
@@ -257,7 +268,8 @@ def main() -> int:
     finally:
         fk.stdin.close()
         fk.wait(30)
-    setup = {"clients": ns.clients, "rounds": ns.rounds, "tokens_per_stream": WORDS, "workers": counts,
+    setup = {"clients": ns.clients, "rounds": ns.rounds, "tokens_per_stream": ns.tokens, "token_ms": ns.token_ms,
+             "workers": counts,
              "fake_procs": ns.fake_procs, "client_procs": ns.client_procs,
              "cores": os.cpu_count(), "loadavg_before": os.getloadavg()[0], "machine": platform.machine(),
              "python": platform.python_version(), "command": " ".join(["python3 -m lab.bench_pd_router", *sys.argv[1:]])}

@@ -65,6 +65,7 @@ class FakeServer:
         self.break_after: int | None = None
         self.hold: threading.Event | None = None
         self.hold_answer: threading.Event | None = None
+        self.token_gap_s = 0.01  # between streamed tokens (the load bench's --token-ms)
         self.disconnected = threading.Event()  # the client went away mid-answer
         self.n = 0
         self.conns: set = set()
@@ -232,7 +233,7 @@ class _Handler(BaseHTTPRequestHandler):
             f.disconnected.set()
             return
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or len(WORDS))
-        words = (WORDS * 4)[:n]
+        words = [WORDS[i % len(WORDS)] for i in range(n)]
         if not body.get("stream"):
             text = "".join(words)
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
@@ -258,7 +259,7 @@ class _Handler(BaseHTTPRequestHandler):
                 chunk(f"data: {json.dumps({**base, **delta})}\n\n".encode())
                 if i == 0 and f.hold is not None:
                     f.hold.wait(10)
-                time.sleep(0.01)
+                time.sleep(f.token_gap_s)
             chunk(b"data: [DONE]\n\n")
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()

@@ -29,3 +29,25 @@ def test_process_counts_are_bounded():
     res = subprocess.run([sys.executable, "-m", "lab.bench_pd_router", "--fake-procs", "0"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "--fake-procs 0: between 1 and 64" in res.stderr
+
+
+def test_the_decode_fake_paces_its_tokens_as_asked(tmp_path):
+    """--tokens/--token-ms: a stream of 30 tokens 40 ms apart takes at least 1.2 s on both sides (the
+    router adds its prefill leg and relay to the same decode work)."""
+    out = tmp_path / "b.json"
+    res = subprocess.run([sys.executable, "-m", "lab.bench_pd_router", "--clients", "4", "--rounds", "1",
+                          "--tokens", "30", "--token-ms", "40", "--json", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = json.loads(out.read_text())
+    assert (doc["setup"]["tokens_per_stream"], doc["setup"]["token_ms"]) == (30, 40.0)
+    for side in ("direct", "router"):
+        assert doc[side]["errors"] == 0 and min(doc["latencies"][side]) >= 30 * 0.040 - 0.01, doc[side]
+
+
+def test_pacing_is_bounded():
+    for args, why in ((["--token-ms", "nan"], "--token-ms nan: between 0 and 10000"),
+                      (["--tokens", "0"], "--tokens 0: between 1 and 4096")):
+        res = subprocess.run([sys.executable, "-m", "lab.bench_pd_router", *args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2 and why in res.stderr, res.stderr
