@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 
@@ -18,10 +19,11 @@ def rows(paths: list[Path]) -> list[dict]:
     for path in paths:
         doc = json.loads(path.read_text())
         setup = doc["setup"]
-        runs = {k: v for k, v in doc.items() if k.startswith("w")} or {f"w{setup['workers'][0]}": doc}
+        # several worker counts: w1, w2, ...; one: the ratios at the top (its "workers" key is not a run)
+        runs = {k: v for k, v in doc.items() if re.fullmatch(r"w\d+", k)} or {f"w{setup['workers'][0]}": doc}
         for key, r in runs.items():
             out.append({"file": path.name, "workers": int(key[1:]),
-                        "pacing": f"{setup['tokens_per_stream']} tokens × {setup.get('token_ms', 10.0):g} ms",
+                        "pacing": f"{setup['tokens_per_stream']} tokens × {setup.get('token_ms') or 10.0:g} ms",
                         "excess_p99": r["router"]["p99"] - r["direct"]["p99"], "ratio_p99": r["ratio_p99"],
                         "direct_p99": r["direct"]["p99"]})
     return out

@@ -51,3 +51,20 @@ def test_pacing_is_bounded():
         res = subprocess.run([sys.executable, "-m", "lab.bench_pd_router", *args], cwd=ROOT,
                              capture_output=True, text=True, timeout=60)
         assert res.returncode == 2 and why in res.stderr, res.stderr
+
+
+def test_the_plot_reads_both_result_shapes(tmp_path):
+    """lab/plot_pd_router.py's rows: several worker counts (w1, w2, ...) or one (ratios at the top)."""
+    sys.path.insert(0, str(ROOT))
+    from lab.plot_pd_router import rows
+
+    many = ROOT / "benchmarks/pd-router/paced-2core/p64-run1.json"
+    doc = json.loads(many.read_text())
+    got = rows([many])
+    assert [r["workers"] for r in got] == [1, 2] and {r["pacing"] for r in got} == {"64 tokens × 30 ms"}
+    assert got[1]["excess_p99"] == doc["w2"]["router"]["p99"] - doc["w2"]["direct"]["p99"]
+    one = tmp_path / "one.json"  # the one-count shape: no w1 key, tokens_per_stream only (before --token-ms)
+    one.write_text(json.dumps({**doc["w1"], "setup": {**doc["setup"], "workers": [1], "token_ms": None} |
+                               {"tokens_per_stream": 10}}))
+    (r,) = rows([one])
+    assert r["workers"] == 1 and r["ratio_p99"] == doc["w1"]["ratio_p99"]
