@@ -259,6 +259,20 @@ def _ple_storage(read, names) -> str | None:
     return None
 
 
+def _qsa_logits_workspace(read) -> str:
+    """How the QSA top-k sizes its logits (flash_cli/plan/workspace.py): the prefill selection allocates
+    its cap whole (`budget_bytes = max(max_logits_bytes, ...)`, 0.31+), chunks by the cap (0.30), or
+    0.29's qsa_select_paged_tokens chunks by `_LOGITS_WORKSPACE_BYTES`."""
+    indexer = read("vllm/models/qwen4_exp/nvidia/ops/qsa_indexer.py") or ""
+    if "budget_bytes = max(max_logits_bytes" in indexer:
+        return "worst-case-env"
+    if "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB" in indexer:
+        return "chunks-env"
+    if "_LOGITS_WORKSPACE_BYTES = 128 * 1024 * 1024" in (read("vllm/models/qwen4_exp/nvidia/ops/qsa.py") or ""):
+        return "chunks-128"
+    return "worst-case-env"  # neither marker: the largest, until the release's code is read
+
+
 # capability -> probe(read, names) -> value; read(path) is the text of a file in the wheel or None.
 PROBES = {
     "ple_storage": _ple_storage,
@@ -286,6 +300,7 @@ PROBES = {
     "mtp_hash_lookahead": lambda read, names: "self.num_hash_lookahead_tokens = vllm_config.num_hash_lookahead_tokens" in (
         read("vllm/v1/core/sched/scheduler.py") or ""),
     "overhead_fitted": lambda read, names: False,  # a new release has not been calibrated on hardware
+    "qsa_logits_workspace": lambda read, names: _qsa_logits_workspace(read),
     # the QSA block top-k that patches 5 and 8 hook (p05_qsa_exact_topk/hook.py's targets)
     "qsa_topk_site": lambda read, names: (
         "indexer" if "def _topk(" in (read("vllm/models/qwen4_exp/nvidia/ops/qsa_indexer.py") or "")

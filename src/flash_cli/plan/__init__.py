@@ -294,10 +294,10 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
                           "chunks-env": f"chunks of at most VLLM_SPARSE_INDEXER_MAX_LOGITS_MB={workspace.MAX_LOGITS_MB}",
                           "worst-case-env": f"VLLM_SPARSE_INDEXER_MAX_LOGITS_MB={workspace.MAX_LOGITS_MB} allocated "
                                             "whole on every prefill"}[releases.cap(base, "qsa_logits_workspace")]
-                       + "); vLLM's profile run builds no attention metadata, so it never sees this. It comes on top "
-                       "of what else a prefill step holds at the indexer, which may stay under the profiled activation "
-                       "peak or pass it: counted whole, beyond the budget, so the page-cache figure is the low end "
-                       "(sizes from each release's own function run on CPU; not measured on a GPU)")
+                       + "); vLLM's profile run builds no attention metadata, so it never sees them")
+    assumptions.append("the QSA logits come on top of what else a prefill step holds at the indexer, which may stay "
+                       "under the profiled activation peak or pass it: counted whole, so the page-cache figure is the "
+                       "low end (sizes from each release's own function run on CPU; not measured on a GPU)")
     if not releases.has(base, "overhead_fitted"):
         assumptions.append(f"accounting of {base}: same allocator path as 0.29 except where noted; the overhead "
                            "was fitted on pools measured with the 0.29-era image")
