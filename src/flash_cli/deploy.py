@@ -174,7 +174,7 @@ def first_down(states: list[tuple[Box, engine.State]], up: tuple[str, ...] = ("r
 
 
 def settled_down(boxes: list[Box], up: tuple[str, ...] = ("running", "created", "restarting"), *,
-                 quiet_s: float = 1.0, limit_s: float = 4.0, poll_s: float = 0.25,
+                 quiet_s: float = 2.0, limit_s: float = 8.0, poll_s: float = 0.25,
                  read=None, clock=time.monotonic, sleep=time.sleep) -> tuple[Box, engine.State, list[Box]] | None:
     """first_down once the set of boxes down has held still for quiet_s (at most limit_s): a lost
     rank takes the head down within milliseconds, and the two engines (two boxes) record their

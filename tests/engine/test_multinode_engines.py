@@ -342,9 +342,16 @@ def test_tp4ep_on_four_engines(flash, docker_client, more_engines):
         [(i, "worker", "running") for i in (1, 2, 3)]
     logs = flash("logs", "--node", "3", "50")
     assert "Launching vLLM headless rank 3 (tp)" in logs.stdout, logs.stdout + logs.stderr
-    node(more_engines[1][1], flash.name, 2).kill()  # a lost rank: wait names it at once
+    lost = node(more_engines[1][1], flash.name, 2)
+    lost.kill()  # a lost rank: wait names it at once
+    for _ in range(120):  # its engine records the exit on its own time (the kill call can return first)
+        lost.reload()
+        if lost.status == "exited":
+            break
+        time.sleep(0.25)
     res = flash("wait", "--timeout", "60", "--interval", "0.5")
-    assert res.returncode == 7 and "node 2 (worker)" in res.stderr, res.stdout + res.stderr
+    states = {i: node(c, flash.name, i).status for i, c in enumerate([docker_client] + [c for _, c in more_engines])}
+    assert res.returncode == 7 and "node 2 (worker)" in res.stderr, (states, res.stdout + res.stderr)
     res = flash("stop", "--no-drain")
     assert res.returncode == 0 and "node 3 (worker)" in res.stdout, res.stdout + res.stderr
     assert flash("rm").returncode == 0
