@@ -11,13 +11,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_fakes_and_clients_over_several_processes(tmp_path):
+def bench(tmp_path, *args: str) -> dict:
+    """Run the bench with these arguments and --json; exit 0 asserted; the JSON it wrote."""
     out = tmp_path / "b.json"
-    res = subprocess.run([sys.executable, "-m", "lab.bench_pd_router", "--clients", "12", "--rounds", "2",
-                          "--fake-procs", "3", "--client-procs", "2", "--json", str(out)],
+    res = subprocess.run([sys.executable, "-m", "lab.bench_pd_router", *args, "--json", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout + res.stderr
-    doc = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_fakes_and_clients_over_several_processes(tmp_path):
+    doc = bench(tmp_path, "--clients", "12", "--rounds", "2", "--fake-procs", "3", "--client-procs", "2")
     assert (doc["setup"]["fake_procs"], doc["setup"]["client_procs"]) == (3, 2)
     for side in ("direct", "router"):
         assert doc[side]["requests"] == 24 and doc[side]["errors"] == 0
@@ -34,12 +38,7 @@ def test_process_counts_are_bounded():
 def test_the_decode_fake_paces_its_tokens_as_asked(tmp_path):
     """--tokens/--token-ms: a stream of 30 tokens 40 ms apart takes at least 1.2 s on both sides (the
     router adds its prefill leg and relay to the same decode work)."""
-    out = tmp_path / "b.json"
-    res = subprocess.run([sys.executable, "-m", "lab.bench_pd_router", "--clients", "4", "--rounds", "1",
-                          "--tokens", "30", "--token-ms", "40", "--json", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0, res.stdout + res.stderr
-    doc = json.loads(out.read_text())
+    doc = bench(tmp_path, "--clients", "4", "--rounds", "1", "--tokens", "30", "--token-ms", "40")
     assert (doc["setup"]["tokens_per_stream"], doc["setup"]["token_ms"]) == (30, 40.0)
     for side in ("direct", "router"):
         assert doc[side]["errors"] == 0 and min(doc["latencies"][side]) >= 30 * 0.040 - 0.01, doc[side]

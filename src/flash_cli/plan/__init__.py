@@ -290,11 +290,8 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
                            "0.46 GiB smaller (run43 vs run37), so the pool may come out larger than planned")
     assumptions.append(f"outside the budget: the QSA indexer's float32 logits, up to {_gib(outside)} GiB from the "
                        f"first prefill on (the most at CTX={s['CTX']:,}, BATCHED_TOKENS={batched:,}; {base}: "
-                       + {"chunks-128": "chunks of at most 128 MiB",
-                          "chunks-env": f"chunks of at most VLLM_SPARSE_INDEXER_MAX_LOGITS_MB={workspace.MAX_LOGITS_MB}",
-                          "worst-case-env": f"VLLM_SPARSE_INDEXER_MAX_LOGITS_MB={workspace.MAX_LOGITS_MB} allocated "
-                                            "whole on every prefill"}[releases.cap(base, "qsa_logits_workspace")]
-                       + "); vLLM's profile run builds no attention metadata, so it never sees them")
+                       f"{workspace.describe(base)}); vLLM's profile run builds no attention metadata, so it never "
+                       "sees them")
     assumptions.append("the QSA logits come on top of what else a prefill step holds at the indexer, which may stay "
                        "under the profiled activation peak or pass it: counted whole, so the page-cache figure is the "
                        "low end (sizes from each release's own function run on CPU; not measured on a GPU)")

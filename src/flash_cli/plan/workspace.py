@@ -46,3 +46,11 @@ def qsa_logits_bytes(base: str, ctx: int, block_size: int, compress_ratio: int, 
         width = min(max(64, -(-(-(-ctx // compress_ratio)) // 64) * 64), columns)  # cdiv(seq, ratio) up to 64
         return min(batched_tokens, max(1, cap // (width * 4))) * width * 4
     return max(cap, columns * 4)  # worst-case-env
+
+
+def describe(base: str) -> str:
+    """How this release sizes the logits, in a phrase for the plan's assumptions."""
+    return {"chunks-128": "chunks of at most 128 MiB",
+            "chunks-env": f"chunks of at most VLLM_SPARSE_INDEXER_MAX_LOGITS_MB={MAX_LOGITS_MB}",
+            "worst-case-env": f"VLLM_SPARSE_INDEXER_MAX_LOGITS_MB={MAX_LOGITS_MB} allocated whole on every prefill",
+            }[releases.cap(base, "qsa_logits_workspace")]
