@@ -483,6 +483,26 @@ def report_cmd(args) -> int:
     return 0
 
 
+H200_BANDWIDTH_GBS = 4296.6  # measured on the decode-h200 H200 (run5, run6: --bandwidth-gbs)
+
+
+def gb10_cmd(args) -> int:
+    """One band per report: default's c=1 step at the shortest prompt (random weights: per step)."""
+    from lab.decode.extrapolate import RECIPE_BYTES, gb10_band
+
+    bands = []
+    for f in args.reports:
+        steps = json.loads(Path(f).read_text())["step_ms"].get("default", {})
+        cell = next((c for c in sorted(steps, key=lambda c: int(c.split("p=")[1])) if c.startswith("c=1 ")), None)
+        if cell is None:
+            raise SystemExit(f"{f}: no c=1 step of the default server")
+        bands.append({"report": f, "cell": cell, **gb10_band(steps[cell]["step"], RECIPE_BYTES, args.bandwidth_gbs)})
+    lo = min(b["gb10_tok_s_per_step"][0] for b in bands)
+    hi = max(b["gb10_tok_s_per_step"][1] for b in bands)
+    print(json.dumps({"bands": bands, "gb10_tok_s_per_step": [lo, hi]}, indent=2))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -522,6 +542,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--json")
     p.set_defaults(func=report_cmd)
+    p = sub.add_parser("gb10", help="the GB10 decode-step band from the measured default c=1 steps of report JSONs")
+    p.add_argument("reports", nargs="+")
+    p.add_argument("--bandwidth-gbs", type=float, default=H200_BANDWIDTH_GBS,
+                   help="the H200's measured copy bandwidth (decode-h200 run5/run6)")
+    p.set_defaults(func=gb10_cmd)
     args = ap.parse_args(argv)
     return args.func(args)
 

@@ -71,3 +71,25 @@ def extrapolate(summ: dict, layers: int = model.LAYERS, bw_h200_gbs: float | Non
                     "gb10_tok_s_estimate_recipe_bytes": round(1000.0 / (other + read_ms(recipe_bytes, bw_gb10_gbs)), 1)}
         out[cfg] = row
     return out
+
+
+def gb10_band(step_ms_h200: float, step_bytes: dict, bw_h200_gbs: float, layers: int = model.LAYERS,
+              bw_gb10_gbs: float = 273.0, bw_fraction: tuple[float, float] = (0.75, 1.0),
+              other_factor: tuple[float, float] = (1.0, 2.0)) -> dict:
+    """A GB10 decode step estimated from one measured at the real 48-layer shape on an H200 (no
+    line through layer counts): the weight bytes the step reads (`step_bytes`, at the H200's
+    measured bandwidth) are taken out, and what is left (launches, host work, latency, kernels that
+    do not stream weights) is kept. The GB10 step is then those bytes at a fraction of its 273 GB/s
+    (`bw_fraction`: no kernel reaches the peak) plus the rest stretched by `other_factor` (its GPU
+    has about a third of the H200's SMs, its host is a Grace CPU). Both ranges are assumptions,
+    so the band is theirs, not a statistical interval. Per step = per token at acceptance length 1."""
+    read = (step_bytes["fixed"] + layers * step_bytes["per_layer"]) / 1e9  # GB
+    other = step_ms_h200 - read / bw_h200_gbs * 1000.0
+    if other < 0:
+        raise ValueError(f"a {step_ms_h200} ms step cannot read {read:.1f} GB at {bw_h200_gbs} GB/s")
+    slow = max(other_factor) * other + read / (min(bw_fraction) * bw_gb10_gbs) * 1000.0
+    fast = min(other_factor) * other + read / (max(bw_fraction) * bw_gb10_gbs) * 1000.0
+    return {"h200_step_ms": round(step_ms_h200, 3), "gb_read": round(read, 2), "h200_ms_other": round(other, 3),
+            "gb10_step_ms": [round(fast, 1), round(slow, 1)],
+            "gb10_tok_s_per_step": [round(1000.0 / slow, 1), round(1000.0 / fast, 1)],
+            "assumed": {"bw_fraction": list(bw_fraction), "other_factor": list(other_factor), "bw_gb10_gbs": bw_gb10_gbs}}

@@ -403,3 +403,31 @@ def test_ple_phases_per_op_and_bad_settle():
     assert client.ple_phases(after, after) is None and client.ple_phases({}, {}) is None  # stock: no lookups
     with pytest.raises(SystemExit, match=r"--ple-settle -1.0: give 0"):
         bench_decode.main(["matrix", "x", "--out", "y", "--ple-settle", "-1"])
+
+
+def test_the_gb10_band_reads_the_bytes_slower_and_keeps_the_rest():
+    """2.2 GB read in a 10 ms H200 step at 1,100 GB/s leaves 8 ms of other work; on the GB10 the
+    bytes take 10 ms at 220 GB/s (its whole bandwidth) to 20 ms (half), the rest 8 to 16 ms."""
+    by = {"fixed": 0.2e9, "per_layer": 0.5e9}  # 0.2 + 4 x 0.5 = 2.2 GB
+    band = extrapolate.gb10_band(10.0, by, 1100.0, layers=4, bw_gb10_gbs=220.0, bw_fraction=(0.5, 1.0),
+                                 other_factor=(1.0, 2.0))
+    assert band["gb_read"] == 2.2 and band["h200_ms_other"] == 8.0
+    assert band["gb10_step_ms"] == [18.0, 36.0]
+    assert band["gb10_tok_s_per_step"] == [round(1000 / 36, 1), round(1000 / 18, 1)]
+    with pytest.raises(ValueError, match="cannot read 2.2 GB"):
+        extrapolate.gb10_band(1.0, by, 1100.0, layers=4)
+
+
+def test_the_gb10_command_takes_defaults_c1_step_from_each_report(tmp_path, capsys):
+    from lab import bench_recipe
+
+    rep = {"step_ms": {"default": {"c=4 p=64": {"step": 14.0}, "c=1 p=6144": {"step": 9.6}, "c=1 p=64": {"step": 9.4}}}}
+    (tmp_path / "r.json").write_text(json.dumps(rep))
+    assert bench_recipe.main(["gb10", str(tmp_path / "r.json")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bands"][0]["cell"] == "c=1 p=64" and out["bands"][0]["h200_step_ms"] == 9.4
+    lo, hi = out["gb10_tok_s_per_step"]
+    assert 10 < lo < hi < 30
+    (tmp_path / "none.json").write_text(json.dumps({"step_ms": {"stock": {}}}))
+    with pytest.raises(SystemExit, match="no c=1 step of the default server"):
+        bench_recipe.main(["gb10", str(tmp_path / "none.json")])
