@@ -73,6 +73,18 @@ def activation_bytes(g: geometry_mod.Geometry, batched_tokens: int) -> int:
     return batched_tokens * (hc + moe + qsa) + 128 * 1024**2
 
 
+# vLLM's profile run encodes dummy images of the processor's largest size before the text forward;
+# the larger peak counts. Not modelled apart: estimated on CPU (benchmarks/encoder-peak-cpu).
+ENCODER_NOTE = {
+    True: "vision encoder: vLLM's profile also runs the tower on one image of the processor's largest size "
+          "(16,384 tokens at Qwen3-VL's bounds: ~1.5-1.9 GiB, estimated on CPU) and counts the larger of its "
+          "peak and the text forward's; not modelled apart (the GB10 fit, tower loaded, carries it)",
+    False: "vision tower not loaded (--language-model-only in EXTRA): its weights and its profile peak (one "
+           "largest image, ~1.5-1.9 GiB estimated) are gone, and the GB10 fit carries that peak: the pool may "
+           "come out larger than planned",
+}
+
+
 def topk_buffer_bytes(g: geometry_mod.Geometry, batched_tokens: int, qsa_layers: int) -> int:
     """`Qwen4ExpQSAAttention.topk_indices_buffer`: int32 [max_num_batched_tokens,
     budget + ratio] per QSA layer (drafter included), allocated at model init."""
@@ -204,8 +216,7 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
         assumptions.append(f"weights from the geometry for a {kind} checkpoint in MODE={mode}")
     assumptions += w.notes
     assumptions.append(table_note)
-    if not vision:
-        assumptions.append("vision tower not loaded (--language-model-only in EXTRA)")
+    assumptions.append(ENCODER_NOTE[vision])
     if mtp and draft_vocab:
         assumptions.append("reduced draft head: a private 65,536-row bf16 slice of lm_head (320 MiB)")
 
