@@ -77,17 +77,17 @@ def run(a) -> int:
 
 def table(a) -> int:
     print("| row | BATCHED_TOKENS | encoder budget | items x tokens | patches | vision hidden/inter | "
-          "peak of tensors (CPU) | + the upload | per patch |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "peak of tensors (CPU) | per patch |")
+    print("|---|---|---|---|---|---|---|---|")
     for line in Path(a.raw).read_text().splitlines():
         r = json.loads(line)
         cells = [r["row"], f"{r['batched_tokens']:,}", f"{r['encoder_budget']:,}",
                  f"{r['items']} x {r['tokens_per_item']:,}", f"{r['items'] * r['tokens_per_item'] * 4:,}"]
         if "peak_bytes" in r:
             cells += [f"{r['vision']['hidden']}/{r['vision']['intermediate']}", f"{r['peak_bytes'] / 2**20:,.0f} MiB",
-                      f"{r['peak_with_upload'] / 2**20:,.0f} MiB", f"{r['bytes_per_patch'] / 1024:.1f} KiB"]
+                      f"{r['bytes_per_patch'] / 1024:.1f} KiB"]
         else:
-            cells += ["", "not run", "", ""]
+            cells += ["", "not run", ""]
         print("| " + " | ".join(cells) + " |")
     return 0
 

@@ -10,9 +10,9 @@ while every tensor an aten op returns is counted until it is freed: the peak of 
 
 What this cannot see: buffers inside fused kernels (CUDA's flash attention keeps none of size N^2),
 the caching allocator's rounding, and the CUDA kernels' own choices where they differ from the CPU
-ones. The pixels the processor hands over (raw uint8 on 0.33, whose device normalises them: the
-release's own `build_mm_input_norm`) are on the device before the tower runs: that upload is
-reported apart (`upload_bytes`) and added in `peak_with_upload`.
+ones. The pixels go in as the processor hands them over (raw uint8 on 0.33, whose device normalises
+them: the release's own `build_mm_input_norm`); the tower's own `.to(device)` copies them inside the
+counted region, as the upload is alive on the GPU through the whole encoder call.
 
 Used by lab/encoder_peak.py; by hand, inside a release venv (tools/check_vllm_release.py):
   CUDA_VISIBLE_DEVICES= python tests/vllm/release/encoder_peak.py --model SNAPSHOT \
@@ -93,7 +93,7 @@ class LiveBytes:
 def dummy_grid(b, hf_vision) -> list[int]:
     """[t, h, w] in patches of the budget's dummy image, the largest the processor makes (its
     `get_image_size_with_most_features`); the processor itself is not run (the vllm tier's shim
-    stands in for torchvision), its float32 pixel_values are made at that shape."""
+    stands in for torchvision): its pixels are made at that shape."""
     size = b.processor.info.get_image_size_with_most_features()
     p = hf_vision.patch_size
     return [1, size.height // p, size.width // p]
@@ -140,13 +140,11 @@ def run_tower(vc, hf_vision, grid_one: list[int], n_items: int, depth: int,
             with live.mode:
                 out = tower(pixels, grid)
     patches = int(pixels.shape[0])
-    upload = pixels.numel() * pixels.element_size()
     return {"patches": patches, "pixel_dtype": str(pixels.dtype).removeprefix("torch."),
             "vision": {"hidden": cfg.hidden_size, "intermediate": cfg.intermediate_size, "heads": cfg.num_heads,
                        "depth_run": depth},
-            "peak_bytes": live.peak, "peak_at": live.at, "upload_bytes": upload,
-            "peak_with_upload": live.peak + upload, "out_bytes": out.numel() * out.element_size(),
-            "bytes_per_patch": round((live.peak + upload) / patches, 1)}
+            "peak_bytes": live.peak, "peak_at": live.at, "upload_bytes": pixels.numel() * pixels.element_size(),
+            "out_bytes": out.numel() * out.element_size(), "bytes_per_patch": round(live.peak / patches, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
