@@ -77,10 +77,10 @@ def activation_bytes(g: geometry_mod.Geometry, batched_tokens: int) -> int:
 # the larger peak counts. Not modelled apart: estimated on CPU (benchmarks/encoder-peak-cpu).
 ENCODER_NOTE = {
     True: "vision encoder: vLLM's profile also runs the tower on one image of the processor's largest size "
-          "(16,384 tokens at Qwen3-VL's bounds: ~1.5-1.9 GiB, estimated on CPU) and counts the larger of its "
+          "(16,384 tokens at Qwen3-VL's bounds: ~1.5-1.8 GiB, estimated on CPU) and counts the larger of its "
           "peak and the text forward's; not modelled apart (the GB10 fit, tower loaded, carries it)",
     False: "vision tower not loaded (--language-model-only in EXTRA): its weights and its profile peak (one "
-           "largest image, ~1.5-1.9 GiB estimated) are gone, and the GB10 fit carries that peak: the pool may "
+           "largest image, ~1.5-1.8 GiB estimated) are gone, and the GB10 fit carries that peak: the pool may "
            "come out larger than planned",
 }
 
