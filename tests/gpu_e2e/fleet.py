@@ -31,7 +31,8 @@ startup free-memory check, default 0.05), FLASH_E2E_KV_MEM (the fixed KV pool, K
 that does not boot alone, default 1G: vLLM then skips its memory profiling, so servers booting side by side
 cannot starve each other's KV pool; `off` profiles every one), FLASH_E2E_SOLO_GPU_MEM (GPU_MEM of a server
 that boots alone for a kv_plan scenario, default 0.12: a profiled pool, compared with the plan; 14 servers
-of ~5 GiB beside three solo ones of 16.8 GiB fit the H200's 139.8 GiB),
+of ~5 GiB beside three solo ones of 16.8 GiB fit the H200's 139.8 GiB; a solo boot that wrote Triton
+autotune results is booted again and the second one measured: boot_solos, COLD_NOTE),
 FLASH_E2E_PORT (first port, 18400),
 FLASH_E2E_BOOT_TIMEOUT (s per boot wave, 420), FLASH_E2E_BOOT_WAVE (at most this many servers boot at once, 4:
 vLLM sizes its KV pool from the whole GPU's use at profiling time, so many concurrent boots starve the
@@ -128,7 +129,9 @@ KV_OOS_WORDS = ("CTX=8192", "SEQS=8", "BATCHED_TOKENS=4096")
 # kv_plan_oos missed by +2.89% at KV_OOS_WORDS (run46): vLLM's peak activation was 0.40 GiB there
 # against 0.13 at the fitted CTX=2048 SEQS=4 BATCHED_TOKENS=2048. These two move one term each away
 # from a-oos (the prefill chunk down to the fitted 2,048 at SEQS=4, and up to 8,192), so the peak's
-# dependence on BATCHED_TOKENS and on CTX is read off vLLM's own breakdown line.
+# dependence on BATCHED_TOKENS and on CTX is read off vLLM's own breakdown line. That boot was cold
+# (its profile autotuned: COLD_NOTE), as every kv_plan first boot with the higher peak was; boot_solos
+# now measures a warm second boot when the first one autotuned.
 KV_SHAPES = {"2k": ("CTX=8192", "SEQS=4", "BATCHED_TOKENS=2048"), "8k": ("CTX=8192", "SEQS=8", "BATCHED_TOKENS=8192")}
 USAGE = re.compile(r"Actual usage is ([\d.]+) GiB for consumed memory \(weights \+ non-torch\), ([\d.]+) GiB for peak "
                    r"activation, and ([\d.]+) GiB for CUDAGraph memory")
@@ -461,6 +464,7 @@ class Context:
     vllm: str | None = None        # the device env's vLLM version (None in a dry run)
     procs: dict = field(default_factory=dict)
     ready: dict = field(default_factory=dict)  # server → threading.Event, set once its boot settled
+    cold: dict = field(default_factory=dict)   # solo server → its first boot's record when that was cold
     artefacts: list[Path] = field(default_factory=list)
 
     @property
@@ -739,11 +743,52 @@ def boot_solos(ctx: Context, specs: list[dict], timeout: float, deadline: float)
             say(f"  {spec['server']}: not started (deadline)")
             ctx.ready[spec["server"]].set()
             continue
+        before = autotune_results(ctx)
         p = launch(ctx, spec)
         ctx.procs[spec["server"]] = p
         wait([p], min(timeout, deadline - time.monotonic() - 90))
         say(f"  {spec['server']}: {poll(p)} after {time.monotonic() - p.started:.0f}s (alone)")
+        tuned = autotune_results(ctx) - before
+        if tuned and poll(p) == "healthy" and time.monotonic() < deadline - 240:
+            # a cold boot: Triton autotuned in it, and its profile may hold do_bench's buffer (COLD_NOTE);
+            # kept as the first boot's record, and the server booted again to be measured warm
+            stop(p)
+            cold = p.log.with_name(f"{spec['server']}-cold.log")
+            p.log.replace(cold)
+            ctx.cold[spec["server"]] = {"autotune_results_written": tuned, "log": cold.name,
+                                        **boot_memory(cold.read_text(errors="replace"))}
+            p = launch(ctx, spec)
+            ctx.procs[spec["server"]] = p
+            wait([p], min(timeout, deadline - time.monotonic() - 90))
+            say(f"  {spec['server']}: {poll(p)} after {time.monotonic() - p.started:.0f}s "
+                f"(alone, again: the first boot wrote {tuned} Triton autotune results)")
         ctx.ready[spec["server"]].set()
+
+
+# vLLM 0.33 caches Triton autotuning on disk (TRITON_CACHE_AUTOTUNING=1, vllm/env_override.py). On a
+# cold cache the profile run autotunes, and Triton's do_bench allocates a 256 MiB buffer to flush the L2
+# between timings (driver.get_empty_cache_for_benchmark) on top of what is live: vLLM's "peak
+# activation" then carries it, and the KV pool is that much smaller on that boot only. The first boot
+# of every fitted and out-of-sample kv_plan server so far took 2.5 min to profile and reported 0.13-0.27
+# GiB more peak than the warm boots of the same configuration (run37-43, run46's a-oos).
+COLD_NOTE = "first boot on a cold Triton autotune cache (its profile held do_bench's 256 MiB L2-flush buffer)"
+
+
+def autotune_results(ctx: Context) -> int:
+    """Triton autotune results on disk in the fleet's shared kernel cache (flash_e2e_triton_cache)."""
+    root = Path(ctx.base_env.get("FLASH_E2E_TRITON_CACHE") or os.environ.get("FLASH_E2E_TRITON_CACHE")
+                or Path.home() / ".triton" / "cache")
+    return sum(1 for _ in root.rglob("*.autotune.json")) if root.is_dir() else 0
+
+
+def boot_memory(text: str) -> dict:
+    """What a boot log says of the KV pool and vLLM's split of the rest (None where it says nothing)."""
+    from flash_cli.kvline import KV_LINE
+
+    m, usage = KV_LINE.search(text), USAGE.search(text)
+    return {"tokens": int(m.group(1).replace(",", "")) if m else None,
+            "vllm_gib": dict(zip(("consumed", "peak_activation", "cudagraph"), map(float, usage.groups())))
+            if usage else None}
 
 
 # --- helpers the scenarios use -----------------------------------------------------------------------
@@ -1265,12 +1310,10 @@ def plan_hardware(gpus=None) -> list[str]:
 
 
 def check_kv_plan(ctx: Context, name: str) -> dict:
-    from flash_cli.kvline import KV_LINE
-
     p = need_up(ctx, name)
-    m = KV_LINE.search(log_text(p))
-    assert m, "no 'GPU KV cache size: N tokens' line in the boot log"
-    measured = int(m.group(1).replace(",", ""))
+    booted = boot_memory(log_text(p))
+    measured = booted["tokens"]
+    assert measured is not None, "no 'GPU KV cache size: N tokens' line in the boot log"
     words = [w for w in p.spec["words"]]
     hw = plan_hardware()
     proc = flash(ctx, "plan", *hw, "--json", "default", *words, timeout=120)
@@ -1280,13 +1323,16 @@ def check_kv_plan(ctx: Context, name: str) -> dict:
     predicted = _find(plan, "kv_cache_tokens")
     assert isinstance(predicted, int), "flash plan --json has no kv_cache_tokens"
     err = (predicted - measured) / measured
-    usage = USAGE.search(log_text(p))  # vLLM's own split of the non-KV memory, beside the plan's terms
     budget = _find(plan, "budget") or {}
     res = {"measured_tokens": measured, "predicted_tokens": predicted, "error": round(err, 4),
            "hardware": " ".join(hw) or "detected (nvidia-smi)",
-           "vllm_gib": dict(zip(("consumed", "peak_activation", "cudagraph"), map(float, usage.groups()))) if usage else None,
+           "vllm_gib": booted["vllm_gib"],  # vLLM's own split of the non-KV memory, beside the plan's terms
            "plan_gib": {k: budget.get(k) for k in ("weights_gib", "activations_gib", "topk_buffers_gib",
                                                    "runtime_overhead_gib", "non_kv_gib", "kv_cache_gib")}}
+    cold = ctx.cold.get(name)
+    if cold:  # reported, not judged: what a user's first boot on a cold cache gets (COLD_NOTE)
+        res["cold_boot"] = {**cold, "note": COLD_NOTE,
+                            "error": round((predicted - cold["tokens"]) / cold["tokens"], 4) if cold["tokens"] else None}
     assert abs(err) <= 0.02, f"plan {predicted:,} vs vLLM {measured:,} tokens: {err:+.2%} (limit 2%)"
     return res
 

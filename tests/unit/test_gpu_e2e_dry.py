@@ -966,3 +966,69 @@ def test_our_sitecustomize_files_chain_forward_once_each(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join([str(FLEET.parent / "inject"), str(FLEET.parent / "breaker")])
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "venv-site ran" not in proc.stderr, proc.stderr
+
+
+def _kv_log(tokens: int, peak: float) -> str:
+    return (f"INFO [kv_cache_utils.py:1147] GPU KV cache size: {tokens:,} tokens, Maximum concurrency for 8,192 "
+            f"tokens per request: 9.9x\nINFO [gpu_worker.py:1066] Free memory on device (78.48/79.18 GiB) on startup. "
+            f"Actual usage is 0.29 GiB for consumed memory (weights + non-torch), {peak} GiB for peak activation, and "
+            "0.15 GiB for CUDAGraph memory.\n")
+
+
+def test_a_solo_boot_that_autotuned_is_booted_again_and_its_cold_record_kept(monkeypatch, tmp_path):
+    """A kv_plan server whose boot wrote Triton autotune results (a cold cache: its profile held
+    do_bench's buffer) is stopped, its log kept as <server>-cold.log, and booted again to be measured;
+    one that wrote none boots once."""
+    import time
+
+    results = {"n": 0}
+    launched: list[str] = []
+
+    def launch(ctx, spec):
+        n = sum(1 for s in launched if s == spec["server"])
+        launched.append(spec["server"])
+        log = tmp_path / "logs" / f"{spec['server']}.log"
+        log.parent.mkdir(exist_ok=True)
+        log.write_text(_kv_log(2_396_301, 0.4) if n == 0 else _kv_log(2_460_000, 0.17))
+        if spec["server"] == "cold" and n == 0:
+            results["n"] += 3  # this boot autotuned
+        return fleet.Proc(spec, _FakePopen(len(launched)), log, time.monotonic())
+
+    def poll(p):
+        if p.popen.returncode is not None:
+            p.exited = p.popen.returncode
+            return "exited"
+        p.healthy_at = p.healthy_at or time.monotonic()
+        return "healthy"
+
+    def stop(p, grace=30):
+        p.popen.returncode = p.exited = -15
+
+    monkeypatch.setattr(fleet, "launch", launch)
+    monkeypatch.setattr(fleet, "poll", poll)
+    monkeypatch.setattr(fleet, "wait", lambda procs, timeout: None)
+    monkeypatch.setattr(fleet, "stop", stop)
+    monkeypatch.setattr(fleet, "autotune_results", lambda ctx: results["n"])
+    ctx = _ctx(tmp_path)
+    specs = [{"server": "cold", "solo": True}, {"server": "warm", "solo": True}]
+    for s in specs:
+        ctx.ready[s["server"]] = fleet.threading.Event()
+    fleet.boot_solos(ctx, specs, timeout=60, deadline=time.monotonic() + 600)
+    assert launched == ["cold", "cold", "warm"]
+    assert ctx.cold == {"cold": {"autotune_results_written": 3, "log": "cold-cold.log", "tokens": 2_396_301,
+                                 "vllm_gib": {"consumed": 0.29, "peak_activation": 0.4, "cudagraph": 0.15}}}
+    assert (tmp_path / "logs" / "cold-cold.log").exists()
+    assert fleet.boot_memory(fleet.log_text(ctx.procs["cold"]))["tokens"] == 2_460_000  # the measured boot
+    assert ctx.procs["cold"].healthy_at and all(ev.is_set() for ev in ctx.ready.values())
+
+
+def test_autotune_results_are_counted_in_the_shared_triton_cache(tmp_path):
+    ctx = fleet.Context(work=tmp_path, out=tmp_path, python=sys.executable,
+                        base_env={"FLASH_E2E_TRITON_CACHE": str(tmp_path / "tc")}, snaps={})
+    assert fleet.autotune_results(ctx) == 0  # no cache yet
+    for key, name in (("k1", "chunk_fwd_kernel_h.autotune.json"), ("k2", "fused_recurrent.autotune.json"),
+                      ("k2", "fused_recurrent.cubin")):
+        (tmp_path / "tc" / key).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "tc" / key / name).write_text("{}")
+    assert fleet.autotune_results(ctx) == 2
+    assert fleet.boot_memory("no lines") == {"tokens": None, "vllm_gib": None}
