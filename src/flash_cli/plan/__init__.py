@@ -292,9 +292,12 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
     else:
         regime = "hoisted gather, FULL_AND_PIECEWISE graphs" if full_graphs else "eager gather, PIECEWISE graphs"
         assumptions.append(f"runtime overhead {_gib(overhead)} GiB (graphs, non-torch buffers; the discrete-GPU fit "
-                           f"for the {regime}): fitted on three boots of the tiny fixtures alone on an H200 "
-                           f"({fit_run}), each within ±{_gib(overhead_band)} GiB of it; not yet checked on the real "
-                           "model")
+                           f"for the {regime}): fitted on the warm boots of the tiny fixtures alone on an H200 "
+                           f"({fit_run}); the band ±{_gib(overhead_band)} GiB covers a cold first boot; not yet "
+                           "checked on the real model")
+    assumptions.append("cold Triton autotune cache: a first boot (a fresh install, an upgrade, a new shape) "
+                       "autotunes inside vLLM's profile, which then holds do_bench's 256 MiB buffer: up to 0.25 GiB "
+                       "less KV on that boot only (the discrete fits are on warm boots)")
     if hw.unified and full_graphs:  # the graph regime the run spec will pass
         assumptions.append("graphs FULL_AND_PIECEWISE (PLE_MODE resolves to the hoisted gather): the unified-memory "
                            "fit was measured with PIECEWISE graphs; on the H200 this regime's non-KV memory came out "
