@@ -685,6 +685,20 @@ def stop(p: Proc, grace: float = 30) -> None:
     _ended(p)
 
 
+def group_gone(p: Proc, timeout: float = 30) -> bool:
+    """Wait until no process of the group this harness started is left (the leader is reaped first;
+    vLLM's engine core may outlive it by seconds, holding its GPU memory); SIGKILL what remains."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            os.killpg(p.popen.pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(POLL_S)
+    _signal(p, signal.SIGKILL)
+    return False
+
+
 def boot_wave() -> int:
     raw = os.environ.get("FLASH_E2E_BOOT_WAVE", "4")
     try:
@@ -753,6 +767,7 @@ def boot_solos(ctx: Context, specs: list[dict], timeout: float, deadline: float)
             # a cold boot: Triton autotuned in it, and its profile may hold do_bench's buffer (COLD_NOTE);
             # kept as the first boot's record, and the server booted again to be measured warm
             stop(p)
+            group_gone(p)  # its engine's GPU memory freed before the next boot measures its own
             cold = p.log.with_name(f"{spec['server']}-cold.log")
             p.log.replace(cold)
             ctx.cold[spec["server"]] = {"autotune_results_written": tuned, "log": cold.name,

@@ -989,6 +989,7 @@ def test_a_solo_boot_that_autotuned_is_booted_again_and_its_cold_record_kept(mon
 
     results = {"n": 0}
     launched: list[str] = []
+    stopped: list[str] = []
 
     def launch(ctx, spec):
         n = sum(1 for s in launched if s == spec["server"])
@@ -1014,13 +1015,14 @@ def test_a_solo_boot_that_autotuned_is_booted_again_and_its_cold_record_kept(mon
     monkeypatch.setattr(fleet, "poll", poll)
     monkeypatch.setattr(fleet, "wait", lambda procs, timeout: None)
     monkeypatch.setattr(fleet, "stop", stop)
+    monkeypatch.setattr(fleet, "group_gone", lambda p: stopped.append(p.spec["server"]) or True)
     monkeypatch.setattr(fleet, "autotune_results", lambda ctx: results["n"])
     ctx = _ctx(tmp_path)
     specs = [{"server": "cold", "solo": True}, {"server": "warm", "solo": True}]
     for s in specs:
         ctx.ready[s["server"]] = fleet.threading.Event()
     fleet.boot_solos(ctx, specs, timeout=60, deadline=time.monotonic() + 600)
-    assert launched == ["cold", "cold", "warm"]
+    assert launched == ["cold", "cold", "warm"] and stopped == ["cold"]  # gone before booting again
     assert ctx.cold == {"cold": {"autotune_results_written": 3, "log": "cold-cold.log", "tokens": 2_396_301,
                                  "vllm_gib": {"consumed": 0.29, "peak_activation": 0.4, "cudagraph": 0.15}}}
     assert (tmp_path / "logs" / "cold-cold.log").exists()
@@ -1038,3 +1040,15 @@ def test_autotune_results_are_counted_in_the_shared_triton_cache(tmp_path):
         (tmp_path / "tc" / key / name).write_text("{}")
     assert fleet.autotune_results(ctx) == 2
     assert fleet.boot_memory("no lines") == {"tokens": None, "vllm_gib": None}
+
+
+def test_group_gone_waits_for_every_process_of_the_group(tmp_path):
+    """A leader whose child outlives it: group_gone waits for the child too (vLLM's engine core)."""
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", "import subprocess,sys; subprocess.Popen([sys.executable,'-c',"
+                             "'import time; time.sleep(1.0)']); sys.exit(0)"], start_new_session=True)
+    proc.wait(10)
+    p = fleet.Proc({"server": "x"}, proc, tmp_path / "x.log", time.monotonic())
+    t = time.monotonic()
+    assert fleet.group_gone(p, timeout=10) and time.monotonic() - t > 0.3
