@@ -118,9 +118,10 @@ def run_tower(vc, hf_vision, grid_one: list[int], n_items: int, depth: int,
     t, h, w = grid_one
     per_patch = hf_vision.in_channels * hf_vision.temporal_patch_size * hf_vision.patch_size ** 2
     grid = [grid_one] * n_items
-    with set_current_vllm_config(vc):
+    # gloo's file store creates its file: a name inside a private new directory, not mktemp's race
+    with tempfile.TemporaryDirectory() as store, set_current_vllm_config(vc):
         init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method=f"file://{tempfile.mktemp()}", backend="gloo")
+                                     distributed_init_method=f"file://{store}/gloo", backend="gloo")
         initialize_model_parallel(1, 1)
         torch.set_default_dtype(torch.bfloat16)
         norm = build_mm_input_norm(vc.model_config)  # 0.33: uint8 pixels, normalised on the device
