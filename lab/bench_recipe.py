@@ -79,7 +79,11 @@ CONFIGS: dict[str, dict] = {
     # MODE=hybrid renders VLLM_USE_DEEP_GEMM=0 (DeepGEMM's E8M0 path faults on the GB10's sm_121);
     # on the H200 that moves every FP8 block linear (side layers, the MTP layer's) from DeepGEMM,
     # which stock's FP8 parts use here (run1's logs), to CUTLASS block-scaled: an H200-only handicap?
-    "default-deepgemm": {"kind": "recipe", "profile": "default", "words": ["CONTAINER_ENV=VLLM_USE_DEEP_GEMM=1"]},
+    # Warm-up skipped: run2's cold `relax` warm-up nvcc-compiled 1,371 kernels and missed /health in
+    # 598 s; skipped, DeepGEMM compiles the shapes a step meets lazily (graph capture, the untimed
+    # warm-up round), the same kernels for the same M, so the timed rounds are unchanged
+    "default-deepgemm": {"kind": "recipe", "profile": "default",
+                         "words": ["CONTAINER_ENV=VLLM_USE_DEEP_GEMM=1 VLLM_DEEP_GEMM_WARMUP=skip"]},
     # every prefill chunk's Mamba state kept (docs/PREFIX-CACHE.md): bench_latency's prefix study
     "default-dense": {"kind": "recipe", "profile": "default", "words": ["PREFIX_RETAIN=dense"]},
 }
