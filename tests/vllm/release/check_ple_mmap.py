@@ -246,7 +246,7 @@ def _v029_inputs(n_tokens=(5, 3, 1)):
 
 
 @pytest.fixture(scope="module")
-def v029(patch1, base, tmp_path_factory):
+def v029(patch1, base, tmp_path_factory, cpu_world):
     """Stock layer (built and loaded before the patch), then the patch applied twice, then patched
     layers with an Fp8Config and without a quant config; all on the session's CPU VllmConfig."""
     if _flavour(base) != "splitting-op":
@@ -254,7 +254,6 @@ def v029(patch1, base, tmp_path_factory):
         return
     from flash_vllm.ple import synth
     from vllm.config import get_current_vllm_config
-    from vllm.distributed import parallel_state as ps
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 
     pl = importlib.import_module("vllm.models.qwen4_exp.nvidia.ple_layer")
@@ -262,13 +261,6 @@ def v029(patch1, base, tmp_path_factory):
     synth.write_checkpoint(ckpt, layout="radixark", rows_per_shard=V029_SHARD, num_shards=3,
                            last_rows=V029_ROWS - 2 * V029_SHARD, width=V029_WIDTH, scale=V029_SCALE,
                            scale_dtype="F32", per_file=2)
-    cfg = get_current_vllm_config()
-    dist = tmp_path_factory.mktemp("dist029") / "init"
-    ps.init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{dist}",
-                                    local_rank=0, backend="gloo")
-    ps.initialize_model_parallel(1, 1)
-    saved_model_config = cfg.model_config
-    cfg.model_config = SimpleNamespace(model=str(ckpt))  # what the patch reads: the model path
     config = SimpleNamespace(**V029_CFG)
     fp8 = Fp8Config(is_checkpoint_fp8_serialized=True)
 
@@ -276,7 +268,8 @@ def v029(patch1, base, tmp_path_factory):
         return pl.Qwen4ExpNGramEmbedding(config, 2 * V029_WIDTH, 1, 16, 4, prefix=prefix, layer_name=layer_name,
                                          quant_config=quant_config, params_dtype=torch.bfloat16)
 
-    try:
+    # the model path is what the patch reads
+    with cpu_world(tmp_path_factory, ckpt, cfg=get_current_vllm_config()) as cfg:
         stock = build(fp8)
         stock_loaded = stock.load_weights(_v029_shards(ckpt))
         stock_cls = pl.PLEVocabParallelEmbedding
@@ -295,10 +288,6 @@ def v029(patch1, base, tmp_path_factory):
         yield SimpleNamespace(pl=pl, ckpt=ckpt, cfg=cfg, build=build, stock=stock, stock_loaded=stock_loaded,
                               stock_cls=stock_cls, ops_before=ops_before, first=first, ours=ours,
                               ours_loaded=ours_loaded, plain=plain)
-    finally:
-        cfg.model_config = saved_model_config
-        ps.destroy_model_parallel()
-        ps.destroy_distributed_environment()
 
 
 def _v029_forward(v, layer, inputs):

@@ -55,15 +55,10 @@ def qsa(registered):
 
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory):
-    from vllm.distributed import parallel_state as ps
+    from gloo_world import single_process_world
 
-    init = tmp_path_factory.mktemp("dist-p7") / "init"
-    ps.init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{init}",
-                                    local_rank=0, backend="gloo")
-    ps.initialize_model_parallel(1, 1)
-    yield
-    ps.destroy_model_parallel()
-    ps.destroy_distributed_environment()
+    with single_process_world(tmp_path_factory.mktemp("dist-p7") / "init"):
+        yield
 
 
 def _text_config(qsa):

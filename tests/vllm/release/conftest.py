@@ -66,24 +66,21 @@ def registered(gates):
 def _cpu_world(tmp_path_factory, model_dir, cfg=None):
     """A single-process vLLM world on CPU for building the release's layers: a current VllmConfig
     (a fresh CPU one unless `cfg` is given) whose model path is `model_dir` (what patch 1 reads),
-    gloo TP/ETP groups of size 1; torn down on exit."""
+    gloo TP/ETP groups of size 1 (gloo_world.py); torn down on exit, `cfg`'s own model config put
+    back."""
     from types import SimpleNamespace
 
+    from gloo_world import single_process_world
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state as ps
 
     cfg = cfg if cfg is not None else VllmConfig(device_config=DeviceConfig(device="cpu"))
-    init = tmp_path_factory.mktemp("dist") / "init"
-    with set_current_vllm_config(cfg):
-        ps.init_distributed_environment(world_size=1, rank=0, distributed_init_method=f"file://{init}",
-                                        local_rank=0, backend="gloo")
-        ps.initialize_model_parallel(1, 1)
+    saved = cfg.model_config
+    with set_current_vllm_config(cfg), single_process_world(tmp_path_factory.mktemp("dist") / "init"):
         cfg.model_config = SimpleNamespace(model=str(model_dir))
         try:
             yield cfg
         finally:
-            ps.destroy_model_parallel()
-            ps.destroy_distributed_environment()
+            cfg.model_config = saved
 
 
 @pytest.fixture(scope="session")

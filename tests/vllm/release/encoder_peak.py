@@ -26,6 +26,7 @@ import json
 import os
 import tempfile
 import weakref
+from pathlib import Path
 
 
 def budget(model: str, batched: int, seqs: int, max_model_len: int):
@@ -104,8 +105,8 @@ def run_tower(vc, hf_vision, grid_one: list[int], n_items: int, depth: int,
     """The release's vision tower (random weights, `depth` blocks: activations are freed block by
     block, so one block reaches the peak of 27) on the dummy items, as `_process_image_input` feeds it."""
     import torch
+    from gloo_world import single_process_world
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.layers.fusion.mm_input_norm import build_mm_input_norm
     from vllm.model_executor.models import qwen3_vl
     from vllm.model_executor.models.qwen3_vl import Qwen3_VisionTransformer
@@ -119,10 +120,8 @@ def run_tower(vc, hf_vision, grid_one: list[int], n_items: int, depth: int,
     per_patch = hf_vision.in_channels * hf_vision.temporal_patch_size * hf_vision.patch_size ** 2
     grid = [grid_one] * n_items
     # gloo's file store creates its file: a name inside a private new directory, not mktemp's race
-    with tempfile.TemporaryDirectory() as store, set_current_vllm_config(vc):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                     distributed_init_method=f"file://{store}/gloo", backend="gloo")
-        initialize_model_parallel(1, 1)
+    with tempfile.TemporaryDirectory() as store, set_current_vllm_config(vc), \
+            single_process_world(Path(store) / "gloo"):
         torch.set_default_dtype(torch.bfloat16)
         norm = build_mm_input_norm(vc.model_config)  # 0.33: uint8 pixels, normalised on the device
         tower = Qwen3_VisionTransformer(cfg, norm_eps=1e-6, quant_config=None, input_norm=norm,
