@@ -34,6 +34,18 @@ def table(tmp_path_factory):
     t.close()
 
 
+@pytest.fixture(scope="module")
+def nan_rows(table):
+    """The rows whose block scales hold a NaN code (~7% of them): every lookup below includes one,
+    so each comparison exercises the NaN case (random ids alone missed it: a one-row lookup holds
+    one with p ~0.07; the first GPU run, 2026-12-06, failed there and compared nothing)."""
+    ids = np.arange(table.num_rows)
+    nan = _cpu(table, ids, torch.float32).isnan().flatten(1).any(1)
+    out = nan.nonzero().flatten().numpy()
+    assert out.size, "the synthetic table has no NaN block scale: the case would go untested"
+    return out
+
+
 def _cpu(table, ids, dtype):
     rows = torch.from_numpy(table.gather(ids))
     return Decoder("cpu", table.code_bytes, table.global_scale).decode(rows).to(dtype).view(*ids.shape, 160)
@@ -50,11 +62,12 @@ def _same(got, want):
 
 @pytest.mark.parametrize("zero_copy", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_paths_decode_like_the_cpu(table, zero_copy, dtype):
+def test_cuda_paths_decode_like_the_cpu(table, nan_rows, zero_copy, dtype):
     rng = np.random.default_rng(11)
     st = Stager(table, "cuda", out_dtype=dtype, zero_copy=zero_copy)
     for n in (1, 16, 48, 1000):  # captured graphs (<= 1024 rows)
         ids = rng.integers(0, table.num_rows, size=(n // 16 or 1, 16)) if n >= 16 else rng.integers(0, table.num_rows, size=(n,))
+        ids.flat[0] = rng.choice(nan_rows)
         for _ in range(2):  # the second call replays the captured graph
             _same(st.lookup(ids), _cpu(table, ids, dtype))
         out = torch.empty(*ids.shape, 160, dtype=dtype, device="cuda")
@@ -62,5 +75,6 @@ def test_cuda_paths_decode_like_the_cpu(table, zero_copy, dtype):
             assert st.lookup(ids, out=out) is out
             _same(out, _cpu(table, ids, dtype))
     big = rng.integers(0, 300, size=(200, 16))  # 3,200 rows, many repeats: the deduplicated eager path
+    big.flat[0] = rng.choice(nan_rows)
     _same(st.lookup(big), _cpu(table, big, dtype))
     torch.cuda.synchronize()
