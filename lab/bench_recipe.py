@@ -76,9 +76,9 @@ CONFIGS: dict[str, dict] = {
     "default-nvfp4": {"kind": "recipe", "profile": "default", "words": ["MODE=nvfp4"]},
     "default-ple-gpu": {"kind": "recipe", "profile": "default",
                         "words": ["CONTAINER_ENV=VLLM_PLE_MMAP=0", "EXTRA=--engram-config '{\"cpu_offload\":false}'"]},
-    # MODE=hybrid renders VLLM_USE_DEEP_GEMM=0 (DeepGEMM's E8M0 path faults on the GB10's sm_121);
-    # on the H200 that moves every FP8 block linear (side layers, the MTP layer's) from DeepGEMM,
-    # which stock's FP8 parts use here (run1's logs), to CUTLASS block-scaled: an H200-only handicap?
+    # MODE=hybrid renders VLLM_USE_DEEP_GEMM=0 (DeepGEMM's E8M0 path faults on the GB10's sm_121),
+    # so on the H200 default's FP8 side layers run CUTLASS block-scaled GEMMs (its log); stock's side
+    # layers are BF16 (no FP8 linear in its log): this asks whether DeepGEMM's FP8 kernels do better
     # Warm-up skipped: run2's cold `relax` warm-up nvcc-compiled 1,371 kernels and missed /health in
     # 598 s; skipped, DeepGEMM compiles the shapes a step meets lazily (graph capture, the untimed
     # warm-up round), the same kernels for the same M, so the timed rounds are unchanged
