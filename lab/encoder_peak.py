@@ -82,7 +82,7 @@ def table(a) -> int:
     for line in Path(a.raw).read_text().splitlines():
         r = json.loads(line)
         cells = [r["row"], f"{r['batched_tokens']:,}", f"{r['encoder_budget']:,}",
-                 f"{r['items']} x {r['tokens_per_item']:,}", f"{r['items'] * r['tokens_per_item'] * 4:,}"]
+                 f"{r['items']} x {r['tokens_per_item']:,}", f"{r['items'] * r['tokens_per_item'] * r['patches_per_token']:,}"]
         if "peak_bytes" in r:
             cells += [f"{r['vision']['hidden']}/{r['vision']['intermediate']}", f"{r['peak_bytes'] / 2**20:,.0f} MiB",
                       f"{r['bytes_per_patch'] / 1024:.1f} KiB"]

@@ -160,11 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     override = tuple(int(v) for v in a.vision.split(",")) if a.vision else None
     vc, b = budget(a.model, a.batched_tokens, a.seqs, a.max_model_len)
     modality = b.get_modality_with_max_tokens()
+    hf_vision = vc.model_config.hf_config.vision_config
     row = {"batched_tokens": a.batched_tokens, "seqs": a.seqs, "max_model_len": a.max_model_len,
            "encoder_budget": b.get_encoder_budget(), "modality": modality,
-           "tokens_per_item": b.mm_max_toks_per_item[modality], "items": b.mm_max_items_per_batch[modality]}
+           "tokens_per_item": b.mm_max_toks_per_item[modality], "items": b.mm_max_items_per_batch[modality],
+           # the vision tower merges merge x merge patches into one token
+           "patches_per_token": hf_vision.spatial_merge_size ** 2}
     if a.run:
-        hf_vision = vc.model_config.hf_config.vision_config
         grid = dummy_grid(b, hf_vision)
         row |= {"grid": grid} | run_tower(vc, hf_vision, grid, row["items"], a.depth, override)
     print(json.dumps(row))
