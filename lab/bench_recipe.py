@@ -78,10 +78,10 @@ CONFIGS: dict[str, dict] = {
                         "words": ["CONTAINER_ENV=VLLM_PLE_MMAP=0", "EXTRA=--engram-config '{\"cpu_offload\":false}'"]},
     # MODE=hybrid renders VLLM_USE_DEEP_GEMM=0 (DeepGEMM's E8M0 path faults on the GB10's sm_121),
     # so on the H200 default's FP8 side layers run CUTLASS block-scaled GEMMs (its log); stock's side
-    # layers are BF16 (no FP8 linear in its log): this asks whether DeepGEMM's FP8 kernels do better
-    # Warm-up skipped: run2's cold `relax` warm-up nvcc-compiled 1,371 kernels and missed /health in
-    # 598 s; skipped, DeepGEMM compiles the shapes a step meets lazily (graph capture, the untimed
-    # warm-up round), the same kernels for the same M, so the timed rounds are unchanged
+    # layers are BF16 (no FP8 linear in its log). This asks whether DeepGEMM's FP8 kernels do better.
+    # Its boot warm-up is skipped: run2's cold `relax` warm-up nvcc-compiled 1,371 kernels and missed
+    # /health in 598 s. Skipped, DeepGEMM compiles the shapes a step meets lazily (graph capture, the
+    # untimed warm-up round): the same kernels for the same M, so the timed rounds are unchanged.
     "default-deepgemm": {"kind": "recipe", "profile": "default",
                          "words": ["CONTAINER_ENV=VLLM_USE_DEEP_GEMM=1 VLLM_DEEP_GEMM_WARMUP=skip"]},
     # every prefill chunk's Mamba state kept (docs/PREFIX-CACHE.md): bench_latency's prefix study
