@@ -49,8 +49,9 @@ MAX_COPIES = 64
 CHECK_TOLERANCE = 0.08           # relative error norm; e4m3 rounding of activations gives ~0.03
 # the FP8 block kernels vLLM 0.33 lists for CUDA, forced one at a time (init_fp8_linear_kernel
 # falls back to its own choice when a forced kernel cannot run: that is reported as a skip)
-FORCED = ("CutlassFp8BlockScaledMMKernel", "DeepGemmFp8BlockScaledMMKernel", "TritonFp8BlockScaledMMKernel",
-          "FlashInferFp8DeepGEMMDynamicBlockScaledKernel")
+FORCED = {"cutlass": "CutlassFp8BlockScaledMMKernel", "deepgemm": "DeepGemmFp8BlockScaledMMKernel",
+          "triton": "TritonFp8BlockScaledMMKernel", "flashinfer": "FlashInferFp8DeepGEMMDynamicBlockScaledKernel"}
+PATHS = ("auto", *FORCED)   # "auto" = the kernel init_fp8_linear_kernel picks itself, as the server does
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +89,14 @@ def side_shapes(cfg: dict | None = None) -> list[Shape]:
 def copies_for(weight_bytes: int, l2_bytes: int) -> int:
     """Weight copies one graph cycles through so its working set is >= L2_MULTIPLE L2 caches."""
     return max(2, min(MAX_COPIES, math.ceil(L2_MULTIPLE * l2_bytes / max(weight_bytes, 1))))
+
+
+def parse_paths(text: str) -> tuple[str, ...]:
+    paths = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [p for p in paths if p not in PATHS]
+    if not paths or bad:
+        raise SystemExit(f"--paths {text!r}: give comma-separated FP8 paths from {', '.join(PATHS)}")
+    return paths
 
 
 def parse_tokens(text: str) -> tuple[int, ...]:
@@ -188,7 +197,8 @@ def cycling(calls: list[Callable[[], object]]) -> Callable[[], object]:
     return step
 
 
-def run_shape(torch, sink: bk.Sink, shape: Shape, tokens: tuple[int, ...], quick: bool, l2: int, gen) -> None:
+def run_shape(torch, sink: bk.Sink, shape: Shape, tokens: tuple[int, ...], fp8_paths: tuple[str, ...], quick: bool,
+              l2: int, gen) -> None:
     w = random_weight(torch, shape, gen)
     q, scale, deq = quantize_blocks(torch, w)
     del w
@@ -196,9 +206,8 @@ def run_shape(torch, sink: bk.Sink, shape: Shape, tokens: tuple[int, ...], quick
     gemm, bf16_path = bf16_gemm()
     bf16_weights = [deq.clone() for _ in range(n_copies)]
     paths: dict[str, tuple[object, list]] = {}
-    for force in (None, *FORCED):
-        label = "fp8_auto" if force is None else "fp8_" + force.removesuffix("Fp8BlockScaledMMKernel").removesuffix(
-            "Fp8DeepGEMMDynamicBlockScaledKernel").lower()
+    for path in fp8_paths:
+        label, force = "fp8_" + path, FORCED.get(path)
         try:
             kernel, name = fp8_kernel(shape, force)
             if kernel is None:
@@ -280,6 +289,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, help="also write the JSON lines here")
     ap.add_argument("--tokens", default="3,12,24,48",
                     help="M values: batch x (1 + MTP) at c = 1, 4, 8, 16 with MTP 2 (default: %(default)s)")
+    ap.add_argument("--paths", default=",".join(PATHS),
+                    help="FP8 kernels to time beside BF16 (default: %(default)s; DeepGEMM and Triton JIT-compile "
+                         "per shape, so a session may run them apart)")
     ap.add_argument("--quick", action="store_true", help="fewer graph replays")
     ap.add_argument("--plan", action="store_true", help="print the shapes and counts and exit (no GPU)")
     ap.add_argument("--seed", type=int, default=0)
@@ -290,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse(argv)
         tokens = parse_tokens(args.tokens)
+        fp8_paths = parse_paths(args.paths)
     except SystemExit as e:
         if isinstance(e.code, str):
             print(e.code, file=sys.stderr)
@@ -320,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = VllmConfig(compilation_config=CompilationConfig(custom_ops=["none", "+quant_fp8"]))
         with set_current_vllm_config(cfg), torch.inference_mode():
             for s in shapes:
-                run_shape(torch, sink, s, tokens, args.quick, info["l2_bytes"], gen)
+                run_shape(torch, sink, s, tokens, fp8_paths, args.quick, info["l2_bytes"], gen)
         sink.emit({"kind": "summary", "per_m": summarize(sink.records)})
     finally:
         if out:

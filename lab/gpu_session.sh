@@ -22,6 +22,8 @@
 #   decode8  lab/bench_decode.py matrix, 8 of the 48 layers (real per-layer shapes, dummy weights)
 #   kernels  lab/bench_step_kernels.py (draft head, QSA top-k, copy bandwidth, PLE staging) + tests/gpu
 #   decode4  the same matrix at 4 layers (two layer counts: the line read at 48 layers)
+#   sidegemm lab/bench_side_gemm.py: the side layers' GEMMs, BF16 against FP8 block-scaled (vLLM's
+#            own pick and CUTLASS, then DeepGEMM/Triton/FlashInfer, which JIT-compile, in a second run)
 #   recipe48 lab/bench_recipe.py run: all 48 layers, NVFP4 experts, the servers `flash serve`
 #            renders (RECIPE_CONFIGS, default stock,default,nvidia) in blocks of whole servers until
 #            the budget's end; RECIPE_ARGS adds options (e.g. --repeats 3)
@@ -83,7 +85,7 @@ jit_pack() {
 left() { echo $(( $(cat "$GS/end") - $(date +%s) )); }
 
 # seconds each phase needs to be started at all (kernels: the bench's 120 s cap + the GPU tests)
-need() { case "$1" in e2e) echo 420 ;; decode8) echo 300 ;; kernels) echo 160 ;; decode4) echo 280 ;; recipe48) echo 600 ;; latency48) echo 500 ;; *) echo 0 ;; esac; }
+need() { case "$1" in e2e) echo 420 ;; decode8) echo 300 ;; kernels) echo 160 ;; decode4) echo 280 ;; sidegemm) echo 240 ;; recipe48) echo 600 ;; latency48) echo 500 ;; *) echo 0 ;; esac; }
 # the least a phase is started with (need() is what the phases before it leave for it): e2e can
 # prove something in 240 s (one tiny server, cold: fixtures ~50 s + boot ~190 s); 2026-12-05 a
 # 310 s e2e-only session was skipped whole by need()'s 420 s; recipe48 skips the configs that
@@ -145,7 +147,7 @@ run_phases() {
   esac
 
   local p bench_ready=""
-  for p in e2e decode8 kernels decode4 recipe48 latency48; do
+  for p in e2e decode8 kernels decode4 sidegemm recipe48 latency48; do
     case ",${PHASES}," in *",$p,"*) ;; *) log "skip $p (not asked)" ;; esac
   done
   for p in ${PHASES//,/ }; do  # in the order asked
@@ -155,7 +157,7 @@ run_phases() {
           FLASH_E2E_DEADLINE="$(e2e_deadline)" tests/run gpu-e2e -- -k "${E2E_K:-not diag}"
         # the JIT caches the boots built, packed now: a session cut short after e2e still has them
         jit_pack "$GS/jit-cache.tar.gz" ;;
-      decode8|kernels|decode4|recipe48|latency48)
+      decode8|kernels|decode4|sidegemm|recipe48|latency48)
         if [ -z "$bench_ready" ]; then
           bench_ready=1
           if [ -n "$prep" ]; then wait "$prep"; log "prepare rc=$? ($(tail -c 300 "$GS/prepare.log" | tr '\n' ' '))"; fi
@@ -171,6 +173,8 @@ print(fleet.plugin_site(fleet.Context(work=pathlib.Path('$GS/work'), out=pathlib
           kernels) phase kernels "$(need kernels)" bash -c "timeout 120 python3 -m lab.bench_step_kernels --out '$GS/kernels/kernels.jsonl';
                      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu" ;;
           decode4) decode_phase 4 "$(need decode4)" 18610 ;;
+          sidegemm) phase sidegemm "$(need sidegemm)" bash -c "timeout 100 python3 -m lab.bench_side_gemm --paths auto,cutlass --out '$GS/kernels/side-gemm.jsonl';
+                     timeout 120 python3 -m lab.bench_side_gemm --paths deepgemm,triton,flashinfer --quick --out '$GS/kernels/side-gemm-jit.jsonl'" ;;
           recipe48)
             if [ -n "$prep48" ]; then wait "$prep48"; rc48=$?; prep48=""; log "prepare48 rc=$rc48 ($(tail -c 300 "$GS/prepare48.log" | tr '\n' ' '))"; fi
             # shellcheck disable=SC2086 - RECIPE_ARGS is a list of options
@@ -223,8 +227,8 @@ case "${1:-}" in
     COMMIT=${2:?start COMMIT BUDGET_S [PHASES]}; BUDGET=${3:?start COMMIT BUDGET_S [PHASES]}
     PHASES=${4:-e2e,decode8,kernels,decode4}
     for p in ${PHASES//,/ }; do
-      case "$p" in e2e|decode8|kernels|decode4|recipe48|latency48|none) ;;
-        *) echo "gpu_session: unknown phase '$p' (e2e, decode8, kernels, decode4, recipe48, latency48, or none)" >&2; exit 2 ;; esac
+      case "$p" in e2e|decode8|kernels|decode4|sidegemm|recipe48|latency48|none) ;;
+        *) echo "gpu_session: unknown phase '$p' (e2e, decode8, kernels, decode4, sidegemm, recipe48, latency48, or none)" >&2; exit 2 ;; esac
     done
     case "$BUDGET" in ''|*[!0-9]*) echo "gpu_session: BUDGET_S '$BUDGET': give whole seconds" >&2; exit 2 ;; esac
     for v in DECODE_REPEATS DECODE_TOKENS DECODE_SECONDS; do

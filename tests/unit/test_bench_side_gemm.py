@@ -104,6 +104,13 @@ def test_bad_tokens_name_the_value(tokens):
     assert repr(tokens) in proc.stderr and "1 to 4096" in proc.stderr
 
 
+@pytest.mark.parametrize("paths", ["cutlas", "", "auto,bf16"])
+def test_bad_paths_name_the_value(paths):
+    proc = _run("--paths", paths)
+    assert proc.returncode == sg.EXIT_USAGE
+    assert repr(paths) in proc.stderr and "auto, cutlass, deepgemm" in proc.stderr
+
+
 def test_no_gpu_says_so():
     proc = _run("--tokens", "3")
     assert proc.returncode == sg.EXIT_NO_CUDA

@@ -66,4 +66,4 @@ def test_forced_kernels_are_the_releases_cuda_block_kernels(sg):
     assert "force_kernel" in inspect.signature(linear.init_fp8_linear_kernel).parameters
     cuda = {k.__name__ for k in linear._POSSIBLE_FP8_BLOCK_KERNELS[next(p for p in linear._POSSIBLE_FP8_BLOCK_KERNELS
                                                                       if p.name == "CUDA")]}
-    assert set(sg.FORCED) <= cuda, set(sg.FORCED) - cuda
+    assert set(sg.FORCED.values()) <= cuda, set(sg.FORCED.values()) - cuda
