@@ -125,12 +125,13 @@ def _spec(profile: str, words: list[str]):
     return r, serve.plan(r, "<SNAPSHOT>")
 
 
-def render(name: str, d: Path, port: int, python: str = "python3") -> dict:
-    """One server as a plain process: {argv, env, deviations, settings}."""
+def render(name: str, d: Path, port: int, python: str = "python3", sets: tuple[str, ...] = ()) -> dict:
+    """One server as a plain process: {argv, env, deviations, settings}. `sets` (KEY=VALUE, run's
+    --set) go after the config's own words, for every config alike, and are named as deviations."""
     c = CONFIGS[name]
     ple = {"VLLM_PLE_MMAP_DIR": str(d / "ple")}
     vllm = [python, "-m", "vllm.entrypoints.cli.main", "serve"]
-    r, spec = _spec(c["profile"], c["words"])
+    r, spec = _spec(c["profile"], [*c["words"], *sets])
     cmd = list(spec.command)
     if cmd[:2] != ["vllm", "serve"]:
         raise ValueError(f"{name}: the RunSpec's command starts {cmd[:2]}, not vllm serve")
@@ -142,6 +143,7 @@ def render(name: str, d: Path, port: int, python: str = "python3") -> dict:
     env = {k: v for k, v in spec.env.items() if k != "HF_HOME"} | OFFLINE_ENV | ple
     devs = [f"model {mdir.name}/ (MODE={r.settings['MODE']}), --load-format dummy, --host/--port, --served-model-name bench",
             "--gdn-prefill-backend triton, VLLM_USE_FLASHINFER_SAMPLER=0: offline (no FlashInfer cubins)"]
+    devs += [f"{w}: set for every server of this run (--set)" for w in sets]
     if c["kind"] == "stock":
         argv = [*vllm, str(mdir), *args, "--engram-config", '{"cpu_offload":false}', *OFFLINE_ARGS]
         env["VLLM_PLUGINS"] = ""
@@ -202,10 +204,11 @@ def write_hybrid(d: Path, layers: int) -> dict:
 def prepare(args) -> int:
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)  # bench_decode's disk check reads the parent
-    rc = model.prepare(argparse.Namespace(dir=str(d), quant="nvfp4", ple_rows=args.ple_rows, layers=LAYERS))
+    layers = model.check_layers(args.layers)
+    rc = model.prepare(argparse.Namespace(dir=str(d), quant="nvfp4", ple_rows=args.ple_rows, layers=layers))
     if rc:
         return rc
-    summary = write_hybrid(d, LAYERS)
+    summary = write_hybrid(d, layers)
     print(json.dumps({"hybrid": summary | {"excludes_dropped": len(summary["excludes_dropped"])}}))
     return 0
 
@@ -237,6 +240,15 @@ def _gpu_mib() -> int | None:
                              capture_output=True, text=True, timeout=20).stdout
         return int(out.split()[0])
     except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
+def _gpu_name() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+        return out.splitlines()[0] if out else None
+    except (OSError, subprocess.TimeoutExpired):
         return None
 
 
@@ -311,8 +323,11 @@ def run(args) -> int:
     sink = client.jsonl_sink(args.out)
     logs = Path(args.logs or Path(args.out).parent)
     logs.mkdir(parents=True, exist_ok=True)
+    sets = tuple(args.set)
+    for name in configs:  # a bad --set fails here, before the first boot
+        render(name, d, args.port, sys.executable, sets)
     base = {"layers": meta.get("layers", LAYERS), "quant": meta.get("quant"), "ple_rows": meta.get("ple_rows"),
-            "commit": schedule.tree_measured(), "design": "blocks"}
+            "commit": schedule.tree_measured(), "design": "blocks", "gpu": _gpu_name()}
     t0 = time.monotonic()
     deadline = t0 + args.deadline
     boot_s: dict[str, float] = {}
@@ -333,7 +348,7 @@ def run(args) -> int:
             if left() < need:
                 emit({"event": "skipped", "label": name, "cycle": cycle, "left_s": round(left()), "need_s": round(need), **base})
                 continue
-            spec = render(name, d, args.port, sys.executable)
+            spec = render(name, d, args.port, sys.executable, sets)
             srv = Server(spec, logs / f"{name}-c{cycle}.log")
             srv.start()
             try:
@@ -479,7 +494,11 @@ def report_cmd(args) -> int:
     ax.set_xticks([j + width * (len(labels) - 1) / 2 for j in range(len(cellnames))])
     ax.set_xticklabels(cellnames, fontsize=8)
     ax.set_ylabel("decode tok/s per stream (median)")
-    ax.set_title("48 layers, NVFP4 experts, dummy weights, H200: ratios vs stock (paired geomean)")
+    # rows before the H100 fallback (2026-12-06) name no GPU: every one of them ran on an H200
+    layers = sorted({r.get("layers", LAYERS) for r in rows if "layers" in r}) or [LAYERS]
+    gpus = sorted({r.get("gpu") or "NVIDIA H200" for r in rows if r.get("event") == "booted"}) or ["NVIDIA H200"]
+    ax.set_title(f"{'/'.join(map(str, layers))} layers, NVFP4 experts, dummy weights, {', '.join(gpus)}: "
+                 "ratios vs stock (paired geomean)", fontsize=9)
     ax.legend(fontsize=8, ncol=len(labels))
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)
@@ -513,6 +532,9 @@ def main(argv=None) -> int:
     p = sub.add_parser("prepare")
     p.add_argument("dir")
     p.add_argument("--ple-rows", default="32000000", help="'full' (320,001,536 rows, 47.68 GiB) or a row count")
+    p.add_argument("--layers", type=int, default=LAYERS,
+                   help="the real model's %(default)s; fewer (a multiple of 4) keep every per-layer shape, so an "
+                        "80 GB H100 can hold stock's body (36: ~62 GiB)")
     p.set_defaults(func=prepare)
     p = sub.add_parser("configs", help="the servers --configs accepts; with a list, check it (exit 2 naming the bad one)")
     p.add_argument("list", nargs="?")
@@ -540,6 +562,9 @@ def main(argv=None) -> int:
     p.add_argument("--block-guess", type=float, default=120, help="s a block is assumed to take before one ran")
     p.add_argument("--deadline", type=float, default=1500)
     p.add_argument("--cycles", type=int, default=0, help="stop after this many cycles (0: cycle until the deadline)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a recipe setting for every server of the run (e.g. GPU_MEM=0.93 on an H100), "
+                        "recorded in each booted row's deviations")
     p.set_defaults(func=run)
     p = sub.add_parser("report")
     p.add_argument("files", nargs="+")

@@ -26,7 +26,8 @@
 #            own pick and CUTLASS, then DeepGEMM/Triton/FlashInfer, which JIT-compile, in a second run)
 #   recipe48 lab/bench_recipe.py run: all 48 layers, NVFP4 experts, the servers `flash serve`
 #            renders (RECIPE_CONFIGS, default stock,default,nvidia) in blocks of whole servers until
-#            the budget's end; RECIPE_ARGS adds options (e.g. --repeats 3)
+#            the budget's end; RECIPE_ARGS adds options (e.g. --repeats 3); RECIPE_LAYERS (default 48)
+#            fewer layers of the same shapes, for a GPU that cannot hold 48
 #   latency48 lab/bench_latency.py run on the same dirs: prefix-cache hits and TTFT for shared
 #            prefixes of 1k-16k tokens, ITL of a stream while a 32k-token prefill runs
 #            (LATENCY_CONFIGS, default stock,default,shared; LATENCY_ARGS adds options)
@@ -54,6 +55,9 @@ ROWS=${FLASH_SESSION_PLE_ROWS:-32000000}  # the reduced PLE table (4.8 GiB; real
 DECODE_REPEATS=${DECODE_REPEATS:-3} DECODE_TOKENS=${DECODE_TOKENS:-256} DECODE_SECONDS=${DECODE_SECONDS:-420}
 DECODE_CONFIGS=${DECODE_CONFIGS:-stock,eager,hoisted}
 RECIPE_CONFIGS=${RECIPE_CONFIGS:-stock,default,nvidia} RECIPE_ARGS=${RECIPE_ARGS:-}
+# recipe48/latency48's layer count: 48, the real model; an 80 GB H100 holds stock's body at 36
+# (RECIPE_LAYERS=36 RECIPE_ARGS="--set GPU_MEM=0.93 ..."; lab/bench_recipe.py prepare --help)
+RECIPE_LAYERS=${RECIPE_LAYERS:-48}
 LATENCY_CONFIGS=${LATENCY_CONFIGS:-stock,default,shared} LATENCY_ARGS=${LATENCY_ARGS:-}
 
 JIT_DIRS=${FLASH_SESSION_JIT_DIRS:-.triton/cache .cache/flashinfer .cache/vllm}  # relative to $HOME
@@ -142,7 +146,7 @@ run_phases() {
     prep=$! ;;
   esac
   case ",${PHASES}," in *,recipe48,*|*,latency48,*)  # the 48-layer dirs (model/, model-hybrid/, the table)
-    ( nice -n 5 python3 -m lab.bench_recipe prepare "$BENCH/L48" --ple-rows "$ROWS" ) >"$GS/prepare48.log" 2>&1 &
+    ( nice -n 5 python3 -m lab.bench_recipe prepare "$BENCH/L$RECIPE_LAYERS" --layers "$RECIPE_LAYERS" --ple-rows "$ROWS" ) >"$GS/prepare48.log" 2>&1 &
     prep48=$! ;;
   esac
 
@@ -180,12 +184,12 @@ print(fleet.plugin_site(fleet.Context(work=pathlib.Path('$GS/work'), out=pathlib
             # shellcheck disable=SC2086 - RECIPE_ARGS is a list of options
             # started with less than need() reserves for it: bench_recipe skips each config its boot and
             # block estimates do not fit (a 600 s floor left a warm 334 s unused, 2026-12-04)
-            phase recipe48 "$(floor recipe48)" python3 -m lab.bench_recipe run "$BENCH/L48" --configs "$RECIPE_CONFIGS" \
+            phase recipe48 "$(floor recipe48)" python3 -m lab.bench_recipe run "$BENCH/L$RECIPE_LAYERS" --configs "$RECIPE_CONFIGS" \
               --out "$GS/decode/raw48.jsonl" --logs "$GS/decode" --deadline $(( $(left) - 90 )) $RECIPE_ARGS ;;
           latency48)
             if [ -n "$prep48" ]; then wait "$prep48"; rc48=$?; prep48=""; log "prepare48 rc=$rc48 ($(tail -c 300 "$GS/prepare48.log" | tr '\n' ' '))"; fi
             # shellcheck disable=SC2086 - LATENCY_ARGS is a list of options
-            phase latency48 "$(need latency48)" timeout $(( $(left) - 60 )) python3 -m lab.bench_latency run "$BENCH/L48" \
+            phase latency48 "$(need latency48)" timeout $(( $(left) - 60 )) python3 -m lab.bench_latency run "$BENCH/L$RECIPE_LAYERS" \
               --configs "$LATENCY_CONFIGS" --out "$GS/decode/latency48.jsonl" --logs "$GS/decode" $LATENCY_ARGS ;;
         esac ;;
     esac
@@ -246,6 +250,8 @@ case "${1:-}" in
         *) echo "gpu_session: DECODE_CONFIGS='$DECODE_CONFIGS': unknown config '$c' ($names)" >&2; exit 2 ;;
       esac
     done
+    case "$RECIPE_LAYERS" in 4|8|12|16|20|24|28|32|36|40|44|48) ;;
+      *) echo "gpu_session: RECIPE_LAYERS='$RECIPE_LAYERS': give a multiple of 4 from 4 to 48" >&2; exit 2 ;; esac
     case ",${PHASES}," in *,recipe48,*)  # a typo here would cost the session's boots: checked first
       (cd "$TREE" && PYTHONPATH="$TREE/src${PYTHONPATH:+:$PYTHONPATH}" python3 -m lab.bench_recipe configs "$RECIPE_CONFIGS") >/dev/null || exit 2 ;;
     esac
@@ -266,7 +272,7 @@ case "${1:-}" in
     tar --exclude=./.payload --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C "$REPO"
     echo $(( $(date +%s) + BUDGET )) >"$GS/end"
     export COMMIT PHASES
-    setsid bash -c "$(declare -f log left need floor e2e_deadline jit_pack phase decode_phase run_phases); GS=$GS REPO=$REPO ENV_SH=$ENV_SH BENCH=$BENCH ROWS=$ROWS JIT_DIRS='$JIT_DIRS' JIT_MAX_MIB=$JIT_MAX_MIB JIT_CARRIED=$JIT_CARRIED DECODE_REPEATS=$DECODE_REPEATS DECODE_TOKENS=$DECODE_TOKENS DECODE_SECONDS=$DECODE_SECONDS DECODE_CONFIGS=$DECODE_CONFIGS RECIPE_CONFIGS=$RECIPE_CONFIGS RECIPE_ARGS='$RECIPE_ARGS' LATENCY_CONFIGS=$LATENCY_CONFIGS LATENCY_ARGS='$LATENCY_ARGS' run_phases" \
+    setsid bash -c "$(declare -f log left need floor e2e_deadline jit_pack phase decode_phase run_phases); GS=$GS REPO=$REPO ENV_SH=$ENV_SH BENCH=$BENCH ROWS=$ROWS JIT_DIRS='$JIT_DIRS' JIT_MAX_MIB=$JIT_MAX_MIB JIT_CARRIED=$JIT_CARRIED DECODE_REPEATS=$DECODE_REPEATS DECODE_TOKENS=$DECODE_TOKENS DECODE_SECONDS=$DECODE_SECONDS DECODE_CONFIGS=$DECODE_CONFIGS RECIPE_CONFIGS=$RECIPE_CONFIGS RECIPE_ARGS='$RECIPE_ARGS' RECIPE_LAYERS=$RECIPE_LAYERS LATENCY_CONFIGS=$LATENCY_CONFIGS LATENCY_ARGS='$LATENCY_ARGS' run_phases" \
       </dev/null >"$GS/driver.log" 2>&1 &
     log "launched (pid $!, budget ${BUDGET}s, phases $PHASES, commit $COMMIT)"
     ;;

@@ -149,6 +149,35 @@ def test_hybrid_model_dir_passes_flash_s_own_gate(tmp_path):
     assert (tmp_path / "model-hybrid" / "tokenizer.json").resolve() == (tmp_path / "model" / "tokenizer.json").resolve()
 
 
+def test_fewer_layers_keep_the_shapes_and_the_gate(tmp_path):
+    """The H100 fallback (36 layers): the same per-layer shapes, the hybrid gate on those layers."""
+    assert br.main(["prepare", str(tmp_path), "--ple-rows", "100000", "--layers", "36"]) == 0
+    from flash_cli.checkpoint import quantcfg
+
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    cfg = json.loads((tmp_path / "model-hybrid" / "config.json").read_text())
+    hq = json.loads((tmp_path / "model-hybrid" / "hf_quant_config.json").read_text())
+    assert meta["layers"] == 36 and cfg["text_config"]["num_hidden_layers"] == 36
+    assert quantcfg.problems(cfg, hq, br.side_modules(36)) == []
+    assert not any(".layers.36." in m for m in json.dumps(hq).split('"'))
+    with pytest.raises(SystemExit, match="--layers 30"):
+        br.main(["prepare", str(tmp_path / "x"), "--ple-rows", "100000", "--layers", "30"])
+
+
+def test_a_set_goes_to_every_server_and_is_named():
+    sets = ("GPU_MEM=0.93",)
+    for name in ("stock", "default", "default-nvfp4"):
+        got = br.render(name, Path("/x"), 1, sets=sets)
+        argv = _pairs(got["argv"])
+        assert argv["--gpu-memory-utilization"] == "0.93" and got["settings"]["GPU_MEM"] == "0.93"
+        assert "GPU_MEM=0.93: set for every server of this run (--set)" in got["deviations"]
+        plain = br.render(name, Path("/x"), 1)
+        assert {k: v for k, v in argv.items() if k != "--gpu-memory-utilization"} == \
+            {k: v for k, v in _pairs(plain["argv"]).items() if k != "--gpu-memory-utilization"}
+    # the ablation's own words still apply under a --set
+    assert br.render("default-nvfp4", Path("/x"), 1, sets=sets)["settings"]["MODE"] == "nvfp4"
+
+
 FAKE_MAIN = r'''
 import json, os, sys, threading, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -191,13 +220,14 @@ def test_blocks_alternate_whole_servers_and_pair_within_a_cycle(tmp_path, monkey
     rc = br.main(["run", str(d), "--configs", "stock,default", "--out", str(out), "--levels", "1,2",
                   "--long-levels", "1", "--long-prompt", "300", "--tokens", "16", "--repeats", "2",
                   "--warmup-tokens", "4", "--deadline", "600", "--cycles", "2", "--boot-guess", "5", "--block-guess", "5",
-                  "--port", "18790"])
+                  "--port", "18790", "--set", "GPU_MEM=0.7"])
     assert rc == 0
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     booted = [r for r in rows if r.get("event") == "booted"]
     # whole servers in blocks: stock, default, stock, default, ... (one at a time, by cycle)
     assert [r["label"] for r in booted][:4] == ["stock", "default", "stock", "default"]
     assert all(r["commit"] and r["deviations"] and r["layers"] == 48 for r in booted)
+    assert all(float(_pairs(r["argv"])["--gpu-memory-utilization"]) == 0.7 and "gpu" in r for r in booted)
     assert any("MoE backend" in ln for ln in booted[0]["log_lines"])
     meas = [r for r in rows if r.get("per_stream_tok_s")]
     cells = {(r["concurrency"], r["prompt_tokens"]) for r in meas}
