@@ -482,11 +482,12 @@ def report_cmd(args) -> int:
                        key=lambda c: (int(c.split("p=")[1]), int(c.split()[0][2:])))
     fig, ax = plt.subplots(figsize=(12, 4.5))
     width = 0.8 / max(1, len(labels))
+    ref = "stock" if "stock" in labels else "default"  # an ablation-only run has no stock: read it against default
     for i, lab in enumerate(labels):
         xs = [j + i * width for j in range(len(cellnames))]
         ys = [med[lab].get(c, 0) for c in cellnames]
         bars = ax.bar(xs, ys, width, label=lab)
-        vs = rep["vs_stock"].get(lab, {})
+        vs = rep[f"vs_{ref}"].get(lab, {})
         for b, c in zip(bars, cellnames):
             if c in vs:
                 ax.annotate(f"{vs[c]['geomean']:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
@@ -498,7 +499,7 @@ def report_cmd(args) -> int:
     layers = sorted({r.get("layers", LAYERS) for r in rows if "layers" in r}) or [LAYERS]
     gpus = sorted({r.get("gpu") or "NVIDIA H200" for r in rows if r.get("event") == "booted"}) or ["NVIDIA H200"]
     ax.set_title(f"{'/'.join(map(str, layers))} layers, NVFP4 experts, dummy weights, {', '.join(gpus)}: "
-                 "ratios vs stock (paired geomean)", fontsize=9)
+                 f"ratios vs {ref} (paired geomean)", fontsize=9)
     ax.legend(fontsize=8, ncol=len(labels))
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)

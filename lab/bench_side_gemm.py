@@ -2,9 +2,10 @@
 """The side layers' GEMMs at the real shapes, BF16 against FP8 block-scaled, per kernel vLLM can
 pick on this GPU (issue 33: where the recipe's c >= 4 decode gap can be).
 
-Usage (a CUDA machine with vLLM 0.33 importable; benchmarks/side-gemm/README.md):
-    python3 -m lab.bench_side_gemm [--out FILE.jsonl] [--tokens 3,12,24,48] [--quick]
+Usage (a CUDA machine with vLLM 0.33 importable; benchmarks/side-gemm-h100/README.md):
+    python3 -m lab.bench_side_gemm [--out FILE.jsonl] [--tokens 3,12,24,48] [--paths auto,cutlass] [--quick]
     python3 -m lab.bench_side_gemm --plan      # the shapes and counts only, no GPU needed
+    python3 -m lab.bench_side_gemm --report FILE.jsonl... [--png OUT.png]   # tables (+ a plot), no GPU
 
 Stock serves the published layout, whose side layers (GDN and QSA projections, shared expert) are
 BF16: vLLM's Qwen4Exp runs them through its own `qwen4_exp_low_latency_gemm` (a tuned skinny GEMM
@@ -275,6 +276,57 @@ def summarize(records: list[dict]) -> dict:
     return out
 
 
+def report(files: list[Path], png: Path | None) -> str:
+    """Markdown: per shape and M, each path's median microseconds; then per-forward totals (48
+    layers) and their difference from BF16, from each file's own BF16 (the pairs of one run)."""
+    runs = [[json.loads(line) for line in f.read_text().splitlines() if line.strip()] for f in files]
+    med: dict[tuple[str, int], dict[str, float]] = {}
+    for rows in runs:
+        for r in rows:
+            if r.get("kind") == "gemm" and "median_us" in r and not (r["path"] == "bf16" and (r["shape"], r["m"]) in med
+                                                                       and "bf16" in med[(r["shape"], r["m"])]):
+                med.setdefault((r["shape"], r["m"]), {})[r["path"]] = r["median_us"]
+    paths = sorted({p for v in med.values() for p in v}, key=lambda p: (p != "bf16", p))
+    out = ["| shape | M | " + " | ".join(f"{p} (µs)" for p in paths) + " |", "|---|---|" + "---|" * len(paths)]
+    for (shape, m), v in sorted(med.items(), key=lambda kv: ([s.name for s in side_shapes()].index(kv[0][0]), kv[0][1])):
+        out.append(f"| {shape} | {m} | " + " | ".join(f"{v[p]:.1f}" if p in v else "—" for p in paths) + " |")
+    summaries = {}
+    for f, rows in zip(files, runs):
+        for m, per in summarize(rows).items():
+            for p, row in per.items():
+                summaries.setdefault(int(m), {})[p] = row
+    out += ["", "| M | " + " | ".join(f"{p}: ms per forward (− BF16)" for p in paths) + " |", "|---|" + "---|" * len(paths)]
+    for m in sorted(summaries):
+        cells = []
+        for p in paths:
+            row = summaries[m].get(p)
+            cells.append("—" if row is None else f"{row['forward_ms']:.2f}" + (
+                "" if p == "bf16" or p.endswith("quant_only") or row["minus_bf16_ms"] is None else f" ({row['minus_bf16_ms']:+.2f})"))
+        out.append(f"| {m} | " + " | ".join(cells) + " |")
+    if png is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        ms = sorted(summaries)
+        shown = [p for p in paths if not p.endswith("quant_only")]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        width = 0.8 / len(shown)
+        for i, p in enumerate(shown):
+            ys = [summaries[m].get(p, {}).get("forward_ms", 0) for m in ms]
+            ax.bar([j + i * width for j in range(len(ms))], ys, width, label=p)
+        ax.set_xticks([j + width * (len(shown) - 1) / 2 for j in range(len(ms))])
+        ax.set_xticklabels([f"M={m}" for m in ms])
+        ax.set_ylabel("side-layer GEMMs per target forward, 48 layers (ms)")
+        device = next((r for rows in runs for r in rows if r.get("kind") == "device"), {})
+        ax.set_title(f"BF16 vs FP8 block-scaled side linears, {device.get('gpu', '?')} (CUDA graphs)", fontsize=9)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(png, dpi=120)
+    return "\n".join(out)
+
+
 def describe(torch) -> dict:
     import vllm
     p = torch.cuda.get_device_properties(0)
@@ -294,6 +346,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                          "per shape, so a session may run them apart)")
     ap.add_argument("--quick", action="store_true", help="fewer graph replays")
     ap.add_argument("--plan", action="store_true", help="print the shapes and counts and exit (no GPU)")
+    ap.add_argument("--report", type=Path, nargs="+", metavar="FILE", help="tables from earlier runs' JSON lines (no GPU)")
+    ap.add_argument("--png", type=Path, help="with --report: a bar plot of the per-forward totals")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
@@ -309,6 +363,13 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_USAGE
         return EXIT_USAGE if e.code else 0
     shapes = side_shapes()
+    if args.report:
+        missing = [str(f) for f in args.report if not f.is_file()]
+        if missing:
+            print(f"--report: no such file: {', '.join(missing)}", file=sys.stderr)
+            return EXIT_USAGE
+        print(report(args.report, args.png))
+        return 0
     if args.plan:
         for s in shapes:
             print(json.dumps({"kind": "shape", **dataclasses.asdict(s)}))

@@ -115,3 +115,33 @@ def test_no_gpu_says_so():
     proc = _run("--tokens", "3")
     assert proc.returncode == sg.EXIT_NO_CUDA
     assert "vLLM" in proc.stderr or "CUDA" in proc.stderr
+
+
+def _rows(path, bf16_us: float, fp8_us: float, gpu="GPU X"):
+    rows = [{"kind": "device", "gpu": gpu}]
+    for s in sg.side_shapes():
+        for m in (3, 12):
+            rows.append({"kind": "gemm", "shape": s.name, "m": m, "path": "bf16", "per_forward": s.per_forward,
+                         "median_us": bf16_us})
+            rows.append({"kind": "gemm", "shape": s.name, "m": m, "path": "fp8_cutlass", "per_forward": s.per_forward,
+                         "median_us": fp8_us * (2 if m == 12 else 1)})
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_report_tables_each_shape_and_the_per_forward_difference(tmp_path):
+    f = _rows(tmp_path / "a.jsonl", 10.0, 8.0)
+    png = tmp_path / "p.png"
+    proc = _run("--report", str(f), "--png", str(png))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "| gdn.in_proj_qkvz | 3 | 10.0 | 8.0 |" in lines
+    assert "| shared.down | 12 | 10.0 | 16.0 |" in lines
+    per_forward = sum(s.per_forward for s in sg.side_shapes())  # 216 linears a forward
+    assert f"| 3 | {per_forward * 10 / 1e3:.2f} | {per_forward * 8 / 1e3:.2f} ({-per_forward * 2 / 1e3:+.2f}) |" in lines
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_report_of_a_missing_file_names_it(tmp_path):
+    proc = _run("--report", str(tmp_path / "nope.jsonl"))
+    assert proc.returncode == sg.EXIT_USAGE and "nope.jsonl" in proc.stderr
