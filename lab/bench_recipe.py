@@ -25,8 +25,10 @@ The reference servers:
 
 Two of these servers do not fit one H200 at once (the body is ~70 GiB), so whole servers
 alternate in blocks: boot, an untimed warm-up at every cell, REPEATS rounds over the cells, stop;
-configs in the order given, cycled until the deadline. A pair is one config's and stock's
-measurement of the same cell, round and cycle (adjacent blocks, the same prompts).
+configs in the order given, then reversed in the next cycle (A B B A: a drift over the session, the
+GPU's clocks or a first block after a cold boot, falls on both sides of a pair), cycled until the
+deadline. A pair is one config's and stock's measurement of the same cell, round and cycle (the
+same prompts).
 
   prepare DIR [--ple-rows N]   the 48-layer model dirs and the PLE table (bench_decode's writer)
   plan DIR [--configs …]       the servers as they would start, JSON
@@ -343,7 +345,7 @@ def run(args) -> int:
     cycle = 0
     while left() > 0 and (not args.cycles or cycle < args.cycles):
         ran = 0
-        for name in configs:
+        for name in (configs if cycle % 2 == 0 else configs[::-1]):
             need = boot_s.get(name, args.boot_guess) + (max(block_s) if block_s else args.block_guess)
             if left() < need:
                 emit({"event": "skipped", "label": name, "cycle": cycle, "left_s": round(left()), "need_s": round(need), **base})

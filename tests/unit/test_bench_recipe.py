@@ -224,8 +224,8 @@ def test_blocks_alternate_whole_servers_and_pair_within_a_cycle(tmp_path, monkey
     assert rc == 0
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     booted = [r for r in rows if r.get("event") == "booted"]
-    # whole servers in blocks: stock, default, stock, default, ... (one at a time, by cycle)
-    assert [r["label"] for r in booted][:4] == ["stock", "default", "stock", "default"]
+    # whole servers in blocks, one at a time, the order reversed every other cycle (A B B A)
+    assert [r["label"] for r in booted][:4] == ["stock", "default", "default", "stock"]
     assert all(r["commit"] and r["deviations"] and r["layers"] == 48 for r in booted)
     assert all(float(_pairs(r["argv"])["--gpu-memory-utilization"]) == 0.7 and "gpu" in r for r in booted)
     assert any("MoE backend" in ln for ln in booted[0]["log_lines"])
