@@ -141,14 +141,20 @@ def test_phases_run_in_the_order_asked_and_unknown_ones_are_refused(tmp_path):
         r = subprocess.run(["bash", str(SCRIPT), "start", "c0ffee1", "60", "decode8"], cwd=ROOT,
                            env={**env, "DECODE_CONFIGS": configs}, capture_output=True, text=True)
         assert r.returncode == 2 and says in r.stderr and not (tmp_path / "gs").exists(), r.stderr
-    # kernels before e2e; on this CPU machine both end at once (no CUDA: exit 3), in that order
-    r = _start(env, "700", "kernels,e2e")
+    for layers in ("30", "52", "x"):  # recipe48's layer count: a multiple of 4 up to the real 48
+        r = subprocess.run(["bash", str(SCRIPT), "start", "c0ffee1", "60", "kernels"], cwd=ROOT,
+                           env={**env, "RECIPE_LAYERS": layers}, capture_output=True, text=True)
+        assert r.returncode == 2 and f"RECIPE_LAYERS='{layers}'" in r.stderr and not (tmp_path / "gs").exists()
+    # sidegemm, kernels, then e2e; on this CPU machine each ends at once (no CUDA or vLLM: exit 3)
+    r = _start(env, "700", "sidegemm,kernels,e2e")
     assert r.returncode == 0, r.stderr
     r = _watch(env)
     assert "all phases ended" in r.stdout, r.stdout[-2000:]
     log = (tmp_path / "gs" / "phases.log").read_text()
     starts = [line.split()[2] for line in log.splitlines() if " start " in line]
-    assert starts == ["kernels", "e2e"], log
+    assert starts == ["sidegemm", "kernels", "e2e"], log
+    # both of the phase's runs ran and said why they could not time anything here
+    assert (tmp_path / "gs" / "sidegemm.log").read_text().count("needs torch and vLLM") == 2
     assert "skip decode8 (not asked)" in log and "skip decode4 (not asked)" in log and "prepare" not in log
 
 
