@@ -278,7 +278,8 @@ def summarize(records: list[dict]) -> dict:
 
 def report(files: list[Path], png: Path | None) -> str:
     """Markdown: per shape and M, each path's median microseconds; then per-forward totals (48
-    layers) and their difference from BF16, from each file's own BF16 (the pairs of one run)."""
+    layers) and each path's difference from the BF16 of its own file (the pairs of one run). A path
+    timed in two files (BF16 is in every one) is shown from the first."""
     runs = [[json.loads(line) for line in f.read_text().splitlines() if line.strip()] for f in files]
     med: dict[tuple[str, int], dict[str, float]] = {}
     for rows in runs:
@@ -290,11 +291,11 @@ def report(files: list[Path], png: Path | None) -> str:
     out = ["| shape | M | " + " | ".join(f"{p} (µs)" for p in paths) + " |", "|---|---|" + "---|" * len(paths)]
     for (shape, m), v in sorted(med.items(), key=lambda kv: ([s.name for s in side_shapes()].index(kv[0][0]), kv[0][1])):
         out.append(f"| {shape} | {m} | " + " | ".join(f"{v[p]:.1f}" if p in v else "—" for p in paths) + " |")
-    summaries = {}
-    for f, rows in zip(files, runs):
+    summaries: dict[int, dict[str, dict]] = {}
+    for rows in runs:  # a path in two files: the first file's, as in the table above (BF16 runs in every file)
         for m, per in summarize(rows).items():
             for p, row in per.items():
-                summaries.setdefault(int(m), {})[p] = row
+                summaries.setdefault(int(m), {}).setdefault(p, row)
     out += ["", "| M | " + " | ".join(f"{p}: ms per forward (− BF16)" for p in paths) + " |", "|---|" + "---|" * len(paths)]
     for m in sorted(summaries):
         cells = []
