@@ -536,8 +536,8 @@ def main(argv=None) -> int:
     p.add_argument("dir")
     p.add_argument("--ple-rows", default="32000000", help="'full' (320,001,536 rows, 47.68 GiB) or a row count")
     p.add_argument("--layers", type=int, default=LAYERS,
-                   help="the real model's %(default)s; fewer (a multiple of 4) keep every per-layer shape, so an "
-                        "80 GB H100 can hold stock's body (36: ~62 GiB)")
+                   help="the real model's %(default)s; fewer (a multiple of 4) keep every per-layer shape, for a GPU "
+                        "that cannot hold 48 (an 80 GB H100 ran 32 with --set GPU_MEM=0.95: recipe48-h200 run3)")
     p.set_defaults(func=prepare)
     p = sub.add_parser("configs", help="the servers --configs accepts; with a list, check it (exit 2 naming the bad one)")
     p.add_argument("list", nargs="?")

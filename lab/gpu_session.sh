@@ -55,8 +55,8 @@ ROWS=${FLASH_SESSION_PLE_ROWS:-32000000}  # the reduced PLE table (4.8 GiB; real
 DECODE_REPEATS=${DECODE_REPEATS:-3} DECODE_TOKENS=${DECODE_TOKENS:-256} DECODE_SECONDS=${DECODE_SECONDS:-420}
 DECODE_CONFIGS=${DECODE_CONFIGS:-stock,eager,hoisted}
 RECIPE_CONFIGS=${RECIPE_CONFIGS:-stock,default,nvidia} RECIPE_ARGS=${RECIPE_ARGS:-}
-# recipe48/latency48's layer count: 48, the real model; an 80 GB H100 holds stock's body at 36
-# (RECIPE_LAYERS=36 RECIPE_ARGS="--set GPU_MEM=0.93 ..."; lab/bench_recipe.py prepare --help)
+# recipe48/latency48's layer count: 48, the real model; an 80 GB H100 cannot hold 48 and ran 32
+# (RECIPE_LAYERS=32 RECIPE_ARGS="--set GPU_MEM=0.95 ...": benchmarks/recipe48-h200 run3)
 RECIPE_LAYERS=${RECIPE_LAYERS:-48}
 LATENCY_CONFIGS=${LATENCY_CONFIGS:-stock,default,shared} LATENCY_ARGS=${LATENCY_ARGS:-}
 
