@@ -27,8 +27,8 @@ Two of these servers do not fit one H200 at once (the body is ~70 GiB), so whole
 alternate in blocks: boot, an untimed warm-up at every cell, REPEATS rounds over the cells, stop;
 configs in the order given, then reversed in the next cycle (A B B A: a drift over the session, the
 GPU's clocks or a first block after a cold boot, falls on both sides of a pair), cycled until the
-deadline. A pair is one config's and stock's measurement of the same cell, round and cycle (the
-same prompts).
+deadline; the server that ends one cycle is kept for the block that starts the next (a `kept` row).
+A pair is one config's and stock's measurement of the same cell, round and cycle (the same prompts).
 
   prepare DIR [--ple-rows N]   the 48-layer model dirs and the PLE table (bench_decode's writer)
   plan DIR [--configs …]       the servers as they would start, JSON
@@ -342,23 +342,36 @@ def run(args) -> int:
         sink(row)
         print(json.dumps(row)[:600], flush=True)
 
+    # A B B A puts the same config at the end of one cycle and the start of the next: that server is
+    # kept for the second block (a `kept` row instead of a `booted` one), one boot fewer per cycle
+    held: tuple[str, Server] | None = None
     cycle = 0
-    while left() > 0 and (not args.cycles or cycle < args.cycles):
-        ran = 0
-        for name in (configs if cycle % 2 == 0 else configs[::-1]):
-            need = boot_s.get(name, args.boot_guess) + (max(block_s) if block_s else args.block_guess)
-            if left() < need:
-                emit({"event": "skipped", "label": name, "cycle": cycle, "left_s": round(left()), "need_s": round(need), **base})
-                continue
-            spec = render(name, d, args.port, sys.executable, sets)
-            srv = Server(spec, logs / f"{name}-c{cycle}.log")
-            srv.start()
-            try:
-                row = srv.boot_row(min(args.boot_timeout, left()))
-                emit({**row, "label": name, "cycle": cycle, **base})
-                if row["event"] != "booted":
+    try:
+        while left() > 0 and (not args.cycles or cycle < args.cycles):
+            ran = 0
+            for name in (configs if cycle % 2 == 0 else configs[::-1]):
+                kept = held is not None and held[0] == name
+                need = (0 if kept else boot_s.get(name, args.boot_guess)) + (max(block_s) if block_s else args.block_guess)
+                if left() < need:
+                    emit({"event": "skipped", "label": name, "cycle": cycle, "left_s": round(left()), "need_s": round(need), **base})
                     continue
-                boot_s[name] = row["boot_s"]
+                if kept:
+                    srv = held[1]
+                    emit({"event": "kept", "label": name, "cycle": cycle, "log": srv.log.name, **base})
+                else:
+                    if held is not None:
+                        held[1].stop()
+                        held = None
+                    srv = Server(render(name, d, args.port, sys.executable, sets), logs / f"{name}-c{cycle}.log")
+                    held = (name, srv)
+                    srv.start()
+                    row = srv.boot_row(min(args.boot_timeout, left()))
+                    emit({**row, "label": name, "cycle": cycle, **base})
+                    if row["event"] != "booted":
+                        srv.stop()
+                        held = None
+                        continue
+                    boot_s[name] = row["boot_s"]
                 k0 = time.monotonic()
                 settle = client.PLE_SETTLE_S if CONFIGS[name]["kind"] == "recipe" else 0.0
                 extra = {**base, "cycle": cycle}
@@ -372,14 +385,15 @@ def run(args) -> int:
                         if left() < 5:
                             break
                         client.measure_one(srv.url, name, conc, args.tokens, cycle * args.repeats + rep, rng, sink,
-                                       extra | {"prompt_tokens": plen, "round": rep}, settle, plen)
+                                           extra | {"prompt_tokens": plen, "round": rep}, settle, plen)
                 block_s.append(time.monotonic() - k0)
                 ran += 1
-            finally:
-                srv.stop()
-        if not ran:
-            break
-        cycle += 1
+            if not ran:
+                break
+            cycle += 1
+    finally:
+        if held is not None:
+            held[1].stop()
     emit({"event": "end", "at_s": round(time.monotonic() - t0, 1), "cycles": cycle, "boot_s": boot_s, **base})
     return 0
 

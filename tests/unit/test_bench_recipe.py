@@ -224,8 +224,14 @@ def test_blocks_alternate_whole_servers_and_pair_within_a_cycle(tmp_path, monkey
     assert rc == 0
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     booted = [r for r in rows if r.get("event") == "booted"]
-    # whole servers in blocks, one at a time, the order reversed every other cycle (A B B A)
-    assert [r["label"] for r in booted][:4] == ["stock", "default", "default", "stock"]
+    # whole servers in blocks, one at a time, the order reversed every other cycle (A B B A); the
+    # server that ends cycle 0 is kept for the block that starts cycle 1: three boots for four blocks
+    assert [r["label"] for r in booted] == ["stock", "default", "stock"]
+    kept = [r for r in rows if r.get("event") == "kept"]
+    assert [(r["label"], r["cycle"], r["log"]) for r in kept] == [("default", 1, "default-c0.log")]
+    blocks = [(r["label"], r["cycle"]) for r in rows if r.get("per_stream_tok_s") and r.get("round") == 0
+              and r["concurrency"] == 1 and r["prompt_tokens"] == 64]
+    assert blocks == [("stock", 0), ("default", 0), ("default", 1), ("stock", 1)]
     assert all(r["commit"] and r["deviations"] and r["layers"] == 48 for r in booted)
     assert all(float(_pairs(r["argv"])["--gpu-memory-utilization"]) == 0.7 and "gpu" in r for r in booted)
     assert any("MoE backend" in ln for ln in booted[0]["log_lines"])
