@@ -245,15 +245,6 @@ def _gpu_mib() -> int | None:
         return None
 
 
-def _gpu_name() -> str | None:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20).stdout.strip()
-        return out.splitlines()[0] if out else None
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-
-
 def _log_facts(log: Path) -> dict:
     """What the boot log says about the kernels that ran and the KV pool (as printed)."""
     facts: dict = {}
@@ -325,11 +316,13 @@ def run(args) -> int:
     sink = client.jsonl_sink(args.out)
     logs = Path(args.logs or Path(args.out).parent)
     logs.mkdir(parents=True, exist_ok=True)
-    sets = tuple(args.set)
-    for name in configs:  # a bad --set fails here, before the first boot
-        render(name, d, args.port, sys.executable, sets)
+    from flash_cli.plan.hardware import query_gpus  # the planner's nvidia-smi reader
+
+    # every server rendered once, up front: a bad --set fails here, before the first boot
+    specs = {name: render(name, d, args.port, sys.executable, tuple(args.set)) for name in configs}
+    gpus = query_gpus()
     base = {"layers": meta.get("layers", LAYERS), "quant": meta.get("quant"), "ple_rows": meta.get("ple_rows"),
-            "commit": schedule.tree_measured(), "design": "blocks", "gpu": _gpu_name()}
+            "commit": schedule.tree_measured(), "design": "blocks", "gpu": gpus[0][0] if gpus else None}
     t0 = time.monotonic()
     deadline = t0 + args.deadline
     boot_s: dict[str, float] = {}
@@ -344,26 +337,24 @@ def run(args) -> int:
 
     # A B B A puts the same config at the end of one cycle and the start of the next: that server is
     # kept for the second block (a `kept` row instead of a `booted` one), one boot fewer per cycle
-    held: tuple[str, Server] | None = None
+    held: Server | None = None
     cycle = 0
     try:
         while left() > 0 and (not args.cycles or cycle < args.cycles):
             ran = 0
             for name in (configs if cycle % 2 == 0 else configs[::-1]):
-                kept = held is not None and held[0] == name
+                kept = held is not None and held.spec["name"] == name
                 need = (0 if kept else boot_s.get(name, args.boot_guess)) + (max(block_s) if block_s else args.block_guess)
                 if left() < need:
                     emit({"event": "skipped", "label": name, "cycle": cycle, "left_s": round(left()), "need_s": round(need), **base})
                     continue
                 if kept:
-                    srv = held[1]
+                    srv = held
                     emit({"event": "kept", "label": name, "cycle": cycle, "log": srv.log.name, **base})
                 else:
                     if held is not None:
-                        held[1].stop()
-                        held = None
-                    srv = Server(render(name, d, args.port, sys.executable, sets), logs / f"{name}-c{cycle}.log")
-                    held = (name, srv)
+                        held.stop()
+                    srv = held = Server(specs[name], logs / f"{name}-c{cycle}.log")
                     srv.start()
                     row = srv.boot_row(min(args.boot_timeout, left()))
                     emit({**row, "label": name, "cycle": cycle, **base})
@@ -393,7 +384,7 @@ def run(args) -> int:
             cycle += 1
     finally:
         if held is not None:
-            held[1].stop()
+            held.stop()
     emit({"event": "end", "at_s": round(time.monotonic() - t0, 1), "cycles": cycle, "boot_s": boot_s, **base})
     return 0
 
