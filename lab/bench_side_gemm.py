@@ -159,25 +159,18 @@ def fp8_kernel(shape: Shape, force: str | None):
 
 
 def bf16_gemm():
-    """The BF16 side layers' forward as stock's Qwen4Exp runs it, and whether that is vLLM's model
-    op (its skinny-GEMM table, else F.linear) or plain F.linear (the op would not import)."""
-    try:
-        from vllm.models.qwen4_exp.nvidia import low_latency_gemm as llg
-        return llg._qwen4_exp_low_latency_gemm, "qwen4_exp_low_latency_gemm"
-    except Exception as e:  # noqa: BLE001 - said in the row, F.linear is what runs without a plan
-        import torch.nn.functional as F
-        return F.linear, f"F.linear (the model op did not import: {type(e).__name__}: {e})"
-
-
-def skinny_plan(n: int, k: int, m: int) -> bool:
-    """Whether vLLM's table has a skinny-GEMM plan for this shape and M on this GPU (else F.linear)."""
+    """(forward, what it is, {(N, K): plan}) for the BF16 side layers as stock's Qwen4Exp runs them:
+    vLLM's model op (a skinny GEMM where its table has a plan for the shape, M and this GPU, else
+    F.linear) with this GPU's plan table, or plain F.linear when the op would not import."""
     try:
         from vllm.models.qwen4_exp.nvidia import low_latency_gemm as llg
         from vllm.platforms import current_platform
-    except Exception:  # noqa: BLE001
-        return False
-    plans = llg.QWEN4_EXP_GEMM_PLANS_BY_CAPABILITY.get(current_platform.get_device_capability(), {})
-    return m in plans.get((n, k), {})
+
+        plans = llg.QWEN4_EXP_GEMM_PLANS_BY_CAPABILITY.get(current_platform.get_device_capability(), {})
+        return llg._qwen4_exp_low_latency_gemm, "qwen4_exp_low_latency_gemm", plans
+    except Exception as e:  # noqa: BLE001 - said in the row, F.linear is what runs without a plan
+        import torch.nn.functional as F
+        return F.linear, f"F.linear (the model op did not import: {type(e).__name__}: {e})", {}
 
 
 # --- the run ---------------------------------------------------------------------------------------
@@ -204,7 +197,7 @@ def run_shape(torch, sink: bk.Sink, shape: Shape, tokens: tuple[int, ...], fp8_p
     q, scale, deq = quantize_blocks(torch, w)
     del w
     n_copies = copies_for(q.numel(), l2)   # sized by the FP8 weight; the BF16 copies span twice the bytes
-    gemm, bf16_path = bf16_gemm()
+    gemm, bf16_path, plans = bf16_gemm()
     bf16_weights = [deq.clone() for _ in range(n_copies)]
     paths: dict[str, tuple[object, list]] = {}
     for path in fp8_paths:
@@ -244,7 +237,7 @@ def run_shape(torch, sink: bk.Sink, shape: Shape, tokens: tuple[int, ...], fp8_p
                    "per_forward": shape.per_forward, "copies": n_copies}
             if label == "bf16":
                 row["bf16_path"] = bf16_path
-                row["skinny_plan"] = skinny_plan(shape.n, shape.k, m)
+                row["skinny_plan"] = m in plans.get((shape.n, shape.k), {})
             try:
                 us = bk.time_graph(torch, fn, plan)
                 sink.emit({**row, **bk.stats(us), "raw_us": [round(u, 3) for u in us]})
@@ -282,17 +275,16 @@ def report(files: list[Path], png: Path | None) -> str:
     timed in two files (BF16 is in every one) is shown from the first."""
     runs = [[json.loads(line) for line in f.read_text().splitlines() if line.strip()] for f in files]
     med: dict[tuple[str, int], dict[str, float]] = {}
-    for rows in runs:
+    for rows in runs:  # a path in two files: the first file's
         for r in rows:
-            if r.get("kind") == "gemm" and "median_us" in r and not (r["path"] == "bf16" and (r["shape"], r["m"]) in med
-                                                                       and "bf16" in med[(r["shape"], r["m"])]):
-                med.setdefault((r["shape"], r["m"]), {})[r["path"]] = r["median_us"]
+            if r.get("kind") == "gemm" and "median_us" in r:
+                med.setdefault((r["shape"], r["m"]), {}).setdefault(r["path"], r["median_us"])
     paths = sorted({p for v in med.values() for p in v}, key=lambda p: (p != "bf16", p))
     out = ["| shape | M | " + " | ".join(f"{p} (µs)" for p in paths) + " |", "|---|---|" + "---|" * len(paths)]
     for (shape, m), v in sorted(med.items(), key=lambda kv: ([s.name for s in side_shapes()].index(kv[0][0]), kv[0][1])):
         out.append(f"| {shape} | {m} | " + " | ".join(f"{v[p]:.1f}" if p in v else "—" for p in paths) + " |")
     summaries: dict[int, dict[str, dict]] = {}
-    for rows in runs:  # a path in two files: the first file's, as in the table above (BF16 runs in every file)
+    for rows in runs:  # as above: the first file's
         for m, per in summarize(rows).items():
             for p, row in per.items():
                 summaries.setdefault(int(m), {}).setdefault(p, row)
