@@ -250,8 +250,10 @@ case "${1:-}" in
         *) echo "gpu_session: DECODE_CONFIGS='$DECODE_CONFIGS': unknown config '$c' ($names)" >&2; exit 2 ;;
       esac
     done
-    case "$RECIPE_LAYERS" in 4|8|12|16|20|24|28|32|36|40|44|48) ;;
-      *) echo "gpu_session: RECIPE_LAYERS='$RECIPE_LAYERS': give a multiple of 4 from 4 to 48" >&2; exit 2 ;; esac
+    # the rule is lab/decode/model.check_layers' (what bench_recipe prepare applies), asked here first
+    (cd "$TREE" && PYTHONPATH="$TREE/src${PYTHONPATH:+:$PYTHONPATH}" python3 -c \
+      'import sys; from lab.decode.model import check_layers; check_layers(int(sys.argv[1]))' "$RECIPE_LAYERS") \
+      >/dev/null 2>&1 || { echo "gpu_session: RECIPE_LAYERS='$RECIPE_LAYERS': give a multiple of 4 from 4 to 48" >&2; exit 2; }
     case ",${PHASES}," in *,recipe48,*)  # a typo here would cost the session's boots: checked first
       (cd "$TREE" && PYTHONPATH="$TREE/src${PYTHONPATH:+:$PYTHONPATH}" python3 -m lab.bench_recipe configs "$RECIPE_CONFIGS") >/dev/null || exit 2 ;;
     esac
