@@ -16,7 +16,7 @@ Servers are bench_recipe's (the RunSpec `flash serve` renders, same substitution
 directory from `python3 -m lab.bench_recipe prepare`), run one at a time in blocks.
 
   run DIR --out RAW.jsonl [--configs stock,default,default-dense,shared] [--prefixes 1024,2048,…]
-      [--tails 32,2000] [--repeats N]
+      [--tails 32,2000] [--repeats N] [--set KEY=VALUE …]
   report RAW.jsonl… [--json J]   per config: hits and TTFT by prefix length; ITL idle vs under prefill
 """
 
@@ -151,10 +151,15 @@ def run(args) -> int:
     sink = client.jsonl_sink(args.out)
     logs = Path(args.logs or Path(args.out).parent)
     logs.mkdir(parents=True, exist_ok=True)
-    base = {"layers": meta.get("layers", br.LAYERS), "quant": meta.get("quant"), "commit": schedule.tree_measured()}
+    from flash_cli.plan.hardware import query_gpus  # the planner's nvidia-smi reader
+
+    # every server rendered once, up front: a bad --set fails here, before the first boot
+    specs = {name: br.render(name, d, args.port, sys.executable, tuple(args.set)) for name in configs}
+    gpus = query_gpus()
+    base = {"layers": meta.get("layers", br.LAYERS), "quant": meta.get("quant"), "commit": schedule.tree_measured(),
+            "gpu": gpus[0][0] if gpus else None}
     for name in configs:
-        spec = br.render(name, d, args.port, sys.executable)
-        srv = br.Server(spec, logs / f"latency-{name}.log")
+        srv = br.Server(specs[name], logs / f"latency-{name}.log")
         srv.start()
         try:
             row = srv.boot_row(args.boot_timeout)
@@ -248,6 +253,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--port", type=int, default=18750)
     p.add_argument("--boot-timeout", type=float, default=900)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a recipe setting for every server (e.g. GPU_MEM=0.95 at 32 layers on an H100, as "
+                        "bench_recipe's run4), recorded in each booted row's deviations")
     p.set_defaults(func=run)
     p = sub.add_parser("report")
     p.add_argument("files", nargs="+")

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from flash_cli.errors import ConfigError
 from lab import bench_latency as bl
 from lab import bench_recipe as br
 from tests.fakes import vllm_cli
@@ -89,9 +92,16 @@ def test_prefix_hits_and_gaps_under_a_prefill(tmp_path, monkeypatch, capsys):
     out = tmp_path / "raw.jsonl"
     assert bl.main(["run", str(d), "--configs", "stock,shared", "--out", str(out), "--prefixes", "256,1024,2048",
                     "--tails", "32,600", "--prefill", "20000", "--itl-tokens", "200", "--repeats", "1",
-                    "--port", "18830", "--boot-timeout", "120"]) == 0
+                    "--port", "18830", "--boot-timeout", "120", "--set", "GPU_MEM=0.7"]) == 0
     rows = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [r["label"] for r in rows if r.get("event") == "booted"] == ["stock", "shared"]
+    booted = [r for r in rows if r.get("event") == "booted"]
+    assert [r["label"] for r in booted] == ["stock", "shared"]
+    # a --set reaches every server's argv and is named; every row carries the GPU field (None here)
+    for r in booted:
+        argv = r["argv"]
+        assert float(argv[argv.index("--gpu-memory-utilization") + 1]) == 0.7
+        assert "GPU_MEM=0.7: set for every server of this run (--set)" in r["deviations"]
+    assert all("gpu" in r for r in rows)
     prefix = {(r["label"], r["tail_tokens"], r["prefix_tokens"], r["send"]): r for r in rows if r.get("study") == "prefix"}
     assert len(prefix) == 2 * 2 * 3 * bl.SENDS
     # the hits are the server's own counters around each prompt: whole blocks of the prefix
@@ -117,6 +127,18 @@ def test_prefix_hits_and_gaps_under_a_prefill(tmp_path, monkeypatch, capsys):
     assert bl.main(["report", str(out), "--json", str(tmp_path / "s.json")]) == 0
     assert "tail 600: hits from None tokens on the second prompt, 1024 on the third" in capsys.readouterr().out
     assert json.loads((tmp_path / "s.json").read_text()) == rep
+
+
+def test_a_bad_set_fails_before_any_server_boots(tmp_path, monkeypatch):
+    vllm_cli.install(tmp_path, monkeypatch, FAKE_MAIN)
+    d = tmp_path / "b"
+    assert br.main(["prepare", str(d), "--ple-rows", "100000"]) == 0
+    out = tmp_path / "raw.jsonl"
+    with pytest.raises(ConfigError, match="GPU_MEM='nope' is not valid: expected a number"):
+        bl.main(["run", str(d), "--configs", "stock,shared", "--out", str(out), "--port", "18831",
+                 "--set", "GPU_MEM=nope"])
+    assert not out.exists() or out.read_text() == ""
+    assert not list((tmp_path).glob("latency-*.log"))
 
 
 def test_percentile_and_gaps():
