@@ -234,3 +234,36 @@ def test_jit_returns_the_caches_mid_session_once_and_refuses_without_a_session(t
     w = _watch(env, "60")
     assert w.returncode == 0 and "all phases ended" in w.stdout, w.stdout + w.stderr
     assert not list(out.glob("jit-cache.tar.gz.*"))  # returned once: `jit`'s pack is the newest
+
+
+def test_latency48_runs_at_fewer_layers_with_a_set_as_the_next_session_will(tmp_path):
+    """The H100 plan's command (docs/GPU-E2E.md): latency48 on the 32-layer-style dirs with
+    `LATENCY_ARGS="--set GPU_MEM=…"`, through the script, against bench_latency's stand-in server."""
+    src = (ROOT / "tests" / "unit" / "test_bench_latency.py").read_text()
+    start = src.index("FAKE_MAIN = r'''") + len("FAKE_MAIN = r'''")
+    site = tmp_path / "site"
+    cli = site / "vllm" / "entrypoints" / "cli"
+    cli.mkdir(parents=True)
+    for pkg in (site / "vllm", site / "vllm" / "entrypoints", cli):
+        (pkg / "__init__.py").write_text("")
+    (cli / "main.py").write_text(src[start:src.index("'''", start)])
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python3").symlink_to(sys.executable)
+    env = _session_env(tmp_path, OUT=str(tmp_path / "out"), HOME=str(tmp_path), PATH=f"{bindir}:{os.environ['PATH']}",
+                       PYTHONPATH=f"{site}:{ROOT / 'src'}", FLASH_SESSION_PLE_ROWS="40000", RECIPE_LAYERS="4",
+                       LATENCY_CONFIGS="stock,shared",
+                       LATENCY_ARGS="--set GPU_MEM=0.7 --prefixes 256,1024 --tails 32 --prefill 3000 "
+                                    "--itl-tokens 80 --repeats 1 --boot-timeout 120")
+    (tmp_path / "out").mkdir()
+    r = _start(env, "700", "latency48")
+    assert r.returncode == 0, r.stderr
+    r = _watch(env)
+    assert "all phases ended" in r.stdout, r.stdout[-2000:]
+    log = (tmp_path / "gs" / "phases.log").read_text()
+    assert "prepare48 rc=0" in log and "end latency48 rc=0" in log, log
+    rows = [json.loads(x) for x in (tmp_path / "gs" / "decode" / "latency48.jsonl").read_text().splitlines()]
+    booted = [r for r in rows if r.get("event") == "booted"]
+    assert [r["label"] for r in booted] == ["stock", "shared"] and all(r["layers"] == 4 for r in rows)
+    assert all(float(b["argv"][b["argv"].index("--gpu-memory-utilization") + 1]) == 0.7 for b in booted)
+    assert {r["study"] for r in rows if "study" in r} == {"prefix", "itl"}
