@@ -40,17 +40,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from lab.decode import client, model, schedule, stats  # the shape, the writer, the client
+from lab.decode import client, model, recipe_report, schedule  # the shape, the client, the writer, the report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -389,148 +387,22 @@ def run(args) -> int:
     return 0
 
 
-# --- report ----------------------------------------------------------------------------------------
-
-GOAL, FLOOR = 1.00, 0.95  # issue 33: the recipe >= 1.00x stock, the interval's lower end >= 0.95
-
-
-def _cell(r: dict) -> str:
-    return f"c={r['concurrency']} p={r.get('prompt_tokens', SHORT_PROMPT)}"
-
-
-def pairs(rows: list[dict], ref: str) -> dict:
-    """{label: {cell: [ratio, ...]}}: per-stream tok/s over `ref`'s at the same cell and repeat
-    (repeat = cycle x REPEATS + round: the adjacent blocks of one cycle) and file."""
-    tok = {(r["label"], _cell(r), r["repeat"], r.get("run", 0)): r["per_stream_tok_s"]
-           for r in rows if r.get("per_stream_tok_s") and "repeat" in r}
-    out: dict = {}
-    for (label, cell, rep, run), v in tok.items():
-        other = tok.get((ref, cell, rep, run))
-        if label != ref and other:
-            out.setdefault(label, {}).setdefault(cell, []).append(v / other)
-    return out
-
-
-def verdict(ratios: list[float], resamples: int = 20_000, seed: int = 0) -> dict:
-    """Geometric mean, 95% bootstrap interval; met: mean >= GOAL and lower end >= FLOOR; missed:
-    the upper end under GOAL; else open."""
-    import numpy as np
-
-    logs = np.log(np.asarray(ratios))
-    g = math.exp(float(logs.mean()))
-    row = {"pairs": len(ratios), "geomean": round(g, 3)}
-    if len(ratios) < 2:
-        return row | {"verdict": "open", "why": "one pair: no interval"}
-    lo, hi = (math.exp(q) for q in np.quantile(stats.boot_means(logs, resamples, seed), [0.025, 0.975]))
-    row["ci95"] = [round(lo, 3), round(hi, 3)]
-    row["verdict"] = "met" if g >= GOAL and lo >= FLOOR else "missed" if hi < GOAL else "open"
-    return row
-
-
-def report(rows: list[dict]) -> dict:
-    out: dict = {"goal": f"geomean >= {GOAL} and 95% lower end >= {FLOOR}"}
-    # vs_default: the ablations (default-noX) against the recipe they take one part out of
-    for ref in ("stock", "nvidia", "default"):
-        table = {}
-        for label, by in sorted(pairs(rows, ref).items()):
-            if ref != "stock" and label in ("stock", "nvidia"):
-                continue
-            allr = [x for v in by.values() for x in v]
-            table[label] = {"pooled": verdict(allr)} | {cell: verdict(v) for cell, v in sorted(by.items())}
-        out[f"vs_{ref}"] = table
-    med: dict = {}
-    for r in rows:
-        if r.get("per_stream_tok_s"):
-            med.setdefault(r["label"], {}).setdefault(_cell(r), []).append(r["per_stream_tok_s"])
-    out["per_stream_tok_s_median"] = {lab: {c: round(statistics.median(v), 1) for c, v in sorted(by.items())}
-                                      for lab, by in med.items()}
-    out["boots"] = [{k: r.get(k) for k in ("label", "cycle", "boot_s", "gpu_mib")} for r in rows if r.get("event") == "booted"]
-    out["step_ms"] = step_breakdown(rows)
-    return out
-
-
-def step_breakdown(rows: list[dict]) -> dict:
-    """Per config and cell (medians over rounds): the decode step in ms as one stream sees it
-    (1000 / (tok/s per stream / acceptance length): one step emits acceptance-length tokens), and
-    where patch 1 ran, its host work per lookup (gather + stage + dedup, on the critical path
-    between the step's ids and the next forward) and how long it blocked on the GPU for the ids.
-    Random weights accept nothing (length 1.0): then a step is 1000 / tok/s."""
-    cells: dict = {}
-    for r in rows:
-        if not r.get("per_stream_tok_s"):
-            continue
-        c = cells.setdefault(r["label"], {}).setdefault(_cell(r), {"step": [], "host": [], "wait": [], "rows": []})
-        c["step"].append(1000.0 * (r.get("mtp_acceptance_length") or 1.0) / r["per_stream_tok_s"])
-        ple = r.get("ple")
-        if ple:
-            c["host"].append(ple["gather_ms_per_op"] + ple["stage_ms_per_op"] + ple["dedup_ms_per_op"])
-            c["wait"].append(ple["gpu_wait_ms_per_op"])
-            c["rows"].append(ple["rows_per_op"])
-    med = lambda v: round(statistics.median(v), 3) if v else None  # noqa: E731
-    return {lab: {cell: {"step": med(v["step"]), "ple_host": med(v["host"]), "ple_gpu_wait": med(v["wait"]),
-                         "ple_rows": med(v["rows"])} for cell, v in sorted(by.items())}
-            for lab, by in sorted(cells.items())}
-
+# --- report (lab/decode/recipe_report.py) ---------------------------------------------------------
 
 def report_cmd(args) -> int:
+    # each row tagged with its file: the pairs stay inside one run (two runs repeat the same keys)
     rows = [json.loads(line) | {"run": i} for i, f in enumerate(args.files) for line in open(f) if line.strip()]
-    rep = report(rows)
+    rep = recipe_report.report(rows)
     print(json.dumps(rep, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(rep, indent=1))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    med = rep["per_stream_tok_s_median"]
-    labels = [c for c in CONFIGS if c in med]
-    cellnames = sorted({c for by in med.values() for c in by},
-                       key=lambda c: (int(c.split("p=")[1]), int(c.split()[0][2:])))
-    fig, ax = plt.subplots(figsize=(12, 4.5))
-    width = 0.8 / max(1, len(labels))
-    ref = "stock" if "stock" in labels else "default"  # an ablation-only run has no stock: read it against default
-    for i, lab in enumerate(labels):
-        xs = [j + i * width for j in range(len(cellnames))]
-        ys = [med[lab].get(c, 0) for c in cellnames]
-        bars = ax.bar(xs, ys, width, label=lab)
-        vs = rep[f"vs_{ref}"].get(lab, {})
-        for b, c in zip(bars, cellnames):
-            if c in vs:
-                ax.annotate(f"{vs[c]['geomean']:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
-                            ha="center", va="bottom", fontsize=6)
-    ax.set_xticks([j + width * (len(labels) - 1) / 2 for j in range(len(cellnames))])
-    ax.set_xticklabels(cellnames, fontsize=8)
-    ax.set_ylabel("decode tok/s per stream (median)")
-    # rows before the H100 fallback (2026-12-06) name no GPU: every one of them ran on an H200
-    layers = sorted({r.get("layers", LAYERS) for r in rows if "layers" in r}) or [LAYERS]
-    gpus = sorted({r.get("gpu") or "NVIDIA H200" for r in rows if r.get("event") == "booted"}) or ["NVIDIA H200"]
-    ax.set_title(f"{'/'.join(map(str, layers))} layers, NVFP4 experts, dummy weights, {', '.join(gpus)}: "
-                 f"ratios vs {ref} (paired geomean)", fontsize=9)
-    ax.legend(fontsize=8, ncol=len(labels))
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=120)
+    recipe_report.plot(rep, rows, list(CONFIGS), args.out)
     print(f"wrote {args.out}")
     return 0
 
 
-H200_BANDWIDTH_GBS = 4296.6  # measured on the decode-h200 H200 (run5, run6: --bandwidth-gbs)
-
-
 def gb10_cmd(args) -> int:
-    """One band per report: default's c=1 step at the shortest prompt (random weights: per step)."""
-    from lab.decode.extrapolate import RECIPE_BYTES, gb10_band
-
-    bands = []
-    for f in args.reports:
-        steps = json.loads(Path(f).read_text())["step_ms"].get("default", {})
-        cell = next((c for c in sorted(steps, key=lambda c: int(c.split("p=")[1])) if c.startswith("c=1 ")), None)
-        if cell is None:
-            raise SystemExit(f"{f}: no c=1 step of the default server")
-        bands.append({"report": f, "cell": cell, **gb10_band(steps[cell]["step"], RECIPE_BYTES, args.bandwidth_gbs)})
-    lo = min(b["gb10_tok_s_per_step"][0] for b in bands)
-    hi = max(b["gb10_tok_s_per_step"][1] for b in bands)
-    print(json.dumps({"bands": bands, "gb10_tok_s_per_step": [lo, hi]}, indent=2))
+    print(json.dumps(recipe_report.gb10_bands(args.reports, args.bandwidth_gbs), indent=2))
     return 0
 
 
@@ -581,7 +453,7 @@ def main(argv=None) -> int:
     p.set_defaults(func=report_cmd)
     p = sub.add_parser("gb10", help="the GB10 decode-step band from the measured default c=1 steps of report JSONs")
     p.add_argument("reports", nargs="+")
-    p.add_argument("--bandwidth-gbs", type=float, default=H200_BANDWIDTH_GBS,
+    p.add_argument("--bandwidth-gbs", type=float, default=recipe_report.H200_BANDWIDTH_GBS,
                    help="the H200's measured copy bandwidth (decode-h200 run5/run6)")
     p.set_defaults(func=gb10_cmd)
     args = ap.parse_args(argv)

@@ -13,6 +13,7 @@ from flash_cli import recipe
 from flash_cli.commands import serve
 
 from lab import bench_recipe as br
+from lab.decode import recipe_report
 from tests.fakes import vllm_cli
 
 
@@ -239,7 +240,7 @@ def test_blocks_alternate_whole_servers_and_pair_within_a_cycle(tmp_path, monkey
     cells = {(r["concurrency"], r["prompt_tokens"]) for r in meas}
     assert cells == {(1, 64), (2, 64), (1, 300)}
     # the same prompts in the same order for both configs of a cycle: pairs are complete per cycle
-    rep = br.report(rows)
+    rep = recipe_report.report(rows)
     stock_vs = rep["vs_stock"]["default"]
     assert stock_vs["pooled"]["pairs"] >= 6 and set(stock_vs) >= {"pooled", "c=1 p=64", "c=2 p=64", "c=1 p=300"}
     assert stock_vs["pooled"]["verdict"] in ("met", "open", "missed") and "ci95" in stock_vs["pooled"]
@@ -254,8 +255,8 @@ def test_step_breakdown_reads_steps_and_patch_1s_phases_from_the_rows():
     rows += [{"label": "stock", "concurrency": 4, "prompt_tokens": 64, "per_stream_tok_s": 200.0,
               "mtp_acceptance_length": 2.0},  # two tokens a step: a 10 ms step
              {"label": "stock", "event": "booted", "boot_s": 99.0}]
-    out = br.step_breakdown(rows)
-    cell = br._cell(rows[0])
+    out = recipe_report.step_breakdown(rows)
+    cell = recipe_report.cell(rows[0])
     assert out["default"][cell] == {"step": 20.0, "ple_host": 0.09, "ple_gpu_wait": 8.0, "ple_rows": 206.4}
     assert out["stock"][cell] == {"step": 10.0, "ple_host": None, "ple_gpu_wait": None, "ple_rows": None}
 
@@ -263,7 +264,23 @@ def test_step_breakdown_reads_steps_and_patch_1s_phases_from_the_rows():
 def test_report_pairs_the_ablations_with_default_and_leaves_stock_out_of_that_table():
     rows = [{"label": lab, "concurrency": 4, "prompt_tokens": 64, "repeat": rep, "per_stream_tok_s": v}
             for rep in (0, 1) for lab, v in (("stock", 70.0), ("default", 68.0), ("default-ple-gpu", 71.4))]
-    rep = br.report(rows)
+    rep = recipe_report.report(rows)
     assert set(rep["vs_default"]) == {"default-ple-gpu"}  # neither stock nor default itself
     assert rep["vs_default"]["default-ple-gpu"]["pooled"]["geomean"] == round(71.4 / 68.0, 3)
     assert rep["vs_stock"]["default"]["pooled"]["geomean"] == round(68.0 / 70.0, 3)
+
+
+def test_report_command_writes_the_json_and_a_plot_with_the_intervals(tmp_path, capsys):
+    rows = [{"label": lab, "concurrency": c, "prompt_tokens": 64, "repeat": rep, "per_stream_tok_s": v * (1 + rep / 100)}
+            for rep in (0, 1, 2) for c in (1, 4) for lab, v in (("stock", 70.0), ("default", 72.0))]
+    rows.append({"event": "booted", "label": "stock", "layers": 32, "gpu": "NVIDIA H100 80GB HBM3", "boot_s": 1.0})
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    png, js = tmp_path / "r.png", tmp_path / "r.json"
+    assert br.main(["report", str(raw), "--out", str(png), "--json", str(js)]) == 0
+    assert f"wrote {png}" in capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    rep = json.loads(js.read_text())
+    assert rep == recipe_report.report([r | {"run": 0} for r in rows])
+    assert rep["vs_stock"]["default"]["pooled"]["geomean"] == round(72.0 / 70.0, 3)
+    assert rep["vs_stock"]["default"]["pooled"]["ci95"][0] <= rep["vs_stock"]["default"]["pooled"]["geomean"]
