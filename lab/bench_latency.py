@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from lab import bench_recipe as br  # the servers
-from lab.decode import client, schedule  # the metrics reader, the writer, the commit
+from lab.decode import client  # the metrics reader, the writer
 
 PREFIXES = (1024, 2048, 4096, 8192, 16384)
 TAILS = (32, 2000)   # distinct tokens after the shared prefix: a question; a document of its own
@@ -151,13 +151,9 @@ def run(args) -> int:
     sink = client.jsonl_sink(args.out)
     logs = Path(args.logs or Path(args.out).parent)
     logs.mkdir(parents=True, exist_ok=True)
-    from flash_cli.plan.hardware import query_gpus  # the planner's nvidia-smi reader
-
     # every server rendered once, up front: a bad --set fails here, before the first boot
     specs = {name: br.render(name, d, args.port, sys.executable, tuple(args.set)) for name in configs}
-    gpus = query_gpus()
-    base = {"layers": meta.get("layers", br.LAYERS), "quant": meta.get("quant"), "commit": schedule.tree_measured(),
-            "gpu": gpus[0][0] if gpus else None}
+    base = br.row_base(meta)
     for name in configs:
         srv = br.Server(specs[name], logs / f"latency-{name}.log")
         srv.start()

@@ -306,6 +306,15 @@ class Server:
                 self.proc.wait(30)
 
 
+def row_base(meta: dict) -> dict:
+    """What every raw row names: the model dirs' shape (prepare's meta.json), the commit measured, the GPU."""
+    from flash_cli.plan.hardware import query_gpus  # the planner's nvidia-smi reader
+
+    gpus = query_gpus()
+    return {"layers": meta.get("layers", LAYERS), "quant": meta.get("quant"), "ple_rows": meta.get("ple_rows"),
+            "commit": schedule.tree_measured(), "gpu": gpus[0][0] if gpus else None}
+
+
 def run(args) -> int:
     d = Path(args.dir).resolve()
     meta = json.loads((d / "meta.json").read_text())
@@ -314,13 +323,9 @@ def run(args) -> int:
     sink = client.jsonl_sink(args.out)
     logs = Path(args.logs or Path(args.out).parent)
     logs.mkdir(parents=True, exist_ok=True)
-    from flash_cli.plan.hardware import query_gpus  # the planner's nvidia-smi reader
-
     # every server rendered once, up front: a bad --set fails here, before the first boot
     specs = {name: render(name, d, args.port, sys.executable, tuple(args.set)) for name in configs}
-    gpus = query_gpus()
-    base = {"layers": meta.get("layers", LAYERS), "quant": meta.get("quant"), "ple_rows": meta.get("ple_rows"),
-            "commit": schedule.tree_measured(), "design": "blocks", "gpu": gpus[0][0] if gpus else None}
+    base = row_base(meta) | {"design": "blocks"}
     t0 = time.monotonic()
     deadline = t0 + args.deadline
     boot_s: dict[str, float] = {}

@@ -14,6 +14,8 @@ import tarfile
 import time
 from pathlib import Path
 
+from tests.fakes import vllm_cli
+
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "lab" / "gpu_session.sh"
@@ -236,22 +238,17 @@ def test_jit_returns_the_caches_mid_session_once_and_refuses_without_a_session(t
     assert not list(out.glob("jit-cache.tar.gz.*"))  # returned once: `jit`'s pack is the newest
 
 
-def test_latency48_runs_at_fewer_layers_with_a_set_as_the_next_session_will(tmp_path):
+def test_latency48_runs_at_fewer_layers_with_a_set_as_the_next_session_will(tmp_path, monkeypatch):
     """The H100 plan's command (docs/GPU-E2E.md): latency48 on the 32-layer-style dirs with
     `LATENCY_ARGS="--set GPU_MEM=…"`, through the script, against bench_latency's stand-in server."""
     src = (ROOT / "tests" / "unit" / "test_bench_latency.py").read_text()
     start = src.index("FAKE_MAIN = r'''") + len("FAKE_MAIN = r'''")
-    site = tmp_path / "site"
-    cli = site / "vllm" / "entrypoints" / "cli"
-    cli.mkdir(parents=True)
-    for pkg in (site / "vllm", site / "vllm" / "entrypoints", cli):
-        (pkg / "__init__.py").write_text("")
-    (cli / "main.py").write_text(src[start:src.index("'''", start)])
+    vllm_cli.install(tmp_path, monkeypatch, src[start:src.index("'''", start)])  # sets PYTHONPATH
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (bindir / "python3").symlink_to(sys.executable)
     env = _session_env(tmp_path, OUT=str(tmp_path / "out"), HOME=str(tmp_path), PATH=f"{bindir}:{os.environ['PATH']}",
-                       PYTHONPATH=f"{site}:{ROOT / 'src'}", FLASH_SESSION_PLE_ROWS="40000", RECIPE_LAYERS="4",
+                       FLASH_SESSION_PLE_ROWS="40000", RECIPE_LAYERS="4",
                        LATENCY_CONFIGS="stock,shared",
                        LATENCY_ARGS="--set GPU_MEM=0.7 --prefixes 256,1024 --tails 32 --prefill 3000 "
                                     "--itl-tokens 80 --repeats 1 --boot-timeout 120")
