@@ -395,8 +395,7 @@ def run(args) -> int:
 # --- report (lab/decode/recipe_report.py) ---------------------------------------------------------
 
 def report_cmd(args) -> int:
-    # each row tagged with its file: the pairs stay inside one run (two runs repeat the same keys)
-    rows = [json.loads(line) | {"run": i} for i, f in enumerate(args.files) for line in open(f) if line.strip()]
+    rows = recipe_report.load_rows(args.files)
     rep = recipe_report.report(rows)
     print(json.dumps(rep, indent=1))
     if args.json:

@@ -17,6 +17,12 @@ UNRECORDED_PROMPT = 64
 H200_BANDWIDTH_GBS = 4296.6  # measured on the decode-h200 H200 (run5, run6: --bandwidth-gbs)
 
 
+def load_rows(files: list[str]) -> list[dict]:
+    """Every row of every raw file, each tagged with its file: the pairs stay inside one run (two
+    runs repeat the same keys)."""
+    return [json.loads(line) | {"run": i} for i, f in enumerate(files) for line in open(f) if line.strip()]
+
+
 def cell(r: dict) -> str:
     return f"c={r['concurrency']} p={r.get('prompt_tokens', UNRECORDED_PROMPT)}"
 
