@@ -138,7 +138,7 @@ def test_a_bad_set_fails_before_any_server_boots(tmp_path, monkeypatch):
         bl.main(["run", str(d), "--configs", "stock,shared", "--out", str(out), "--port", "18831",
                  "--set", "GPU_MEM=nope"])
     assert not out.exists() or out.read_text() == ""
-    assert not list((tmp_path).glob("latency-*.log"))
+    assert not list(tmp_path.glob("latency-*.log"))
 
 
 def test_percentile_and_gaps():
