@@ -12,8 +12,6 @@ from pathlib import Path
 from lab.decode import model, stats
 
 GOAL, FLOOR = 1.00, 0.95  # issue 33: the recipe >= 1.00x stock, the interval's lower end >= 0.95
-# rows written before `prompt_tokens` was recorded (run1's first rows) had bench_recipe's 64-token prompt
-UNRECORDED_PROMPT = 64
 H200_BANDWIDTH_GBS = 4296.6  # measured on the decode-h200 H200 (run5, run6: --bandwidth-gbs)
 
 
@@ -24,7 +22,7 @@ def load_rows(files: list[str]) -> list[dict]:
 
 
 def cell(r: dict) -> str:
-    return f"c={r['concurrency']} p={r.get('prompt_tokens', UNRECORDED_PROMPT)}"
+    return f"c={r['concurrency']} p={r['prompt_tokens']}"
 
 
 def _cell_order(name: str) -> tuple[int, int]:
@@ -162,7 +160,7 @@ def gb10_bands(reports: list[str], bandwidth_gbs: float = H200_BANDWIDTH_GBS) ->
     bands = []
     for f in reports:
         steps = json.loads(Path(f).read_text())["step_ms"].get("default", {})
-        c1 = next((c for c in sorted(steps, key=lambda c: int(c.split("p=")[1])) if c.startswith("c=1 ")), None)
+        c1 = next((c for c in sorted(steps, key=_cell_order) if c.startswith("c=1 ")), None)
         if c1 is None:
             raise SystemExit(f"{f}: no c=1 step of the default server")
         bands.append({"report": f, "cell": c1, **gb10_band(steps[c1]["step"], RECIPE_BYTES, bandwidth_gbs)})
