@@ -151,8 +151,7 @@ def run(args) -> int:
     sink = client.jsonl_sink(args.out)
     logs = Path(args.logs or Path(args.out).parent)
     logs.mkdir(parents=True, exist_ok=True)
-    # every server rendered once, up front: a bad --set fails here, before the first boot
-    specs = {name: br.render(name, d, args.port, sys.executable, tuple(args.set)) for name in configs}
+    specs = br.render_all(configs, d, args.port, args.set)
     base = br.row_base(meta)
     for name in configs:
         srv = br.Server(specs[name], logs / f"latency-{name}.log")
@@ -249,9 +248,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--port", type=int, default=18750)
     p.add_argument("--boot-timeout", type=float, default=900)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a recipe setting for every server (e.g. GPU_MEM=0.95 at 32 layers on an H100, as "
-                        "bench_recipe's run4), recorded in each booted row's deviations")
+    br.add_set_option(p)
     p.set_defaults(func=run)
     p = sub.add_parser("report")
     p.add_argument("files", nargs="+")

@@ -306,6 +306,18 @@ class Server:
                 self.proc.wait(30)
 
 
+def render_all(names: list[str], d: Path, port: int, sets: list[str]) -> dict[str, dict]:
+    """Every server of a run rendered once, up front (`--set` for all alike): a bad value fails here,
+    before the first boot, with the settings parser's message."""
+    return {name: render(name, d, port, sys.executable, tuple(sets)) for name in names}
+
+
+def add_set_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a recipe setting for every server of the run (e.g. GPU_MEM=0.95 at 32 layers on an H100), "
+                        "recorded in each booted row's deviations")
+
+
 def row_base(meta: dict) -> dict:
     """What every raw row names: the model dirs' shape (prepare's meta.json), the commit measured, the GPU."""
     from flash_cli.plan.hardware import query_gpus  # the planner's nvidia-smi reader
@@ -323,8 +335,7 @@ def run(args) -> int:
     sink = client.jsonl_sink(args.out)
     logs = Path(args.logs or Path(args.out).parent)
     logs.mkdir(parents=True, exist_ok=True)
-    # every server rendered once, up front: a bad --set fails here, before the first boot
-    specs = {name: render(name, d, args.port, sys.executable, tuple(args.set)) for name in configs}
+    specs = render_all(configs, d, args.port, args.set)
     base = row_base(meta) | {"design": "blocks"}
     t0 = time.monotonic()
     deadline = t0 + args.deadline
@@ -446,9 +457,7 @@ def main(argv=None) -> int:
     p.add_argument("--block-guess", type=float, default=120, help="s a block is assumed to take before one ran")
     p.add_argument("--deadline", type=float, default=1500)
     p.add_argument("--cycles", type=int, default=0, help="stop after this many cycles (0: cycle until the deadline)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a recipe setting for every server of the run (e.g. GPU_MEM=0.93 on an H100), "
-                        "recorded in each booted row's deviations")
+    add_set_option(p)
     p.set_defaults(func=run)
     p = sub.add_parser("report")
     p.add_argument("files", nargs="+")
