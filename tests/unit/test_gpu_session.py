@@ -6,6 +6,7 @@ JIT caches for the next session, which `start` unpacks."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -21,11 +22,15 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "lab" / "gpu_session.sh"
 
 
+def _test_constant(test_file: str, name: str) -> str:
+    """A module-level string of another test file (its stand-in server), read without importing it."""
+    tree = ast.parse((ROOT / "tests" / "unit" / test_file).read_text())
+    return next(ast.literal_eval(n.value) for n in tree.body
+                if isinstance(n, ast.Assign) and [getattr(t, "id", None) for t in n.targets] == [name])
+
+
 def _fake_vllm(bindir: Path) -> None:
-    src = (ROOT / "tests" / "unit" / "test_bench_decode.py").read_text()
-    start = src.index('FAKE_VLLM = r"""') + len('FAKE_VLLM = r"""')
-    body = src[start:src.index('"""', start)]
-    body = body.replace("#!PYTHON", "#!" + sys.executable).replace("\\\\n", "\\n").replace('\\\\"', '\\"')
+    body = _test_constant("test_bench_decode.py", "FAKE_VLLM").replace("#!PYTHON", "#!" + sys.executable)
     exe = bindir / "vllm"
     exe.write_text(body)
     exe.chmod(0o755)
@@ -241,9 +246,7 @@ def test_jit_returns_the_caches_mid_session_once_and_refuses_without_a_session(t
 def test_latency48_runs_at_fewer_layers_with_a_set_as_the_next_session_will(tmp_path, monkeypatch):
     """The H100 plan's command (docs/GPU-E2E.md): latency48 on the 32-layer-style dirs with
     `LATENCY_ARGS="--set GPU_MEM=…"`, through the script, against bench_latency's stand-in server."""
-    src = (ROOT / "tests" / "unit" / "test_bench_latency.py").read_text()
-    start = src.index("FAKE_MAIN = r'''") + len("FAKE_MAIN = r'''")
-    vllm_cli.install(tmp_path, monkeypatch, src[start:src.index("'''", start)])  # sets PYTHONPATH
+    vllm_cli.install(tmp_path, monkeypatch, _test_constant("test_bench_latency.py", "FAKE_MAIN"))  # sets PYTHONPATH
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (bindir / "python3").symlink_to(sys.executable)
