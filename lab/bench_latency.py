@@ -17,7 +17,7 @@ directory from `python3 -m lab.bench_recipe prepare`), run one at a time in bloc
 
   run DIR --out RAW.jsonl [--configs stock,default,default-dense,shared] [--prefixes 1024,2048,…]
       [--tails 32,2000] [--repeats N] [--set KEY=VALUE …]
-  report RAW.jsonl… [--json J]   per config: hits and TTFT by prefix length; ITL idle vs under prefill
+  report RAW.jsonl… [--json J] [--png P]   per config: hits and TTFT by prefix length; ITL idle vs under prefill
 """
 
 from __future__ import annotations
@@ -209,6 +209,54 @@ def report(rows: list[dict]) -> dict:
     return summary
 
 
+def plot(summary: dict, rows: list[dict], out: str | Path) -> None:
+    """Left, one panel per tail: TTFT against the shared prefix's length, the first prompt (cold,
+    dashed) and the third (what the cache served, solid), per config, log-log. Right: the decoding
+    stream's p99 gap alone and under the other client's prefill, per config, with the goal's 2x."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(summary)
+    tails = sorted({t for s in summary.values() for t in s.get("prefix", {})}, key=int)
+    fig, axes = plt.subplots(1, len(tails) + 1, figsize=(5 * (len(tails) + 1), 4.4))
+    for ax, tail in zip(axes, tails):
+        for i, label in enumerate(labels):
+            by_n = summary[label].get("prefix", {}).get(tail, {})
+            ns = sorted(by_n, key=int)
+            for send, ls in ((1, "--"), (SENDS, "-")):
+                ys = [by_n[n].get(f"send{send}", {}).get("ttft_ms") for n in ns]
+                ax.plot([int(n) for n in ns], ys, ls, marker="o", color=f"C{i}", label=f"{label} #{send}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("shared prefix tokens")
+        ax.set_ylabel("TTFT, median (ms)")
+        ax.set_title(f"tail of {tail} tokens: prompt #1 (cold) vs #{SENDS}", fontsize=9)
+        ax.legend(fontsize=7)
+    ax = axes[-1]
+    itl = [lb for lb in labels if "itl" in summary[lb]]
+    for i, label in enumerate(itl):
+        s = summary[label]["itl"]
+        ax.bar([i - 0.2], [s["idle_p99_ms"]], 0.4, color=f"C{labels.index(label)}", alpha=0.45,
+               label="alone" if i == 0 else None)
+        ax.bar([i + 0.2], [s["busy_p99_ms"] or 0], 0.4, color=f"C{labels.index(label)}",
+               label=f"under a {PREFILL}-token prefill" if i == 0 else None)
+        ax.plot([i - 0.4, i + 0.4], [ITL_GOAL * s["idle_p99_ms"]] * 2, color="black", lw=0.8,
+                label=f"{ITL_GOAL:g}x alone (the goal)" if i == 0 else None)
+        ax.annotate(f"{s['p99_ratio']}x", (i + 0.2, s["busy_p99_ms"] or 0), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(itl)))
+    ax.set_xticklabels(itl, fontsize=8)
+    ax.set_ylabel("decoding stream's p99 gap (ms)")
+    ax.legend(fontsize=7)
+    layers = sorted({r["layers"] for r in rows if "layers" in r})
+    gpus = sorted({r["gpu"] for r in rows if r.get("event") == "booted" and r.get("gpu")})
+    fig.suptitle(f"{'/'.join(map(str, layers))} layers, NVFP4 experts, dummy weights, {', '.join(gpus) or 'GPU not named'}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
 def report_cmd(args) -> int:
     rows = [json.loads(x) for f in args.files for x in Path(f).read_text().splitlines() if x.strip()]
     summary = report(rows)
@@ -230,6 +278,8 @@ def report_cmd(args) -> int:
                   f"{i['busy_p99_ms']} ms ({i['p99_ratio']}x; goal <= {ITL_GOAL}x for shared)")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
+    if args.png:
+        plot(summary, rows, args.png)
     return 0
 
 
@@ -253,6 +303,7 @@ def main(argv=None) -> int:
     p = sub.add_parser("report")
     p.add_argument("files", nargs="+")
     p.add_argument("--json")
+    p.add_argument("--png", help="the plot: TTFT by prefix length, cold and cached; p99 gaps alone and under prefill")
     p.set_defaults(func=report_cmd)
     args = ap.parse_args(argv)
     return args.func(args)

@@ -124,7 +124,8 @@ def test_prefix_hits_and_gaps_under_a_prefill(tmp_path, monkeypatch, capsys):
     assert rep["stock"]["prefix"]["600"]["2048"]["send3"]["hit_tokens"] == 2048
     assert rep["stock"]["hit_goal_met"]  # by the third prompt, from 2,048 tokens on
     assert rep["stock"]["itl"]["p99_ratio"] > rep["shared"]["itl"]["p99_ratio"]
-    assert bl.main(["report", str(out), "--json", str(tmp_path / "s.json")]) == 0
+    assert bl.main(["report", str(out), "--json", str(tmp_path / "s.json"), "--png", str(tmp_path / "l.png")]) == 0
+    assert (tmp_path / "l.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "tail 600: hits from None tokens on the second prompt, 1024 on the third" in capsys.readouterr().out
     assert json.loads((tmp_path / "s.json").read_text()) == rep
 
