@@ -29,11 +29,11 @@ def _cell_order(name: str) -> tuple[int, int]:
     return int(name.split("p=")[1]), int(name.split()[0][2:])
 
 
-def pairs(rows: list[dict], ref: str) -> dict:
-    """{label: {cell: [ratio, ...]}}: per-stream tok/s over `ref`'s at the same cell and repeat
-    (repeat = cycle x REPEATS + round: the adjacent blocks of one cycle) and file."""
-    tok = {(r["label"], cell(r), r["repeat"], r.get("run", 0)): r["per_stream_tok_s"]
-           for r in rows if r.get("per_stream_tok_s") and "repeat" in r}
+def pairs(rows: list[dict], ref: str, field: str = "per_stream_tok_s") -> dict:
+    """{label: {cell: [ratio, ...]}}: `field` (per-stream tok/s; or TTFT) over `ref`'s at the same
+    cell and repeat (repeat = cycle x REPEATS + round: the adjacent blocks of one cycle) and file."""
+    tok = {(r["label"], cell(r), r["repeat"], r.get("run", 0)): r[field]
+           for r in rows if r.get("per_stream_tok_s") and r.get(field) and "repeat" in r}
     out: dict = {}
     for (label, c, rep, run), v in tok.items():
         other = tok.get((ref, c, rep, run))
@@ -42,39 +42,59 @@ def pairs(rows: list[dict], ref: str) -> dict:
     return out
 
 
-def verdict(ratios: list[float], resamples: int = 20_000, seed: int = 0) -> dict:
-    """Geometric mean, 95% bootstrap interval; met: mean >= GOAL and lower end >= FLOOR; missed:
-    the upper end under GOAL; else open."""
+def interval(ratios: list[float], resamples: int = 20_000, seed: int = 0) -> dict:
+    """Geometric mean and its 95% bootstrap interval (none from one pair)."""
     import numpy as np
 
     logs = np.log(np.asarray(ratios))
-    g = math.exp(float(logs.mean()))
-    row = {"pairs": len(ratios), "geomean": round(g, 3)}
-    if len(ratios) < 2:
+    row = {"pairs": len(ratios), "geomean": round(math.exp(float(logs.mean())), 3)}
+    if len(ratios) >= 2:
+        lo, hi = (math.exp(q) for q in np.quantile(stats.boot_means(logs, resamples, seed), [0.025, 0.975]))
+        row["ci95"] = [round(lo, 3), round(hi, 3)]
+    return row
+
+
+def verdict(ratios: list[float], resamples: int = 20_000, seed: int = 0) -> dict:
+    """interval(); met: mean >= GOAL and lower end >= FLOOR; missed: the upper end under GOAL; else open."""
+    row = interval(ratios, resamples, seed)
+    if "ci95" not in row:
         return row | {"verdict": "open", "why": "one pair: no interval"}
-    lo, hi = (math.exp(q) for q in np.quantile(stats.boot_means(logs, resamples, seed), [0.025, 0.975]))
-    row["ci95"] = [round(lo, 3), round(hi, 3)]
+    (lo, hi), g = row["ci95"], row["geomean"]
     row["verdict"] = "met" if g >= GOAL and lo >= FLOOR else "missed" if hi < GOAL else "open"
     return row
 
 
-def report(rows: list[dict]) -> dict:
-    out: dict = {"goal": f"geomean >= {GOAL} and 95% lower end >= {FLOOR}"}
-    # vs_default: the ablations (default-noX) against the recipe they take one part out of
+def _against(rows: list[dict], field: str, summarize, pooled: bool) -> dict:
+    """{ref: {label: {cell: summarize(ratios)}}} for each reference; vs nvidia and vs default list
+    only the recipe's variants (the ablations against the recipe they take one part out of)."""
+    out: dict = {}
     for ref in ("stock", "nvidia", "default"):
         table = {}
-        for label, by in sorted(pairs(rows, ref).items()):
+        for label, by in sorted(pairs(rows, ref, field).items()):
             if ref != "stock" and label in ("stock", "nvidia"):
                 continue
-            allr = [x for v in by.values() for x in v]
-            table[label] = {"pooled": verdict(allr)} | {c: verdict(v) for c, v in sorted(by.items())}
-        out[f"vs_{ref}"] = table
+            table[label] = ({"pooled": summarize([x for v in by.values() for x in v])} if pooled else {}) | {
+                c: summarize(v) for c, v in sorted(by.items())}
+        out[ref] = table
+    return out
+
+
+def _medians(rows: list[dict], field: str, scale: float = 1.0) -> dict:
     med: dict = {}
     for r in rows:
-        if r.get("per_stream_tok_s"):
-            med.setdefault(r["label"], {}).setdefault(cell(r), []).append(r["per_stream_tok_s"])
-    out["per_stream_tok_s_median"] = {lab: {c: round(statistics.median(v), 1) for c, v in sorted(by.items())}
-                                      for lab, by in med.items()}
+        if r.get("per_stream_tok_s") and r.get(field):
+            med.setdefault(r["label"], {}).setdefault(cell(r), []).append(r[field])
+    return {lab: {c: round(scale * statistics.median(v), 1) for c, v in sorted(by.items())} for lab, by in med.items()}
+
+
+def report(rows: list[dict]) -> dict:
+    out: dict = {"goal": f"geomean >= {GOAL} and 95% lower end >= {FLOOR}"}
+    out |= {f"vs_{ref}": t for ref, t in _against(rows, "per_stream_tok_s", verdict, pooled=True).items()}
+    out["per_stream_tok_s_median"] = _medians(rows, "per_stream_tok_s")
+    # time to first token (each request's median over its streams), paired the same way: config /
+    # ref, lower is faster. At p=6144 it is the prefill of c long prompts; at p=64 mostly one step
+    out["ttft_ms_median"] = _medians(rows, "ttft_s", 1000.0)
+    out |= {f"ttft_vs_{ref}": t for ref, t in _against(rows, "ttft_s", interval, pooled=False).items()}
     out["boots"] = [{k: r.get(k) for k in ("label", "cycle", "boot_s", "gpu_mib")} for r in rows if r.get("event") == "booted"]
     out["step_ms"] = step_breakdown(rows)
     return out
