@@ -270,6 +270,22 @@ def test_report_pairs_the_ablations_with_default_and_leaves_stock_out_of_that_ta
     assert rep["vs_stock"]["default"]["pooled"]["geomean"] == round(68.0 / 70.0, 3)
 
 
+def test_report_pairs_time_to_first_token_the_same_way_slower_above_one():
+    rows = [{"label": lab, "concurrency": 4, "prompt_tokens": 6144, "repeat": rep, "per_stream_tok_s": 70.0,
+             "ttft_s": t * (1 + rep / 50)}
+            for rep in (0, 1, 2) for lab, t in (("stock", 0.9), ("default", 1.08), ("default-ple-gpu", 0.99))]
+    rows.append({"label": "default", "concurrency": 4, "prompt_tokens": 64, "repeat": 0, "per_stream_tok_s": 90.0})
+    rep = recipe_report.report(rows)
+    cell = "c=4 p=6144"
+    assert rep["ttft_ms_median"]["default"][cell] == round(1080 * 1.02, 1)
+    assert rep["ttft_vs_stock"]["default"][cell]["geomean"] == 1.2  # 20% slower than stock
+    lo, hi = rep["ttft_vs_stock"]["default"][cell]["ci95"]
+    assert lo <= 1.2 <= hi and "verdict" not in rep["ttft_vs_stock"]["default"][cell]
+    assert set(rep["ttft_vs_default"]) == {"default-ple-gpu"}  # the ablation against the recipe, stock left out
+    assert rep["ttft_vs_default"]["default-ple-gpu"][cell]["geomean"] == round(0.99 / 1.08, 3)
+    assert "c=4 p=64" not in rep["ttft_vs_stock"]["default"]  # a row without a TTFT pairs nothing
+
+
 def test_report_command_writes_the_json_and_a_plot_with_the_intervals(tmp_path, capsys):
     rows = [{"label": lab, "concurrency": c, "prompt_tokens": 64, "repeat": rep, "per_stream_tok_s": v * (1 + rep / 100)}
             for rep in (0, 1, 2) for c in (1, 4) for lab, v in (("stock", 70.0), ("default", 72.0))]
