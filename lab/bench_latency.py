@@ -202,6 +202,9 @@ def report(rows: list[dict]) -> dict:
         busy = [r["busy_p99_ms"] for r in rs if r["busy_p99_ms"] is not None]
         s["itl"] = {"repeats": len(rs), "idle_p50_ms": round(statistics.median(r["idle_p50_ms"] for r in rs), 2),
                     "idle_p99_ms": round(idle, 2),
+                    "busy_p50_ms": round(statistics.median(r["busy_p50_ms"] for r in rs if r["busy_p50_ms"] is not None), 2)
+                    if busy else None,
+                    "busy_gaps": statistics.median(r["busy_gaps"] for r in rs),
                     "busy_p99_ms": round(statistics.median(busy), 2) if busy else None,
                     "p99_ratio": round(statistics.median(busy) / idle, 2) if busy and idle else None,
                     "prefill_ttft_s": round(statistics.median(r["prefill_ttft_s"] for r in rs), 2)}
@@ -275,7 +278,8 @@ def report_cmd(args) -> int:
         if "itl" in s:
             i = s["itl"]
             print(f"  ITL p50 {i['idle_p50_ms']} ms, p99 idle {i['idle_p99_ms']} ms, under a {PREFILL}-token prefill "
-                  f"{i['busy_p99_ms']} ms ({i['p99_ratio']}x; goal <= {ITL_GOAL}x for shared)")
+                  f"{i['busy_p99_ms']} ms ({i['p99_ratio']}x; goal <= {ITL_GOAL}x for shared), p50 {i['busy_p50_ms']} ms "
+                  f"over {i['busy_gaps']} gaps; the prefill's own TTFT {i['prefill_ttft_s']} s")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
     if args.png:
