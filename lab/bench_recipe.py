@@ -86,6 +86,13 @@ CONFIGS: dict[str, dict] = {
                          "words": ["CONTAINER_ENV=VLLM_USE_DEEP_GEMM=1 VLLM_DEEP_GEMM_WARMUP=skip"]},
     # every prefill chunk's Mamba state kept (docs/PREFIX-CACHE.md): bench_latency's prefix study
     "default-dense": {"kind": "recipe", "profile": "default", "words": ["PREFIX_RETAIN=dense"]},
+    # why `shared`'s 800-token pieces cost ~170 ms a step beside a decoding stream (benchmarks/
+    # latency48-h100 run1): the pieces inside CUDA graphs (captured up to 832 tokens: a piece plus 8
+    # streams x 3 tokens, where the shipped capture stops at 48); no drafts beside them; bigger pieces
+    "shared-graphs": {"kind": "recipe", "profile": "shared", "words": [
+        "COMPILE_FLAGS=-cc '{\"cudagraph_mode\":\"FULL_AND_PIECEWISE\",\"max_cudagraph_capture_size\":832}'"]},
+    "shared-nomtp": {"kind": "recipe", "profile": "shared", "words": ["MTP=0"]},
+    "shared-3200": {"kind": "recipe", "profile": "shared", "words": ["LONG_PREFILL=3200"]},
 }
 
 # NVIDIA's one-Spark recipe is profiles/nvidia.env (its settings on our base): `nvidia` renders it

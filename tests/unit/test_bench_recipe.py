@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flash_cli import recipe
+from flash_cli import preflight, recipe
 from flash_cli.commands import serve
 
 from lab import bench_recipe as br
@@ -74,6 +74,17 @@ def test_ablations_change_only_their_setting():
         assert {k: got["env"].get(k) for k in changed} == changed
     mtp4 = _pairs(br.render("default-mtp4", d, 1)["argv"])
     assert json.loads(mtp4["--speculative-config"])["num_speculative_tokens"] == 4
+    # shared's variants: the graphs one keeps shared's graph mode and only raises the capture size
+    shared = _pairs(br.render("shared", d, 1)["argv"])
+    for name, flag, want in (("shared-graphs", "-cc", None), ("shared-3200", "--long-prefill-token-threshold", "3200")):
+        got = _pairs(br.render(name, d, 1)["argv"])
+        assert {k for k in set(got) | set(shared) if got.get(k) != shared.get(k)} <= {flag, "--compilation-config"}
+        if want:
+            assert got[flag] == want
+    cc = preflight.compilation_config(br.render("shared-graphs", d, 1)["argv"])
+    assert cc == {"cudagraph_mode": "FULL_AND_PIECEWISE", "max_cudagraph_capture_size": 832}
+    assert preflight.compilation_config(br.render("shared", d, 1)["argv"]) == {"cudagraph_mode": "FULL_AND_PIECEWISE"}
+    assert "--speculative-config" not in _pairs(br.render("shared-nomtp", d, 1)["argv"])
 
 
 # NVIDIA's recipe.yaml as published (NVIDIA/local-ai-inference-recipes @dedcf6bc, the one-Spark
