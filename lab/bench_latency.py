@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from lab import bench_recipe as br  # the servers
-from lab.decode import client  # the metrics reader, the writer
+from lab.decode import client, recipe_report  # the metrics reader, the writer; the raw-file reader
 
 PREFIXES = (1024, 2048, 4096, 8192, 16384)
 TAILS = (32, 2000)   # distinct tokens after the shared prefix: a question; a document of its own
@@ -261,7 +261,7 @@ def plot(summary: dict, rows: list[dict], out: str | Path) -> None:
 
 
 def report_cmd(args) -> int:
-    rows = [json.loads(x) for f in args.files for x in Path(f).read_text().splitlines() if x.strip()]
+    rows = recipe_report.load_rows(args.files)  # the same JSONL reader as bench_recipe's report
     summary = report(rows)
     for label, s in summary.items():
         if "prefix" in s:
