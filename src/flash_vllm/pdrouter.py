@@ -363,6 +363,10 @@ def supervise(ns: argparse.Namespace, limits: Limits, sock: socket.socket, worke
             procs[i] = p
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+        # a signal that arrived before the block is handled by Python at its next bytecode, which may be
+        # inside p.start() before the fork: stop_all then ran without this worker, so it is told here
+        if stopping:
+            os.kill(p.pid, signal.SIGTERM)
 
     def stop_all() -> None:
         for p in procs.values():

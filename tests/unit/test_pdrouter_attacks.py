@@ -514,6 +514,43 @@ def test_sigterm_while_workers_are_being_forked_stops_them_all_at_once(tmp_path,
             proc.kill()
 
 
+STOP_BEFORE_THIRD_FORK = """
+import os, signal, sys, time
+from flash_vllm import pdrouter
+supervisor, blocks, real = os.getpid(), [], signal.pthread_sigmask
+def mask(how, sigs):
+    # a SIGTERM that lands just before the supervisor blocks signals for its 3rd fork: Python runs its
+    # handler at once (raise_signal checks), i.e. after start() checked for a stop and before the fork
+    if how == signal.SIG_BLOCK and os.getpid() == supervisor:
+        blocks.append(1)
+        if len(blocks) == 3:
+            print(f"raised at {time.monotonic()}", file=sys.stderr, flush=True)
+            signal.raise_signal(signal.SIGTERM)
+    return real(how, sigs)
+signal.pthread_sigmask = mask
+sys.exit(pdrouter.main(sys.argv[1:]))
+"""
+
+
+def test_a_stop_handled_between_the_stop_check_and_the_fork_still_reaches_that_worker(tmp_path, fakes):
+    """The race behind a 1-in-10 slow stop (the 10 s kill of one worker): made certain by raising the
+    signal at the worst moment. The worker forked after the handler ran is told to stop too."""
+    env = {**os.environ, "VLLM_API_KEY": KEY}
+    log = tmp_path / "race.log"
+    proc = subprocess.Popen([sys.executable, "-c", STOP_BEFORE_THIRD_FORK, "--host", "127.0.0.1", "--port", "0",
+                             "--prefill", fakes[0].url, "--decode", fakes[1].url, "--workers", "4"],
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"), env=env, cwd=ROOT)
+    try:
+        assert proc.wait(30) == 0, log.read_text()
+        done = time.monotonic()
+        raised = float(re.search(r"raised at (\S+)", log.read_text()).group(1))
+        assert done - raised < 8, log.read_text()  # not the 10 s kill of a worker the stop missed
+        assert not children(proc.pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_a_killed_worker_is_replaced_and_a_crash_loop_exits_1(tmp_path, fakes):
     r = RouterProcess(tmp_path, fakes[0].url, fakes[1].url, "--workers", "2")
     try:
