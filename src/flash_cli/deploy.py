@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from . import api, engine, running, state
 from .errors import ContainerDied, ContainerMissing, DockerUnavailable, NotReady
+from .nodecheck import CLOCK_SKEW_S
 from .output import say
 from .spec import LABEL
 
@@ -55,6 +56,7 @@ def same_machine(url: str) -> bool:
 
 
 ROUTER = "router"  # org.flash.node of a pd layout's P/D router (on box 0)
+CLOSE_S = CLOCK_SKEW_S  # exits stamped closer than doctor lets two boxes' clocks differ are not ordered
 
 
 def has_router(parallel: str | None) -> bool:
@@ -169,8 +171,19 @@ def first_down(states: list[tuple[Box, engine.State]], up: tuple[str, ...] = ("r
         t = engine.epoch(x[1].finished_at)
         return (t is None, t or 0.0)
 
-    b, st = min(down, key=ended)
+    # exits a moment apart are not ordered by the stamps: each engine stamps its own box's exit when
+    # it reaps it, and under load the rank that was lost can be stamped after the head it took down.
+    # Within CLOSE_S of the first, a box killed by a signal or the OOM killer (exit code above 128)
+    # is the cause before one that exited on its own (a peer reacting to the loss)
+    t0 = ended(min(down, key=ended))
+    close = [x for x in down if ended(x)[0] == t0[0] and ended(x)[1] - t0[1] <= CLOSE_S]
+    b, st = min(close, key=lambda x: (not killed(x[1]), ended(x)))
     return b, st, [o for o, _ in down if o is not b]
+
+
+def killed(st: engine.State) -> bool:
+    """Ended from outside: SIGKILL (docker kill, the OOM killer), SIGSEGV, ... (exit code 128 + signal)."""
+    return st.oom_killed or (st.exit_code or 0) > 128
 
 
 def settled_down(boxes: list[Box], up: tuple[str, ...] = ("running", "created", "restarting"), *,

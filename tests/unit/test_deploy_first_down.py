@@ -104,3 +104,29 @@ def test_settling_is_bounded_and_free_when_every_box_is_up():
                            for i in range(200)]})
     b, _, _ = deploy.settled_down([head, w1], read=flap.read, clock=flap.clock, sleep=flap.sleep)
     assert b is head and 8.0 <= flap.t <= 8.25
+
+
+def test_a_killed_rank_is_the_cause_before_a_head_stamped_a_moment_earlier():
+    """The tp4ep engine test's failure: the killed rank's engine stamped its exit after the head's,
+    which exited (code 1) because of it. Within CLOSE_S a box killed by a signal or the OOM killer
+    is the cause; farther apart, the earlier end still wins, whatever the exit codes."""
+    head, w1, w2, w3 = box(0, "head"), box(1, "worker"), box(2, "worker"), box(3, "worker")
+    states = [(head, State("exited", 1, finished_at="2026-12-06T15:07:30.100Z")),
+              (w1, State("exited", 1, finished_at="2026-12-06T15:07:30.900Z")),
+              (w2, State("exited", 137, finished_at="2026-12-06T15:07:30.104Z")),
+              (w3, State("exited", 1, finished_at="2026-12-06T15:07:30.950Z"))]
+    b, st, also = deploy.first_down(states)
+    assert b is w2 and also == [head, w1, w3]
+    oom = [(head, State("exited", 1, finished_at="2026-12-06T15:07:30.100Z")),
+           (w1, State("exited", 1, oom_killed=True, finished_at="2026-12-06T15:07:30.300Z"))]
+    assert deploy.first_down(oom)[0] is w1
+    late = 30.1 + deploy.CLOSE_S + 0.01  # past the window: the stamps are trusted
+    apart = [(head, State("exited", 1, finished_at="2026-12-06T15:07:30.100Z")),
+             (w2, State("exited", 137, finished_at=f"2026-12-06T15:07:{late:06.3f}Z"))]
+    assert deploy.first_down(apart)[0] is head
+    both = [(head, State("exited", 137, finished_at="2026-12-06T15:07:30.200Z")),
+            (w2, State("exited", 139, finished_at="2026-12-06T15:07:30.100Z"))]
+    assert deploy.first_down(both)[0] is w2  # both killed: the earlier stamp
+    never = [(head, State("dead", 137, finished_at="0001-01-01T00:00:00Z")),
+             (w2, State("exited", 1, finished_at="2026-12-06T15:07:30.100Z"))]
+    assert deploy.first_down(never)[0] is w2  # a box with no end time is not "close" to one with
