@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 from . import api, engine, running, state
 from .errors import ContainerDied, ContainerMissing, DockerUnavailable, NotReady
-from .nodecheck import CLOCK_SKEW_S
 from .output import say
 from .spec import LABEL
 
@@ -56,7 +55,7 @@ def same_machine(url: str) -> bool:
 
 
 ROUTER = "router"  # org.flash.node of a pd layout's P/D router (on box 0)
-CLOSE_S = CLOCK_SKEW_S  # exits stamped closer than doctor lets two boxes' clocks differ are not ordered
+CLOSE_S = engine.CLOCK_SKEW_S  # exits stamped closer than doctor lets two boxes' clocks differ are not ordered
 
 
 def has_router(parallel: str | None) -> bool:

@@ -52,6 +52,10 @@ class State:
     finished_at: str = ""  # RFC 3339 UTC as docker writes it ("0001-01-01T00:00:00Z" = never ended)
 
 
+# how far two boxes' clocks may differ (doctor fails past it); exit stamps closer are not ordered
+CLOCK_SKEW_S = 1.0
+
+
 def epoch(text: str) -> float | None:
     """A Docker timestamp (RFC 3339 with up to nanoseconds, trailing zeros trimmed: State.FinishedAt,
     `docker info` SystemTime) → epoch seconds; None for anything else, Docker's zero time included."""

@@ -21,7 +21,7 @@ from importlib import resources
 from . import engine
 from .spec import HF_MOUNT, LABEL
 
-CLOCK_SKEW_S = 1.0
+CLOCK_SKEW_S = engine.CLOCK_SKEW_S
 NCCL_IB = re.compile(r"NET/IB\b|via NET/IB|NET/GDR|GPU Direct RDMA")
 NCCL_SOCKET = re.compile(r"NET/Socket\b|via NET/Socket")
 
