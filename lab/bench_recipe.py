@@ -86,11 +86,12 @@ CONFIGS: dict[str, dict] = {
                          "words": ["CONTAINER_ENV=VLLM_USE_DEEP_GEMM=1 VLLM_DEEP_GEMM_WARMUP=skip"]},
     # every prefill chunk's Mamba state kept (docs/PREFIX-CACHE.md): bench_latency's prefix study
     "default-dense": {"kind": "recipe", "profile": "default", "words": ["PREFIX_RETAIN=dense"]},
-    # why `shared`'s 800-token pieces cost ~170 ms a step beside a decoding stream (benchmarks/
-    # latency48-h100 run1): the pieces inside CUDA graphs (captured up to 832 tokens: a piece plus 8
-    # streams x 3 tokens, where the shipped capture stops at 48); no drafts beside them; bigger pieces
-    "shared-graphs": {"kind": "recipe", "profile": "shared", "words": [
-        "COMPILE_FLAGS=-cc '{\"cudagraph_mode\":\"FULL_AND_PIECEWISE\",\"max_cudagraph_capture_size\":832}'"]},
+    # `shared`'s 800-token pieces outside and inside CUDA graphs (benchmarks/latency48-h100): run1's
+    # `shared` captured up to 48 tokens (~140 ms a piece outside graphs); run2 measured `shared-graphs`
+    # (up to 832: a piece plus 8 streams x 3 tokens) against it, and `shared` ships GRAPH_TOKENS=832
+    # since. `shared-graphs` renders run2's argv (now the shipped one), `shared-nographs` run1's
+    "shared-graphs": {"kind": "recipe", "profile": "shared", "words": ["GRAPH_TOKENS=832"]},
+    "shared-nographs": {"kind": "recipe", "profile": "shared", "words": ["GRAPH_TOKENS=0"]},
     "shared-nomtp": {"kind": "recipe", "profile": "shared", "words": ["MTP=0"]},
     "shared-3200": {"kind": "recipe", "profile": "shared", "words": ["LONG_PREFILL=3200"]},
 }

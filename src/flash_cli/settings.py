@@ -285,6 +285,11 @@ SETTINGS: tuple[Setting, ...] = (
       "long prompt takes the whole BATCHED_TOKENS step). With prefix caching a value that does not divide the "
       "KV block gives uneven pieces: `flash plan` names the even one (docs/PREFIX-CACHE.md).",
       "vllm --long-prefill-token-threshold", minimum=0, maximum=131072),
+    S("GRAPH_TOKENS", "int", 0, "Largest step, in tokens, that runs inside CUDA graphs (vLLM's "
+      "max_cudagraph_capture_size); 0 = vLLM's choice (SEQS x (1 + MTP): decode steps only). A larger step runs "
+      "outside graphs, ~140 ms at 32 layers on an H100 (benchmarks/latency48-h100). `shared` sets it to cover "
+      "a LONG_PREFILL piece beside every stream, for more graph memory (1.08 against 0.31 GiB there).",
+      "vllm -cc max_cudagraph_capture_size", minimum=0, maximum=131072),
     S("COMPILE_FLAGS", "str", None, "Replaces the compilation flags flash picks per base (upstream's CC, "
       "renamed: CC is the C compiler's variable). Split with shlex. Must keep cudagraph_mode PIECEWISE or "
       "NONE unless the PLE gather is hoisted (PLE_MODE auto on v0.30+, or hoisted; checked before a boot: "

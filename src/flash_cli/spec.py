@@ -139,9 +139,15 @@ def compilation_args(s: Settings) -> list[str]:
     vLLM's FULL_AND_PIECEWISE applies. On 0.29 the plugin appends its lookup op to vLLM's splitting ops
     itself, so no list is needed here."""
     if s["COMPILE_FLAGS"]:
+        if s["GRAPH_TOKENS"]:
+            raise ConfigError(f"GRAPH_TOKENS={s['GRAPH_TOKENS']} is not applied when COMPILE_FLAGS replaces the "
+                              "compilation flags", hint="put max_cudagraph_capture_size in COMPILE_FLAGS and set "
+                              "GRAPH_TOKENS=0, or leave COMPILE_FLAGS empty")
         return split_args(s["COMPILE_FLAGS"], "COMPILE_FLAGS")
-    mode = "FULL_AND_PIECEWISE" if ple_hoisted(s) else "PIECEWISE"
-    return ["--compilation-config", json.dumps({"cudagraph_mode": mode}, separators=(",", ":"))]
+    cc: dict = {"cudagraph_mode": "FULL_AND_PIECEWISE" if ple_hoisted(s) else "PIECEWISE"}
+    if s["GRAPH_TOKENS"]:
+        cc["max_cudagraph_capture_size"] = s["GRAPH_TOKENS"]
+    return ["--compilation-config", json.dumps(cc, separators=(",", ":"))]
 
 
 def vllm_args(s: Settings, snapshot: str, host: str, port: int, parallel: list[str] = ()) -> list[str]:

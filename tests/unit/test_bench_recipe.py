@@ -74,16 +74,16 @@ def test_ablations_change_only_their_setting():
         assert {k: got["env"].get(k) for k in changed} == changed
     mtp4 = _pairs(br.render("default-mtp4", d, 1)["argv"])
     assert json.loads(mtp4["--speculative-config"])["num_speculative_tokens"] == 4
-    # shared's variants: the graphs one keeps shared's graph mode and only raises the capture size
+    # shared's variants: GRAPH_TOKENS keeps shared's graph mode and only sets the capture size
     shared = _pairs(br.render("shared", d, 1)["argv"])
-    for name, flag, want in (("shared-graphs", "-cc", None), ("shared-3200", "--long-prefill-token-threshold", "3200")):
+    for name, flag, want in (("shared-nographs", "--compilation-config", '{"cudagraph_mode":"FULL_AND_PIECEWISE"}'),
+                             ("shared-3200", "--long-prefill-token-threshold", "3200")):
         got = _pairs(br.render(name, d, 1)["argv"])
-        assert {k for k in set(got) | set(shared) if got.get(k) != shared.get(k)} <= {flag, "--compilation-config"}
-        if want:
-            assert got[flag] == want
-    cc = preflight.compilation_config(br.render("shared-graphs", d, 1)["argv"])
+        assert {k for k in set(got) | set(shared) if got.get(k) != shared.get(k)} == {flag}
+        assert got[flag] == want
+    assert br.render("shared-graphs", d, 1)["argv"] == br.render("shared", d, 1)["argv"]  # latency48 run2's argv
+    cc = preflight.compilation_config(br.render("shared", d, 1)["argv"])
     assert cc == {"cudagraph_mode": "FULL_AND_PIECEWISE", "max_cudagraph_capture_size": 832}
-    assert preflight.compilation_config(br.render("shared", d, 1)["argv"]) == {"cudagraph_mode": "FULL_AND_PIECEWISE"}
     assert "--speculative-config" not in _pairs(br.render("shared-nomtp", d, 1)["argv"])
 
 

@@ -133,3 +133,19 @@ def test_full_graphs_pass_when_the_user_turned_patch_1_off(env):
 def test_full_graphs_still_refused_while_patch_1_serves(env):
     (p,) = problems(CONTAINER_ENV=env, PLE_MODE="eager", EXTRA="-cc.cudagraph_mode=FULL_AND_PIECEWISE")
     assert "cudagraph_mode FULL_AND_PIECEWISE " in p.message
+
+
+@pytest.mark.parametrize("over, mode", [({}, "FULL_AND_PIECEWISE"), ({"PLE_MODE": "eager"}, "PIECEWISE"),
+                                        ({"BASE": "v0.29"}, "PIECEWISE")])
+def test_graph_tokens_sets_the_capture_size_and_keeps_the_graph_regime(over, mode):
+    """GRAPH_TOKENS (shared: 832) only adds max_cudagraph_capture_size: an eager PLE gather stays PIECEWISE."""
+    argv = runspec(resolve(overrides={**over, "GRAPH_TOKENS": "832"})).command
+    assert preflight.compilation_config(argv) == {"cudagraph_mode": mode, "max_cudagraph_capture_size": 832}
+    assert problems(**over, GRAPH_TOKENS="832") == []
+    assert "max_cudagraph_capture_size" not in preflight.compilation_config(runspec(resolve(overrides=over)).command)
+
+
+def test_graph_tokens_with_compile_flags_is_refused_not_dropped():
+    with pytest.raises(ConfigError) as err:
+        runspec(resolve(overrides={"GRAPH_TOKENS": "832", "COMPILE_FLAGS": "-O3"}))
+    assert "GRAPH_TOKENS=832" in str(err.value) and "COMPILE_FLAGS" in str(err.value)
