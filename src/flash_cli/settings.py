@@ -286,7 +286,7 @@ SETTINGS: tuple[Setting, ...] = (
       "KV block gives uneven pieces: `flash plan` names the even one (docs/PREFIX-CACHE.md).",
       "vllm --long-prefill-token-threshold", minimum=0, maximum=131072),
     S("GRAPH_TOKENS", "int", 0, "Largest step, in tokens, that runs inside CUDA graphs (vLLM's "
-      "max_cudagraph_capture_size); 0 = vLLM's choice (SEQS x (1 + MTP): decode steps only). A larger step runs "
+      "max_cudagraph_capture_size); 0 = vLLM's choice (2 x SEQS x (1 + MTP), at most 512). A larger step runs "
       "outside graphs, ~140 ms at 32 layers on an H100 (benchmarks/latency48-h100). `shared` sets it to cover "
       "a LONG_PREFILL piece beside every stream, for more graph memory (1.08 against 0.31 GiB there).",
       "vllm -cc max_cudagraph_capture_size", minimum=0, maximum=131072),
