@@ -21,7 +21,6 @@ from importlib import resources
 from . import engine
 from .spec import HF_MOUNT, LABEL
 
-CLOCK_SKEW_S = engine.CLOCK_SKEW_S
 NCCL_IB = re.compile(r"NET/IB\b|via NET/IB|NET/GDR|GPU Direct RDMA")
 NCCL_SOCKET = re.compile(r"NET/Socket\b|via NET/Socket")
 
@@ -185,8 +184,8 @@ def judge(all_facts: list[dict], settings) -> list[tuple[str, str]]:
         off = f.get("clock_offset_s")
         if off is None:
             out.append(("warn", f"{where}: clock not readable from docker info"))
-        elif abs(off) > CLOCK_SKEW_S + f.get("clock_rtt_s", 0):
-            out.append(("fail", f"{where}: clock {off:+.2f} s off this machine's (more than {CLOCK_SKEW_S:.0f} s): "
+        elif abs(off) > engine.CLOCK_SKEW_S + f.get("clock_rtt_s", 0):
+            out.append(("fail", f"{where}: clock {off:+.2f} s off this machine's (more than {engine.CLOCK_SKEW_S:.0f} s): "
                                 "enable NTP (timedatectl set-ntp true)"))
         else:
             out.append(("ok", f"{where}: clock within {abs(off):.2f} s"))
