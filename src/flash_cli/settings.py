@@ -288,7 +288,8 @@ SETTINGS: tuple[Setting, ...] = (
     S("GRAPH_TOKENS", "int", 0, "Largest step, in tokens, that runs inside CUDA graphs (vLLM's "
       "max_cudagraph_capture_size); 0 = vLLM's choice (2 x SEQS x (1 + MTP), at most 512). A larger step runs "
       "outside graphs, ~140 ms at 32 layers on an H100 (benchmarks/latency48-h100). `shared` sets it to cover "
-      "a LONG_PREFILL piece beside every stream, for more graph memory (1.08 against 0.31 GiB there).",
+      "a LONG_PREFILL piece beside every stream, for more graph memory (1.08 against 0.31 GiB there); "
+      "`flash plan` warns where such a step does not fit and names the size that does.",
       "vllm -cc max_cudagraph_capture_size", minimum=0, maximum=131072),
     S("COMPILE_FLAGS", "str", None, "Replaces the compilation flags flash picks per base (upstream's CC, "
       "renamed: CC is the C compiler's variable). Split with shlex. Must keep cudagraph_mode PIECEWISE or "

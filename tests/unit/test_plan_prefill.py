@@ -64,7 +64,7 @@ def test_flash_plan_warns_where_the_block_moves(capsys):
     assert main(["plan", "shared", "--hardware", "gb10", "MTP=4", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["long_prefill"]["block_tokens"] == got["kv_layout"]["block_size"] == 1664
-    warns = [f["text"] for f in got["findings"] if f["level"] == "warn"]
+    warns = [f["text"] for f in got["findings"] if f["level"] == "warn" and "does not divide" in f["text"]]
     assert len(warns) == 1 and warns[0].endswith("LONG_PREFILL=832 cuts the block evenly (2 pieces of 832)")
     assert "pieces of 800, 800, 64" in warns[0]
     assert main(["plan", "shared", "--hardware", "gb10"]) == 0
@@ -81,3 +81,51 @@ def test_rendering():
     with pytest.raises(ConfigError) as err:
         spec.vllm_args(settings(CTX="4096", YARN="0", LONG_PREFILL="8192"), "0" * 40, "127.0.0.1", 8000)
     assert "LONG_PREFILL=8192 is above CTX=4096" in str(err.value)
+
+
+@pytest.mark.parametrize("words, want", [
+    ({}, 832),                                            # shared: GRAPH_TOKENS=832
+    ({"GRAPH_TOKENS": "0"}, 48),                          # vLLM's own: 2 x 8 x 3
+    ({"GRAPH_TOKENS": "0", "SEQS": "256"}, 512),          # ... at most 512
+    ({"GRAPH_TOKENS": "0", "SEQS": "5", "MTP": "0"}, 8),   # 10 is off the grid: truncated to 8
+    ({"GRAPH_TOKENS": "0", "SEQS": "1", "MTP": "2"}, 4),   # 6: the grid's 1, 2, 4
+    ({"GRAPH_TOKENS": "830"}, 816),                       # off the 16-grid: truncated, as vLLM does
+    ({"GRAPH_TOKENS": "9000"}, 8192),                     # BATCHED_TOKENS caps it and is captured itself
+    ({"GRAPH_TOKENS": "0", "BATCHED_TOKENS": "300"}, 48),
+    ({"GRAPH_TOKENS": "300", "BATCHED_TOKENS": "300"}, 300),
+    ({"COMPILE_FLAGS": "-cc.cudagraph_mode=PIECEWISE", "GRAPH_TOKENS": "0"}, None),
+    ({"EXTRA": "--enforce-eager"}, None),
+])
+def test_capture_max(words, want):
+    """The largest CUDA graph vLLM captures (its `_set_cudagraph_sizes`; check_prefill_beside.py holds
+    the same cases to each release's own function)."""
+    s = settings(**words)
+    assert prefill.capture_max(s, prefill._extra_words(s["EXTRA"])) == want
+
+
+def test_a_piece_beside_every_stream_inside_or_outside_the_graphs(capsys):
+    """shared's step (800 + 8 x 3 = 824) fits its 832 graphs; without GRAPH_TOKENS (vLLM's 48) or with
+    MTP=4 (800 + 8 x 5 = 840) it does not, and `flash plan` says so and names the size that covers it."""
+    p = prefill.plan(settings(), 1600)
+    assert (p["step_beside_tokens"], p["graph_tokens"], p["in_graphs"]) == (824, 832, True)
+    assert prefill.graph_finding(p, settings()) is None
+    assert "a step beside every stream is 824 tokens, inside CUDA graphs (captured to 832)" in prefill.line(p)
+    s = settings(GRAPH_TOKENS="0")
+    level, text = prefill.graph_finding(prefill.plan(s, 1600), s)
+    assert level == "warn" and "824-token step, above the largest CUDA graph (48: vLLM's own size" in text
+    assert text.endswith("GRAPH_TOKENS=832 covers them")
+    assert main(["plan", "shared", "--hardware", "gb10", "MTP=4", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert (got["long_prefill"]["step_beside_tokens"], got["long_prefill"]["in_graphs"]) == (840, False)
+    warns = [f["text"] for f in got["findings"] if f["level"] == "warn"]
+    assert any("840-token step, above the largest CUDA graph (832: GRAPH_TOKENS=832)" in w
+               and w.endswith("GRAPH_TOKENS=848 covers them") for w in warns), warns
+    s = settings(EXTRA="--enforce-eager")
+    p = prefill.plan(s, 1600)
+    assert p["in_graphs"] is None and prefill.graph_finding(p, s) is None and "CUDA graphs" not in prefill.line(p)
+
+
+@pytest.mark.parametrize("tokens, want", [(824, 832), (840, 848), (832, 832), (100, 104), (256, 256), (257, 272), (3, 8)])
+def test_grid_up_is_on_vllms_grid_and_holds_the_tokens(tokens, want):
+    got = prefill.grid_up(tokens)
+    assert got == want and got >= tokens and prefill.grid_max(got) == got

@@ -389,6 +389,9 @@ def findings(plan: dict, s, hw: Hardware, live_checks: bool = True) -> list[tupl
     uneven = plan.get("long_prefill") and prefill.finding(plan["long_prefill"])
     if uneven:
         out.append(uneven)
+    outside = plan.get("long_prefill") and prefill.graph_finding(plan["long_prefill"], s)
+    if outside:
+        out.append(outside)
     if conc >= 1 and s["SEQS"] > conc:
         out.append(("info", f"the pool holds {conc:.2f} requests of CTX={s['CTX']:,} tokens; SEQS={s['SEQS']} only runs "
                             "concurrently for shorter requests"))

@@ -8,6 +8,11 @@ below the block gives pieces of the threshold until the block's rest, one above 
 whole blocks. So only a threshold that divides the block (or a multiple of it) keeps every piece at
 the threshold. docs/PREFIX-CACHE.md, "A long prefill beside a decoding stream";
 tests/vllm/release/check_prefill_beside.py checks these pieces against each release's scheduler.
+
+A step that carries a piece beside the decoding streams runs inside a CUDA graph only when its
+tokens fit vLLM's largest capture size (GRAPH_TOKENS, else vLLM's own 2 x SEQS x (1 + MTP), at most
+512); outside one it took ~2.3x as long at 32 layers on an H100 (benchmarks/latency48-h100 run2).
+check_prefill_beside.py also holds `capture_max` to each release's `_set_cudagraph_sizes`.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from __future__ import annotations
 # the most prompt tokens a step should carry beside a decoding stream (shared's value before the
 # block was taken into account; issue #9's field recipes use 1,024)
 PIECE_CAP = 1024
+# vLLM's default capture ceiling off data-center Blackwell (the GB10 and Hopper included)
+DEFAULT_GRAPH_CAP = 512
 
 
 def pieces(threshold: int, block: int, aligned: bool) -> list[int]:
@@ -32,6 +39,41 @@ def divisor_at_most(block: int, cap: int = PIECE_CAP) -> int:
     return max(d for d in range(1, min(block, cap) + 1) if block % d == 0)
 
 
+def grid_max(cap: int) -> int:
+    """The largest size on vLLM's capture grid not above `cap`: 1, 2, 4, then multiples of 8 below
+    256, then multiples of 16."""
+    if cap >= 256:
+        return 256 + (cap - 256) // 16 * 16
+    if cap >= 8:
+        return cap // 8 * 8
+    return max(n for n in (1, 2, 4) if n <= cap)
+
+
+def grid_up(tokens: int) -> int:
+    """The smallest size on vLLM's capture grid that holds `tokens`: a GRAPH_TOKENS that covers them."""
+    step = 16 if tokens > 256 else 8
+    return max(8, -(-tokens // step) * step)
+
+
+def capture_max(s, extra_words: list[str] = ()) -> int | None:
+    """The largest step, in tokens, vLLM captures CUDA graphs for under these settings (its
+    `_set_cudagraph_sizes`, 0.29-0.33); None where flash cannot tell: COMPILE_FLAGS replaces the
+    compilation flags, or EXTRA asks for eager mode (no graphs at all). Sequence parallelism's
+    trimming (tensor parallel with `enable_sp`) is not modelled."""
+    if s["COMPILE_FLAGS"] or "--enforce-eager" in extra_words:
+        return None
+    batched, seqs, query = s["BATCHED_TOKENS"], s["SEQS"], 1 + s["MTP"]
+    if s["GRAPH_TOKENS"]:
+        cap = min(s["GRAPH_TOKENS"], batched)
+        return batched if batched <= s["GRAPH_TOKENS"] else grid_max(cap)
+    cap = min(seqs * query * 2, DEFAULT_GRAPH_CAP, batched)
+    got = batched if batched == cap else grid_max(cap)
+    # the uniform decode sizes vLLM adds (n requests x query tokens, n on its request grid)
+    counts = [n for n in (1, 2, 4) if n <= seqs] + list(range(8, min(seqs + 1, 256), 8)) \
+        + list(range(256, seqs + 1, 16)) + [seqs]
+    return max([got] + [n * query for n in counts if n * query <= cap])
+
+
 def plan(s, block: int) -> dict | None:
     """The `long_prefill` section of `flash plan` (None with LONG_PREFILL=0, vLLM's default: a
     long prompt takes the whole BATCHED_TOKENS step beside a stream)."""
@@ -41,6 +83,10 @@ def plan(s, block: int) -> dict | None:
     aligned = bool(s["PREFIX_CACHE"])
     per = pieces(n, block, aligned)
     even = divisor_at_most(block)
+    graphs = capture_max(s, _extra_words(s["EXTRA"]))
+    # the worst step while a long prompt runs beside others: its largest piece plus one decode step
+    # (1 + MTP tokens) for every seat, as the profiles count it (shared: 800 + 8 x 3 = 824)
+    step = min(max(per), s["BATCHED_TOKENS"]) + s["SEQS"] * (1 + s["MTP"])
     return {
         "threshold_tokens": n,
         "block_tokens": block,
@@ -49,7 +95,19 @@ def plan(s, block: int) -> dict | None:
         "largest_piece_tokens": max(per),
         "even": len(set(per)) == 1,
         "even_threshold_tokens": even,
+        "step_beside_tokens": step,
+        "graph_tokens": graphs,
+        "in_graphs": None if graphs is None else step <= graphs,
     }
+
+
+def _extra_words(extra: str | None) -> list[str]:
+    import shlex
+
+    try:
+        return shlex.split(extra or "")
+    except ValueError:
+        return []
 
 
 def line(p: dict) -> str:
@@ -58,7 +116,12 @@ def line(p: dict) -> str:
     shown = ", ".join(f"{x:,}" for x in per)
     how = (f"a long prompt beside other requests goes in pieces of {shown} tokens"
            + (f" per {p['block_tokens']:,}-token block" if p["aligned"] and len(per) > 1 else ""))
-    return f"  long prefill   LONG_PREFILL={p['threshold_tokens']:,}: {how} (docs/PREFIX-CACHE.md)"
+    graphs = p.get("graph_tokens")
+    where = ("" if graphs is None else
+             f"; a step beside every stream is {p['step_beside_tokens']:,} tokens, "
+             + (f"inside CUDA graphs (captured to {graphs:,})" if p["in_graphs"] else
+                f"outside CUDA graphs (captured to {graphs:,})"))
+    return f"  long prefill   LONG_PREFILL={p['threshold_tokens']:,}: {how}{where} (docs/PREFIX-CACHE.md)"
 
 
 def finding(p: dict) -> tuple[str, str] | None:
@@ -74,3 +137,17 @@ def finding(p: dict) -> tuple[str, str] | None:
     return ("warn", f"LONG_PREFILL={n:,} does not divide the {block:,}-token KV block: with prefix caching on a long "
                     f"prompt beside other requests goes in pieces of {', '.join(f'{x:,}' for x in per)}; "
                     f"LONG_PREFILL={even:,} cuts the block evenly ({block // even} pieces of {even:,})")
+
+
+def graph_finding(p: dict, s) -> tuple[str, str] | None:
+    """A warning when a step that carries a piece beside every stream is larger than the largest
+    CUDA graph: those steps, all of a long prompt's beside other requests, run outside graphs."""
+    if p["in_graphs"] is not False:
+        return None
+    step, graphs, cover = p["step_beside_tokens"], p["graph_tokens"], grid_up(p["step_beside_tokens"])
+    whose = (f"GRAPH_TOKENS={s['GRAPH_TOKENS']:,}" if s["GRAPH_TOKENS"] else
+             f"vLLM's own size, 2 x SEQS x (1 + MTP) at most {DEFAULT_GRAPH_CAP}")
+    return ("warn", f"a long prompt's {max(p['pieces_per_block']):,}-token piece beside SEQS={s['SEQS']} streams of "
+                    f"1 + MTP={s['MTP']} tokens makes a {step:,}-token step, above the largest CUDA graph ({graphs:,}: "
+                    f"{whose}): those steps run outside graphs, ~2.3x as long at 32 layers on an H100 "
+                    f"(benchmarks/latency48-h100 run2); GRAPH_TOKENS={cover:,} covers them")

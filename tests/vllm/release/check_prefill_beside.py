@@ -122,3 +122,47 @@ def test_flash_plan_names_the_block_and_the_pieces_this_scheduler_cuts(runs):
         even = lp["even_threshold_tokens"]
         assert block % even == 0 and (lp["even"] or prefill.finding(lp)[1].endswith(f"({block // even} pieces of {even:,})"))
     assert runs["shared-mtp4"].block % SHARED, "MTP=4's block is no longer a multiple of 800: this case shows nothing"
+
+
+def _release_capture_sizes(serve_cli, argv: list[str]) -> list[int]:
+    """The CUDA graph sizes this release captures for a rendered argv: its own
+    `VllmConfig._set_cudagraph_sizes`, run over the parsed compilation config on the parsed scheduler
+    and draft settings (the rest of a VllmConfig needs the model and a device)."""
+    import json
+    from types import SimpleNamespace
+
+    from vllm.config import CompilationConfig, VllmConfig
+
+    a = serve_cli.parser.parse_args(argv[2:])
+    cc = a.compilation_config
+    cc = CompilationConfig(**cc) if isinstance(cc, dict) else cc
+    sc = a.speculative_config
+    sc = json.loads(sc) if isinstance(sc, str) else (sc or {})
+    mtp = int(sc.get("num_speculative_tokens", 0))
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(enforce_eager=bool(a.enforce_eager)), compilation_config=cc,
+        scheduler_config=SimpleNamespace(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1), uniform_decode_query_len=1 + mtp,
+        speculative_config=None, performance_mode="throughput")
+    VllmConfig._set_cudagraph_sizes(config)
+    return list(cc.cudagraph_capture_sizes)
+
+
+GRAPH_CASES = (("shared", {}), ("shared", {"GRAPH_TOKENS": "0"}), ("shared", {"MTP": "4"}),
+               ("shared", {"GRAPH_TOKENS": "830"}), ("shared", {"GRAPH_TOKENS": "9000"}), ("default", {}),
+               ("default", {"SEQS": "256"}), ("default", {"SEQS": "5", "MTP": "0"}), ("default", {"SEQS": "1"}))
+
+
+def test_flash_plan_knows_the_largest_cuda_graph_this_release_captures(serve_cli, base):
+    """plan/prefill.py `capture_max` (GRAPH_TOKENS, else vLLM's 2 x SEQS x (1 + MTP) at most 512, on its
+    capture grid, capped by BATCHED_TOKENS) against this release's own sizing of the rendered argv; and
+    shared's step beside every stream (800 + 8 x 3) inside it, which is what GRAPH_TOKENS=832 is for."""
+    from flash_cli.plan import prefill
+
+    for profile, words in GRAPH_CASES:
+        flash, argv, _ = rendered(serve_cli, base, profile, **words)
+        sizes = _release_capture_sizes(serve_cli, argv)
+        assert prefill.capture_max(flash) == max(sizes), (profile, words, sizes[-4:])
+    flash, argv, _ = rendered(serve_cli, base, "shared")
+    step = prefill.plan(flash, BLOCK)["step_beside_tokens"]
+    assert step == SHARED + 8 * 3 and any(step <= n for n in _release_capture_sizes(serve_cli, argv))
