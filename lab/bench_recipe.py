@@ -273,7 +273,7 @@ class Server:
 
     def start(self) -> None:
         self.started = time.monotonic()
-        fh = open(self.log, "a")  # noqa: SIM115 - the child owns it
+        fh = schedule.open_server_log(self.log, self.spec, "a")
         self.proc = subprocess.Popen(self.spec["argv"], env={**os.environ, **self.spec["env"]}, stdout=fh,
                                      stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -22,7 +22,7 @@ def serve_run(args) -> int:
     d = Path(args.dir).resolve()
     spec = servers.server_plan(d, args.port)[args.config]
     url = f"http://127.0.0.1:{args.port}"
-    log = open(args.log or f"{args.out}.{args.config}.log", "w")
+    log = open_server_log(args.log or f"{args.out}.{args.config}.log", spec)
     t0 = time.monotonic()
     proc = subprocess.Popen(spec["argv"], env={**os.environ, **spec["env"]}, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -41,6 +41,20 @@ def serve_run(args) -> int:
 def tree_measured() -> str:
     """The tree measured (FLASH_E2E_COMMIT, else this checkout's short HEAD), as the e2e tier names it."""
     return tree_commit(ROOT, short=True)
+
+
+def open_server_log(path, spec: dict, mode: str = "w"):
+    """A server's log, opened for the child to write, that first names what it is a log of: the
+    commit measured, the start time and the argv. A committed log then says its own provenance
+    (before 2026-12-07 only the raw rows and phases.log did)."""
+    import shlex
+
+    fh = open(path, mode)  # noqa: SIM115 - the child owns it
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    fh.write(f"# flash lab server log: commit {tree_measured()}, started {stamp}\n"
+             f"# argv: {shlex.join(spec['argv'])}\n")
+    fh.flush()
+    return fh
 
 
 def matrix(args) -> int:
@@ -66,7 +80,7 @@ def matrix(args) -> int:
             spec = plan[c]
             port = int(spec["argv"][spec["argv"].index("--port") + 1])
             urls[c] = f"http://127.0.0.1:{port}"
-            log = open(logs / f"{c}-L{extra['layers']}.log", "w")  # noqa: SIM115 - the child owns it
+            log = open_server_log(logs / f"{c}-L{extra['layers']}.log", spec)
             procs[c] = subprocess.Popen(spec["argv"], env={**os.environ, **spec["env"]}, stdout=log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
             time.sleep(3)

@@ -5,6 +5,7 @@ Prometheus counters) and the report pairs each config with stock in the same cyc
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -247,6 +248,10 @@ def test_blocks_alternate_whole_servers_and_pair_within_a_cycle(tmp_path, monkey
     assert all(r["commit"] and r["deviations"] and r["layers"] == 48 for r in booted)
     assert all(float(_pairs(r["argv"])["--gpu-memory-utilization"]) == 0.7 and "gpu" in r for r in booted)
     assert any("MoE backend" in ln for ln in booted[0]["log_lines"])
+    # each server log names the commit it measured and the argv it ran, before the server's own lines
+    head = (tmp_path / "stock-c0.log").read_text().splitlines()
+    assert head[0].startswith(f"# flash lab server log: commit {booted[0]['commit']}, started 20")
+    assert head[1] == "# argv: " + shlex.join(booted[0]["argv"]) and "MoE backend" in "\n".join(head[2:])
     meas = [r for r in rows if r.get("per_stream_tok_s")]
     cells = {(r["concurrency"], r["prompt_tokens"]) for r in meas}
     assert cells == {(1, 64), (2, 64), (1, 300)}
