@@ -16,7 +16,7 @@ Servers are bench_recipe's (the RunSpec `flash serve` renders, same substitution
 directory from `python3 -m lab.bench_recipe prepare`), run one at a time in blocks.
 
   run DIR --out RAW.jsonl [--configs stock,default,default-dense,shared] [--prefixes 1024,2048,…]
-      [--tails 32,2000] [--repeats N] [--set KEY=VALUE …]
+      [--tails 32,2000] [--repeats N] [--set KEY=VALUE …] [--itl-only CONFIGS]
   report RAW.jsonl… [--json J] [--png P]   per config: hits and TTFT by prefix length; ITL idle vs under prefill
 """
 
@@ -146,6 +146,9 @@ def run(args) -> int:
     d = Path(args.dir).resolve()
     meta = json.loads((d / "meta.json").read_text())
     configs = br._configs(args.configs)
+    itl_only = set(br._configs(args.itl_only)) if args.itl_only else set()
+    if itl_only - set(configs):
+        raise SystemExit(f"--itl-only {','.join(sorted(itl_only - set(configs)))}: not in --configs {args.configs}")
     prefixes = client.parse_levels(args.prefixes)
     tails = tuple(client.parse_levels(args.tails))
     sink = client.jsonl_sink(args.out)
@@ -162,8 +165,9 @@ def run(args) -> int:
             if row["event"] != "booted":
                 continue
             stream(srv.url, _ids(random.Random(5), 64), 8)  # untimed: the first request's one-time costs
-            for row in prefix_rows(srv.url, name, prefixes, args.repeats, base, tails=tails):
-                sink(row)
+            if name not in itl_only:
+                for row in prefix_rows(srv.url, name, prefixes, args.repeats, base, tails=tails):
+                    sink(row)
             for row in itl_rows(srv.url, name, args.repeats, base, args.prefill, args.itl_tokens):
                 sink(row)
         finally:
@@ -302,6 +306,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--port", type=int, default=18750)
     p.add_argument("--boot-timeout", type=float, default=900)
+    p.add_argument("--itl-only", help="configs measured for ITL only (a piece-size sweep: their prefix hits are "
+                                      "the block's, the same as the config they vary)")
     br.add_set_option(p)
     p.set_defaults(func=run)
     p = sub.add_parser("report")

@@ -94,6 +94,12 @@ CONFIGS: dict[str, dict] = {
     "shared-nographs": {"kind": "recipe", "profile": "shared", "words": ["GRAPH_TOKENS=0"]},
     "shared-nomtp": {"kind": "recipe", "profile": "shared", "words": ["MTP=0"]},
     "shared-3200": {"kind": "recipe", "profile": "shared", "words": ["LONG_PREFILL=3200"]},
+    # the piece-size sweep under graphs: a smaller piece is a shorter step beside the stream (issue 33's
+    # p99 <= 2x idle) and more steps for the long prompt. Each divides the 1,600-token block, and its
+    # GRAPH_TOKENS is the smallest capture size holding the piece plus 8 streams x 3 tokens
+    "shared-100": {"kind": "recipe", "profile": "shared", "words": ["LONG_PREFILL=100", "GRAPH_TOKENS=128"]},
+    "shared-200": {"kind": "recipe", "profile": "shared", "words": ["LONG_PREFILL=200", "GRAPH_TOKENS=224"]},
+    "shared-400": {"kind": "recipe", "profile": "shared", "words": ["LONG_PREFILL=400", "GRAPH_TOKENS=432"]},
 }
 
 # NVIDIA's one-Spark recipe is profiles/nvidia.env (its settings on our base): `nvidia` renders it

@@ -90,12 +90,14 @@ def test_prefix_hits_and_gaps_under_a_prefill(tmp_path, monkeypatch, capsys):
     d = tmp_path / "b"
     assert br.main(["prepare", str(d), "--ple-rows", "100000"]) == 0
     out = tmp_path / "raw.jsonl"
-    assert bl.main(["run", str(d), "--configs", "stock,shared", "--out", str(out), "--prefixes", "256,1024,2048",
+    assert bl.main(["run", str(d), "--configs", "stock,shared,shared-400", "--out", str(out), "--prefixes", "256,1024,2048",
                     "--tails", "32,600", "--prefill", "20000", "--itl-tokens", "200", "--repeats", "1",
-                    "--port", "18830", "--boot-timeout", "120", "--set", "GPU_MEM=0.7"]) == 0
+                    "--port", "18830", "--boot-timeout", "120", "--set", "GPU_MEM=0.7", "--itl-only", "shared-400"]) == 0
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     booted = [r for r in rows if r.get("event") == "booted"]
-    assert [r["label"] for r in booted] == ["stock", "shared"]
+    assert [r["label"] for r in booted] == ["stock", "shared", "shared-400"]
+    # --itl-only: the sweep's server measures the gaps and no prefix
+    assert {r["study"] for r in rows if r.get("label") == "shared-400" and r.get("study")} == {"itl"}
     # a --set reaches every server's argv and is named; every row carries the GPU field (None here)
     for r in booted:
         argv = r["argv"]
@@ -128,6 +130,9 @@ def test_prefix_hits_and_gaps_under_a_prefill(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "l.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "tail 600: hits from None tokens on the second prompt, 1024 on the third" in capsys.readouterr().out
     assert json.loads((tmp_path / "s.json").read_text()) == rep
+    assert "prefix" not in rep["shared-400"] and rep["shared-400"]["itl"]["repeats"] == 1
+    with pytest.raises(SystemExit, match="--itl-only shared-200: not in --configs stock"):
+        bl.main(["run", str(d), "--configs", "stock", "--out", str(tmp_path / "x.jsonl"), "--itl-only", "shared-200"])
 
 
 def test_a_bad_set_fails_before_any_server_boots(tmp_path, monkeypatch):

@@ -86,6 +86,23 @@ def test_ablations_change_only_their_setting():
     cc = preflight.compilation_config(br.render("shared", d, 1)["argv"])
     assert cc == {"cudagraph_mode": "FULL_AND_PIECEWISE", "max_cudagraph_capture_size": 832}
     assert "--speculative-config" not in _pairs(br.render("shared-nomtp", d, 1)["argv"])
+    # the piece sweep: threshold and capture size change together, each piece divides the block and
+    # flash plan puts the piece beside every stream inside the graphs, on the smallest size that does
+    from flash_cli import profiles
+    from flash_cli.plan import prefill
+    from flash_cli.settings import resolve
+
+    for piece in (100, 200, 400):
+        name = f"shared-{piece}"
+        got = _pairs(br.render(name, d, 1)["argv"])
+        assert {k for k in set(got) | set(shared) if got.get(k) != shared.get(k)} == \
+            {"--long-prefill-token-threshold", "--compilation-config"}
+        s = resolve(profiles.load("shared").layer(), {}, dict(w.split("=", 1) for w in br.CONFIGS[name]["words"]),
+                    profile_name="shared")
+        p = prefill.plan(s, 1600)
+        assert p["pieces_per_block"] == [piece] * (1600 // piece) and p["in_graphs"]
+        assert s["GRAPH_TOKENS"] == prefill.grid_up(p["step_beside_tokens"])
+        assert json.loads(got["--compilation-config"])["max_cudagraph_capture_size"] == s["GRAPH_TOKENS"]
 
 
 # NVIDIA's recipe.yaml as published (NVIDIA/local-ai-inference-recipes @dedcf6bc, the one-Spark
