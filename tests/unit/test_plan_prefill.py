@@ -4,6 +4,7 @@ vllm tier (check_prefill_beside.py) holds the same pieces to each release's sche
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 
@@ -100,7 +101,7 @@ def test_capture_max(words, want):
     """The largest CUDA graph vLLM captures (its `_set_cudagraph_sizes`; check_prefill_beside.py holds
     the same cases to each release's own function)."""
     s = settings(**words)
-    assert prefill.capture_max(s, prefill._extra_words(s["EXTRA"])) == want
+    assert prefill.capture_max(s, shlex.split(s["EXTRA"] or "")) == want
 
 
 def test_a_piece_beside_every_stream_inside_or_outside_the_graphs(capsys):
@@ -121,7 +122,7 @@ def test_a_piece_beside_every_stream_inside_or_outside_the_graphs(capsys):
     assert any("840-token step, above the largest CUDA graph (832: GRAPH_TOKENS=832)" in w
                and w.endswith("GRAPH_TOKENS=848 covers them") for w in warns), warns
     s = settings(EXTRA="--enforce-eager")
-    p = prefill.plan(s, 1600)
+    p = prefill.plan(s, 1600, ["--enforce-eager"])
     assert p["in_graphs"] is None and prefill.graph_finding(p, s) is None and "CUDA graphs" not in prefill.line(p)
 
 

@@ -347,7 +347,7 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
             "num_blocks": lay.num_blocks(kv_bytes),
         },
         "prefix_cache": prefix.plan(s, lay.block_size),
-        "long_prefill": prefill.plan(s, lay.block_size),
+        "long_prefill": prefill.plan(s, lay.block_size, _extra_words(s["EXTRA"])),
         "host": host,
         "assumptions": assumptions,
     }

@@ -74,16 +74,16 @@ def capture_max(s, extra_words: list[str] = ()) -> int | None:
     return max([got] + [n * query for n in counts if n * query <= cap])
 
 
-def plan(s, block: int) -> dict | None:
+def plan(s, block: int, extra_words: list[str] = ()) -> dict | None:
     """The `long_prefill` section of `flash plan` (None with LONG_PREFILL=0, vLLM's default: a
-    long prompt takes the whole BATCHED_TOKENS step beside a stream)."""
+    long prompt takes the whole BATCHED_TOKENS step beside a stream). `extra_words`: EXTRA, split."""
     n = s["LONG_PREFILL"]
     if not n:
         return None
     aligned = bool(s["PREFIX_CACHE"])
     per = pieces(n, block, aligned)
     even = divisor_at_most(block)
-    graphs = capture_max(s, _extra_words(s["EXTRA"]))
+    graphs = capture_max(s, extra_words)
     # the worst step while a long prompt runs beside others: its largest piece plus one decode step
     # (1 + MTP tokens) for every seat, as the profiles count it (shared: 800 + 8 x 3 = 824)
     step = min(max(per), s["BATCHED_TOKENS"]) + s["SEQS"] * (1 + s["MTP"])
@@ -100,14 +100,6 @@ def plan(s, block: int) -> dict | None:
         "in_graphs": None if graphs is None else step <= graphs,
     }
 
-
-def _extra_words(extra: str | None) -> list[str]:
-    import shlex
-
-    try:
-        return shlex.split(extra or "")
-    except ValueError:
-        return []
 
 
 def line(p: dict) -> str:
