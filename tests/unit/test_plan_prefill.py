@@ -130,3 +130,28 @@ def test_a_piece_beside_every_stream_inside_or_outside_the_graphs(capsys):
 def test_grid_up_is_on_vllms_grid_and_holds_the_tokens(tokens, want):
     got = prefill.grid_up(tokens)
     assert got == want and got >= tokens and prefill.grid_max(got) == got
+
+
+def test_graphs_above_vllms_size_come_out_of_the_kv_pool():
+    """GRAPH_TOKENS=832 against vLLM's own 48: the 0.77 GiB more graph memory latency48 run2 logged at the
+    real shape comes out of the planned pool (its pool was 3.6% smaller); none without GRAPH_TOKENS, and a
+    smaller shape's share follows its per-token activation bytes."""
+    from dataclasses import replace
+
+    from flash_cli.geometry import Geometry
+    from flash_cli.plan import build, graph_extra_bytes
+    from flash_cli.plan.hardware import preset
+
+    shipped = build(settings(), preset("gb10"), snapshot=None, live_checks=False)
+    without = build(settings(GRAPH_TOKENS="0"), preset("gb10"), snapshot=None, live_checks=False)
+    assert shipped["budget"]["graphs_above_vllm_gib"] == pytest.approx(0.77, abs=0.005)
+    assert without["budget"]["graphs_above_vllm_gib"] == 0.0
+    drop = without["budget"]["kv_cache_gib"] - shipped["budget"]["kv_cache_gib"]
+    assert drop == pytest.approx(0.77, abs=0.002)
+    assert 0.03 < 1 - shipped["kv_cache_tokens"] / without["kv_cache_tokens"] < 0.05
+    assert any("GRAPH_TOKENS=832: CUDA graphs captured to 832 tokens, above vLLM's own 48" in a
+               for a in shipped["assumptions"])
+    # at or under vLLM's own size nothing is added; a tiny shape gets a tiny share
+    assert graph_extra_bytes(settings(GRAPH_TOKENS="48"), Geometry(), []) == 0
+    tiny = replace(Geometry(), hidden_size=256, moe_intermediate_size=64, num_attention_heads=4, head_dim=64)
+    assert 0 < graph_extra_bytes(settings(), tiny, []) < graph_extra_bytes(settings(), Geometry(), []) / 5

@@ -73,6 +73,25 @@ def activation_bytes(g: geometry_mod.Geometry, batched_tokens: int) -> int:
     return batched_tokens * (hc + moe + qsa) + 128 * 1024**2
 
 
+# CUDA graphs captured above vLLM's own size hold more memory, which vLLM counts before it sizes the
+# KV pool: latency48 run2 (32 real-shape layers, an H100) logged 1.08 GiB of graphs captured to 832
+# tokens against 0.31 GiB to 48, and a pool 3.6% smaller. That is ~1.0 MiB a token above vLLM's
+# size, taken here as a multiple of the model's per-token activation bytes so that it follows the
+# shape. An estimate from one pair of boots: every fitted constant ran at vLLM's own size.
+GRAPH_MEASURED_BYTES, GRAPH_MEASURED_TOKENS = int((1.08 - 0.31) * 1024**3), 832 - 48
+
+
+def graph_extra_bytes(s, g: geometry_mod.Geometry, extra_words: list[str]) -> int:
+    """The graph memory GRAPH_TOKENS adds above vLLM's own capture size (0 without it)."""
+    got = prefill.capture_max(s, extra_words) if s["GRAPH_TOKENS"] else None
+    above = 0 if got is None else got - prefill.vllm_capture(s["SEQS"], s["MTP"], s["BATCHED_TOKENS"])
+    if above <= 0:
+        return 0
+    base = 128 * 1024**2  # activation_bytes' constant, not per token
+    per_token = (activation_bytes(g, 1) - base) / (activation_bytes(geometry_mod.Geometry(), 1) - base)
+    return int(GRAPH_MEASURED_BYTES / GRAPH_MEASURED_TOKENS * per_token * above)
+
+
 # vLLM's profile run encodes dummy images of the processor's largest size before the text forward;
 # the larger peak counts. Not modelled apart: estimated on CPU (benchmarks/encoder-peak-cpu).
 ENCODER_NOTE = {
@@ -249,7 +268,14 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
     overhead_band, fit_run = OVERHEAD_FITS[constant]
     requested = -(-int(hw.device_total * s["GPU_MEM"] * 1000) // 1000)  # math.ceil(total × util)
     w_total = w.total // ranks  # this rank's share
-    non_kv = w_total + act + topk + overhead
+    graphs_extra = graph_extra_bytes(s, geom, _extra_words(s["EXTRA"]))
+    non_kv = w_total + act + topk + overhead + graphs_extra
+    if graphs_extra:
+        assumptions.append(f"GRAPH_TOKENS={s['GRAPH_TOKENS']}: CUDA graphs captured to "
+                           f"{prefill.capture_max(s, _extra_words(s['EXTRA'])):,} tokens, above vLLM's own "
+                           f"{prefill.vllm_capture(s['SEQS'], s['MTP'], s['BATCHED_TOKENS']):,}, hold "
+                           f"~{_gib(graphs_extra)} GiB more, taken from the KV pool (an estimate from one pair of "
+                           "boots at 32 layers on an H100: 0.77 GiB more for 832 against 48, latency48-h100 run2)")
     if s["KV_CACHE_MEM"]:
         kv_bytes = int(s["KV_CACHE_MEM"])
         claim = non_kv + kv_bytes
@@ -333,6 +359,7 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
                     "checkpoint_on_disk_gib": {k: _gib(v) for k, v in w.on_disk.items() if v}},
         "budget": {"gpu_mem": s["GPU_MEM"], "requested_gib": _gib(requested), "weights_gib": _gib(w_total),
                    "activations_gib": _gib(act), "topk_buffers_gib": _gib(topk), "runtime_overhead_gib": _gib(overhead),
+                   "graphs_above_vllm_gib": _gib(graphs_extra),
                    "non_kv_gib": _gib(non_kv), "kv_cache_gib": _gib(kv_bytes), "kv_cache_mem_set": bool(s["KV_CACHE_MEM"]),
                    "outside_budget_gib": _gib(outside)},
         "kv_layout": {

@@ -62,10 +62,16 @@ def capture_max(s, extra_words: list[str] = ()) -> int | None:
     trimming (tensor parallel with `enable_sp`) is not modelled."""
     if s["COMPILE_FLAGS"] or "--enforce-eager" in extra_words:
         return None
-    batched, seqs, query = s["BATCHED_TOKENS"], s["SEQS"], 1 + s["MTP"]
+    batched = s["BATCHED_TOKENS"]
     if s["GRAPH_TOKENS"]:
         cap = min(s["GRAPH_TOKENS"], batched)
         return batched if batched <= s["GRAPH_TOKENS"] else grid_max(cap)
+    return vllm_capture(s["SEQS"], s["MTP"], batched)
+
+
+def vllm_capture(seqs: int, mtp: int, batched: int) -> int:
+    """vLLM's own largest capture size (no max_cudagraph_capture_size given)."""
+    query = 1 + mtp
     cap = min(seqs * query * 2, DEFAULT_GRAPH_CAP, batched)
     got = batched if batched == cap else grid_max(cap)
     # the uniform decode sizes vLLM adds (n requests x query tokens, n on its request grid)
