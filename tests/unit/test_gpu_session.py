@@ -201,7 +201,7 @@ def test_a_budget_under_the_first_phases_floor_is_refused_and_e2e_starts_with_le
     env = _session_env(tmp_path, OUT=str(tmp_path), HOME=str(tmp_path), CUDA_VISIBLE_DEVICES="")
     for budget, phases, says in (("200", "e2e", "a budget of 200 s is under what e2e needs to start (240 s)"),
                                  ("250", "recipe48,e2e", "recipe48 needs to start (300 s)"),
-                                 ("270", "latency48", "latency48 needs to start (280 s)"),
+                                 ("210", "latency48", "latency48 needs to start (220 s)"),
                                  ("5m", "e2e", "BUDGET_S '5m': give whole seconds")):
         r = _start(env, budget, phases)
         assert r.returncode == 2 and says in r.stderr and not (tmp_path / "gs").exists(), r.stderr
@@ -257,7 +257,7 @@ def test_latency48_runs_at_fewer_layers_with_a_set_as_the_next_session_will(tmp_
                        LATENCY_ARGS="--set GPU_MEM=0.7 --prefixes 256,1024 --tails 32 --prefill 3000 "
                                     "--itl-tokens 80 --repeats 1 --boot-timeout 120")
     (tmp_path / "out").mkdir()
-    r = _start(env, "300", "latency48")  # under need()'s 500 s for three servers: started from its 280 s floor
+    r = _start(env, "300", "latency48")  # under need()'s 500 s for three servers: started from its 220 s floor
     assert r.returncode == 0, r.stderr
     r = _watch(env)
     assert "all phases ended" in r.stdout, r.stdout[-2000:]
