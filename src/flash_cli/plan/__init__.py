@@ -268,11 +268,12 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
     overhead_band, fit_run = OVERHEAD_FITS[constant]
     requested = -(-int(hw.device_total * s["GPU_MEM"] * 1000) // 1000)  # math.ceil(total × util)
     w_total = w.total // ranks  # this rank's share
-    graphs_extra = graph_extra_bytes(s, geom, _extra_words(s["EXTRA"]))
+    extra_words = _extra_words(s["EXTRA"])
+    graphs_extra = graph_extra_bytes(s, geom, extra_words)
     non_kv = w_total + act + topk + overhead + graphs_extra
     if graphs_extra:
         assumptions.append(f"GRAPH_TOKENS={s['GRAPH_TOKENS']}: CUDA graphs captured to "
-                           f"{prefill.capture_max(s, _extra_words(s['EXTRA'])):,} tokens, above vLLM's own "
+                           f"{prefill.capture_max(s, extra_words):,} tokens, above vLLM's own "
                            f"{prefill.vllm_capture(s['SEQS'], s['MTP'], s['BATCHED_TOKENS']):,}, hold "
                            f"~{_gib(graphs_extra)} GiB more, taken from the KV pool (an estimate from one pair of "
                            "boots at 32 layers on an H100: 0.77 GiB more for 832 against 48, latency48-h100 run2)")
@@ -374,7 +375,7 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
             "num_blocks": lay.num_blocks(kv_bytes),
         },
         "prefix_cache": prefix.plan(s, lay.block_size),
-        "long_prefill": prefill.plan(s, lay.block_size, _extra_words(s["EXTRA"])),
+        "long_prefill": prefill.plan(s, lay.block_size, extra_words),
         "host": host,
         "assumptions": assumptions,
     }

@@ -70,14 +70,11 @@ def capture_max(s, extra_words: list[str] = ()) -> int | None:
 
 
 def vllm_capture(seqs: int, mtp: int, batched: int) -> int:
-    """vLLM's own largest capture size (no max_cudagraph_capture_size given)."""
-    query = 1 + mtp
-    cap = min(seqs * query * 2, DEFAULT_GRAPH_CAP, batched)
-    got = batched if batched == cap else grid_max(cap)
-    # the uniform decode sizes vLLM adds (n requests x query tokens, n on its request grid)
-    counts = [n for n in (1, 2, 4) if n <= seqs] + list(range(8, min(seqs + 1, 256), 8)) \
-        + list(range(256, seqs + 1, 16)) + [seqs]
-    return max([got] + [n * query for n in counts if n * query <= cap])
+    """vLLM's own largest capture size (no max_cudagraph_capture_size given). The uniform decode
+    sizes vLLM adds (requests x (1 + MTP), at most SEQS requests) never pass the grid's top: the cap
+    is BATCHED_TOKENS (captured itself), 512 (on the grid) or 2 x SEQS x (1 + MTP), twice the widest."""
+    cap = min(seqs * (1 + mtp) * 2, DEFAULT_GRAPH_CAP, batched)
+    return batched if batched == cap else grid_max(cap)
 
 
 def plan(s, block: int, extra_words: list[str] = ()) -> dict | None:
@@ -145,7 +142,7 @@ def graph_finding(p: dict, s) -> tuple[str, str] | None:
     step, graphs, cover = p["step_beside_tokens"], p["graph_tokens"], grid_up(p["step_beside_tokens"])
     whose = (f"GRAPH_TOKENS={s['GRAPH_TOKENS']:,}" if s["GRAPH_TOKENS"] else
              f"vLLM's own size, 2 x SEQS x (1 + MTP) at most {DEFAULT_GRAPH_CAP}")
-    return ("warn", f"a long prompt's {max(p['pieces_per_block']):,}-token piece beside SEQS={s['SEQS']} streams of "
+    return ("warn", f"a long prompt's {p['largest_piece_tokens']:,}-token piece beside SEQS={s['SEQS']} streams of "
                     f"1 + MTP={s['MTP']} tokens makes a {step:,}-token step, above the largest CUDA graph ({graphs:,}: "
                     f"{whose}): those steps run outside graphs, ~2.3x as long at 32 layers on an H100 "
                     f"(benchmarks/latency48-h100 run2); GRAPH_TOKENS={cover:,} covers them")
