@@ -335,3 +335,17 @@ def test_report_command_writes_the_json_and_a_plot_with_the_intervals(tmp_path, 
     assert rep == recipe_report.report([r | {"run": 0} for r in rows])
     assert rep["vs_stock"]["default"]["pooled"]["geomean"] == round(72.0 / 70.0, 3)
     assert rep["vs_stock"]["default"]["pooled"]["ci95"][0] <= rep["vs_stock"]["default"]["pooled"]["geomean"]
+
+
+def test_a_configs_next_boot_is_not_estimated_by_the_sessions_cold_first_boot():
+    # run5 (2026-12-06): stock booted first, cold (396.5 s), the others warm (126-170 s); with 198 s
+    # left, stock's second block was skipped on its cold figure (need 458) though a warm boot fits
+    boots = [("stock", 396.5), ("default", 170.2), ("default-nvfp4", 126.1), ("default", 144.1)]
+    assert br.boot_estimate(boots, "stock", 300) == 170.2  # the slowest warm boot
+    assert br.boot_estimate(boots, "default", 300) == 144.1  # its own last boot
+    assert br.boot_estimate(boots, "default-ple-gpu", 300) == 300  # never booted: the guess
+    # a config that booted first and again since: its own warm figure
+    assert br.boot_estimate(boots + [("stock", 120.0)], "stock", 300) == 120.0
+    # the first boot alone: nothing warm to go by, its own figure
+    assert br.boot_estimate([("stock", 396.5)], "stock", 300) == 396.5
+    assert br.boot_estimate([], "stock", 300) == 300
