@@ -98,6 +98,24 @@ class Geometry:
 
 REAL = Geometry()
 
+REAL_NGRAM_BASE = 20_000_000
+
+
+def table_rows_for_base(text: dict, ngram_size: int, heads_per_ngram: int) -> int | None:
+    """The PLE table's rows for a config whose `ngram_vocab_size_base` is not the real 20,000,000
+    (a reduced bench table, another checkpoint's n-gram parameters); None keeps the real count.
+    Each of the (ngram_size - 1) x heads_per_ngram heads has the first prime >= the base as its
+    vocabulary, padded to `make_ngram_vocab_size_divisible_by`; heads x base stands for the primes
+    (short of them by the prime gaps above the base: ~2,200 rows of 32,002,176 at a 2,000,000 base,
+    0.3 MB of a 4.8 GiB table), so a plan need not search for primes."""
+    base = text.get("ngram_vocab_size_base")
+    if not isinstance(base, int) or isinstance(base, bool) or base <= 0 or base == REAL_NGRAM_BASE:
+        return None
+    div = text.get("make_ngram_vocab_size_divisible_by", 128)
+    div = div if isinstance(div, int) and div > 0 else 128
+    return -(-(ngram_size - 1) * heads_per_ngram * base // div) * div
+
+
 def from_config(config_path: Path) -> Geometry:
     """Geometry from a snapshot's config.json (`text_config` when nested). Missing keys keep the
     real checkpoint's values; layer_types, when given, decides the QSA interval."""
@@ -118,6 +136,10 @@ def from_config(config_path: Path) -> Geometry:
     mtp = text.get("mtp_num_hidden_layers")
     if isinstance(mtp, int):
         changes["mtp_num_hidden_layers"] = mtp
+    rows = table_rows_for_base(text, changes.get("ngram_size", REAL.ngram_size),
+                               changes.get("heads_per_ngram", REAL.heads_per_ngram))
+    if rows is not None:
+        changes["ple_table_rows"] = rows
     vision = raw.get("vision_config") or {}
     for src, dst in (("depth", "vision_depth"), ("hidden_size", "vision_hidden"),
                      ("intermediate_size", "vision_intermediate"), ("out_hidden_size", "vision_out_hidden")):

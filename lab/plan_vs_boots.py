@@ -1,0 +1,103 @@
+"""`flash plan` against the KV pools real `vllm serve` boots reported at the model's own shape.
+
+The planner's constants were fitted on tiny fixtures (gpu-e2e) and on the GB10's field pools. The
+recipe48/latency48 benches booted the recipe at 32 and 48 of the real layers (every per-layer
+shape, NVFP4 experts, dummy weights) on an H100 and an H200, and each server's log says its pool
+("GPU KV cache size"), its weights ("Model loading took") and vLLM's KV budget ("Available KV cache
+memory"). This asks the planner the same question for each recipe server, from the configs
+`lab.bench_recipe prepare` writes, and prints both, so a change to the planner can be checked
+against every real-shape boot on record.
+
+    python3 -m lab.plan_vs_boots DIR32 DIR48 [--json OUT]
+
+DIR32/DIR48: `python3 -m lab.bench_recipe prepare DIR --layers 32|48 --ple-rows 32000000` (the rows
+the device sessions used, so a table on the GPU has the boots' size). Stock servers are left out:
+they run without flash's plugin, which the planner does not model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+
+POOL = re.compile(r"GPU KV cache size:\s*([\d,]+)\s*tokens")
+AVAILABLE = re.compile(r"Available KV cache memory:\s*([\d.]+)\s*GiB")
+LOADED = re.compile(r"Model loading took\s*([\d.]+)\s*GiB")
+
+# (boot log, layers, hardware preset, flash plan words): each a recipe server as bench_recipe /
+# bench_latency rendered it (their CONFIGS), with the --set every server of that run got
+BOOTS = [
+    ("recipe48-h200/run1/logs/default-c0.log", 48, "h200", ["default"]),
+    ("recipe48-h200/run2/logs/default-deepgemm-c0.log", 48, "h200",
+     ["default", "CONTAINER_ENV=VLLM_USE_DEEP_GEMM=1 VLLM_DEEP_GEMM_WARMUP=skip"]),
+    ("recipe48-h200/run5-h200-48layers/logs/default-c0.log", 48, "h200", ["default", "GPU_MEM=0.95"]),
+    ("recipe48-h200/run5-h200-48layers/logs/default-nvfp4-c0.log", 48, "h200", ["default", "MODE=nvfp4", "GPU_MEM=0.95"]),
+    ("recipe48-h200/run4-h100-32layers/logs/default-c0.log", 32, "h100", ["default", "GPU_MEM=0.95"]),
+    ("recipe48-h200/run3-h100-32layers/logs/default-nvfp4-c0.log", 32, "h100", ["default", "MODE=nvfp4", "GPU_MEM=0.95"]),
+    ("recipe48-h200/run4-h100-32layers/logs/default-ple-gpu-c0.log", 32, "h100",
+     ["default", "CONTAINER_ENV=VLLM_PLE_MMAP=0", "EXTRA=--engram-config '{\"cpu_offload\":false}'", "GPU_MEM=0.95"]),
+    # latency48's `shared` ran before GRAPH_TOKENS=832 shipped: graphs to vLLM's own size
+    ("latency48-h100/run2-32layers/logs/latency-shared.log", 32, "h100", ["shared", "GRAPH_TOKENS=0", "GPU_MEM=0.95"]),
+    ("latency48-h100/run2-32layers/logs/latency-shared-graphs.log", 32, "h100", ["shared", "GRAPH_TOKENS=832", "GPU_MEM=0.95"]),
+]
+
+
+def logged(path: Path) -> dict:
+    text = path.read_text(errors="replace")
+    pool, avail, loaded = POOL.search(text), AVAILABLE.search(text), LOADED.search(text)
+    if not (pool and avail and loaded):
+        raise SystemExit(f"{path}: no KV pool / available memory / model loading line in this boot log")
+    return {"tokens": int(pool.group(1).replace(",", "")), "kv_gib": float(avail.group(1)),
+            "weights_gib": float(loaded.group(1))}
+
+
+def planned(words: list[str], hardware: str, model_dir: Path) -> dict:
+    out = subprocess.run([sys.executable, "-m", "flash_cli", "plan", *words, "--hardware", hardware,
+                          "--config", str(model_dir), "--json"], capture_output=True, text=True)
+    if not out.stdout.strip():  # a plan that does not fit still prints its JSON (exit 1)
+        raise SystemExit(f"flash plan {words}: {out.stderr.strip()[-400:]}")
+    j = json.loads(out.stdout)
+    return {"tokens": j["kv_cache_tokens"], "range": j["kv_cache_tokens_range"],
+            "kv_gib": j["budget"]["kv_cache_gib"], "weights_gib": j["budget"]["weights_gib"]}
+
+
+def compare(dirs: dict[int, Path]) -> list[dict]:
+    rows = []
+    for log, layers, hw, words in BOOTS:
+        mode = next((w.split("=", 1)[1] for w in words if w.startswith("MODE=")), "hybrid")
+        mdir = dirs[layers] / ("model-hybrid" if mode == "hybrid" else "model")
+        got, plan = logged(BENCH / log), planned(words, hw, mdir)
+        rows.append({"boot": log, "layers": layers, "hardware": hw, "words": words, "logged": got, "planned": plan,
+                     "tokens_err_pct": round(100 * (plan["tokens"] - got["tokens"]) / got["tokens"], 2),
+                     "in_range": plan["range"][0] <= got["tokens"] <= plan["range"][1],
+                     "weights_short_gib": round(got["weights_gib"] - plan["weights_gib"], 3),
+                     "kv_over_gib": round(plan["kv_gib"] - got["kv_gib"], 3)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m lab.plan_vs_boots", description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir32", type=Path, help="bench_recipe prepare --layers 32 directory")
+    ap.add_argument("dir48", type=Path, help="bench_recipe prepare --layers 48 directory")
+    ap.add_argument("--json", type=Path, help="write the rows here")
+    args = ap.parse_args(argv)
+    rows = compare({32: args.dir32, 48: args.dir48})
+    print(f"{'boot':62} {'logged':>10} {'planned':>10} {'err':>7}  in band  weights short  KV over (GiB)")
+    for r in rows:
+        print(f"{r['boot'][:62]:62} {r['logged']['tokens']:>10,} {r['planned']['tokens']:>10,} "
+              f"{r['tokens_err_pct']:>+6.2f}%  {'yes' if r['in_range'] else 'no':7}  {r['weights_short_gib']:>13.3f}  "
+              f"{r['kv_over_gib']:.3f}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
