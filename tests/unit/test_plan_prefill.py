@@ -94,8 +94,17 @@ def test_rendering():
     ({"GRAPH_TOKENS": "9000"}, 8192),                     # BATCHED_TOKENS caps it and is captured itself
     ({"GRAPH_TOKENS": "0", "BATCHED_TOKENS": "300"}, 48),
     ({"GRAPH_TOKENS": "300", "BATCHED_TOKENS": "300"}, 300),
-    ({"COMPILE_FLAGS": "-cc.cudagraph_mode=PIECEWISE", "GRAPH_TOKENS": "0"}, None),
+    # COMPILE_FLAGS replaces flash's flags: what vLLM's parser makes of them decides
+    ({"COMPILE_FLAGS": "-cc.cudagraph_mode=PIECEWISE", "GRAPH_TOKENS": "0"}, 48),
+    ({"COMPILE_FLAGS": "-cc '{\"max_cudagraph_capture_size\":256}'", "GRAPH_TOKENS": "0"}, 256),
+    ({"COMPILE_FLAGS": "-cc '{\"cudagraph_capture_sizes\":[1,2,4,8,100,9000]}'", "GRAPH_TOKENS": "0"}, 100),
+    ({"COMPILE_FLAGS": "-cc '{\"cudagraph_mode\":\"NONE\"}'", "GRAPH_TOKENS": "0"}, None),
+    # EXTRA's dotted key: vLLM appends it after flash's JSON and it replaces that config whole, so
+    # shared's GRAPH_TOKENS=832 is lost and this size is the one captured
+    ({"EXTRA": "-cc.max_cudagraph_capture_size=64"}, 64),
+    ({"EXTRA": "--compilation-config.cudagraph_mode=PIECEWISE"}, 48),
     ({"EXTRA": "--enforce-eager"}, None),
+    ({"COMPILE_FLAGS": "-cc not-json", "GRAPH_TOKENS": "0"}, None),  # refused by the parser: no verdict
 ])
 def test_capture_max(words, want):
     """The largest CUDA graph vLLM captures (its `_set_cudagraph_sizes`; check_prefill_beside.py holds
@@ -155,3 +164,29 @@ def test_graphs_above_vllms_size_come_out_of_the_kv_pool():
     assert graph_extra_bytes(settings(GRAPH_TOKENS="48"), Geometry(), []) == 0
     tiny = replace(Geometry(), hidden_size=256, moe_intermediate_size=64, num_attention_heads=4, head_dim=64)
     assert 0 < graph_extra_bytes(settings(), tiny, []) < graph_extra_bytes(settings(), Geometry(), []) / 5
+
+
+def test_a_capture_size_from_the_compilation_flags_is_read_checked_and_paid_for():
+    """COMPILE_FLAGS (or a compilation config in EXTRA, which vLLM applies after flash's own) sets the
+    capture size: the plan reads it as vLLM's parser would, warns naming the config to change (GRAPH_TOKENS
+    cannot join COMPILE_FLAGS), and takes the graphs above vLLM's own size out of the pool."""
+    from flash_cli.plan import build
+    from flash_cli.plan.hardware import preset
+
+    flags = "-cc '{\"max_cudagraph_capture_size\":256}'"
+    s = settings(GRAPH_TOKENS="0", COMPILE_FLAGS=flags)
+    p = prefill.plan(s, 1600)
+    assert (p["graph_tokens"], p["graph_source"], p["in_graphs"]) == (256, "flags", False)
+    level, text = prefill.graph_finding(p, s)
+    assert "(256: the compilation config of COMPILE_FLAGS / EXTRA)" in text
+    assert text.endswith("max_cudagraph_capture_size 832 in that config covers them")
+    # EXTRA's dotted key replaces flash's JSON whole: shared's 832 is gone, vLLM's own 48 is left
+    s = settings(EXTRA="-cc.cudagraph_mode=FULL_AND_PIECEWISE")
+    p = prefill.plan(s, 1600, shlex.split(s["EXTRA"]))
+    assert (p["graph_tokens"], p["graph_source"], p["in_graphs"]) == (48, "flags", False)
+    # the same 832 set through the flags costs what GRAPH_TOKENS=832 costs
+    via_flags = build(settings(GRAPH_TOKENS="0", COMPILE_FLAGS="-cc '{\"max_cudagraph_capture_size\":832}'"),
+                      preset("gb10"), snapshot=None, live_checks=False)
+    shipped = build(settings(), preset("gb10"), snapshot=None, live_checks=False)
+    assert via_flags["budget"]["graphs_above_vllm_gib"] == shipped["budget"]["graphs_above_vllm_gib"] > 0.7
+    assert any(a.startswith("the compilation flags: CUDA graphs captured to 832 tokens") for a in via_flags["assumptions"])

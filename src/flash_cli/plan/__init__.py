@@ -82,8 +82,9 @@ GRAPH_MEASURED_BYTES, GRAPH_MEASURED_TOKENS = int((1.08 - 0.31) * 1024**3), 832 
 
 
 def graph_extra_bytes(s, g: geometry_mod.Geometry, extra_words: list[str]) -> int:
-    """The graph memory GRAPH_TOKENS adds above vLLM's own capture size (0 without it)."""
-    got = prefill.capture_max(s, extra_words) if s["GRAPH_TOKENS"] else None
+    """The graph memory a capture size above vLLM's own adds (GRAPH_TOKENS, or a size the compilation
+    flags set); 0 at vLLM's own size or below."""
+    got = prefill.capture_max(s, extra_words)
     above = 0 if got is None else got - prefill.vllm_capture(s["SEQS"], s["MTP"], s["BATCHED_TOKENS"])
     if above <= 0:
         return 0
@@ -272,7 +273,8 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
     graphs_extra = graph_extra_bytes(s, geom, extra_words)
     non_kv = w_total + act + topk + overhead + graphs_extra
     if graphs_extra:
-        assumptions.append(f"GRAPH_TOKENS={s['GRAPH_TOKENS']}: CUDA graphs captured to "
+        who = f"GRAPH_TOKENS={s['GRAPH_TOKENS']}" if s["GRAPH_TOKENS"] else "the compilation flags"
+        assumptions.append(f"{who}: CUDA graphs captured to "
                            f"{prefill.capture_max(s, extra_words):,} tokens, above vLLM's own "
                            f"{prefill.vllm_capture(s['SEQS'], s['MTP'], s['BATCHED_TOKENS']):,}, hold "
                            f"~{_gib(graphs_extra)} GiB more, taken from the KV pool (an estimate from one pair of "

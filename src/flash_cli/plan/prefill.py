@@ -10,12 +10,17 @@ the threshold. docs/PREFIX-CACHE.md, "A long prefill beside a decoding stream";
 tests/vllm/release/check_prefill_beside.py checks these pieces against each release's scheduler.
 
 A step that carries a piece beside the decoding streams runs inside a CUDA graph only when its
-tokens fit vLLM's largest capture size (GRAPH_TOKENS, else vLLM's own 2 x SEQS x (1 + MTP), at most
-512); outside one it took ~2.3x as long at 32 layers on an H100 (benchmarks/latency48-h100 run2).
+tokens fit vLLM's largest capture size (what the compilation config vLLM's parser ends up with sets:
+GRAPH_TOKENS, COMPILE_FLAGS, a `-cc` in EXTRA; else vLLM's own 2 x SEQS x (1 + MTP), at most 512);
+outside one it took ~2.3x as long at 32 layers on an H100 (benchmarks/latency48-h100 run2).
 check_prefill_beside.py also holds `capture_max` to each release's `_set_cudagraph_sizes`.
 """
 
 from __future__ import annotations
+
+from ..errors import ConfigError
+from ..preflight import CC_FLAGS, compilation_config
+from ..spec import compilation_args
 
 # the most prompt tokens a step should carry beside a decoding stream (shared's value before the
 # block was taken into account; issue #9's field recipes use 1,024)
@@ -57,15 +62,27 @@ def grid_up(tokens: int) -> int:
 
 def capture_max(s, extra_words: list[str] = ()) -> int | None:
     """The largest step, in tokens, vLLM captures CUDA graphs for under these settings (its
-    `_set_cudagraph_sizes`, 0.29-0.33); None where flash cannot tell: COMPILE_FLAGS replaces the
-    compilation flags, or EXTRA asks for eager mode (no graphs at all). Sequence parallelism's
-    trimming (tensor parallel with `enable_sp`) is not modelled."""
-    if s["COMPILE_FLAGS"] or "--enforce-eager" in extra_words:
+    `_set_cudagraph_sizes`, 0.29-0.33), read from the compilation config vLLM's parser ends up with
+    (flash's own or COMPILE_FLAGS, then EXTRA's `-cc` words: `preflight.compilation_config`). None
+    where no graph is captured (`--enforce-eager`, `cudagraph_mode` NONE) or the flags do not parse
+    (doctor's graph-regime check names those). Sequence parallelism's trimming (tensor parallel with
+    `enable_sp`) is not modelled."""
+    if "--enforce-eager" in extra_words:
+        return None
+    try:
+        cc = compilation_config(compilation_args(s) + list(extra_words))
+    except (ConfigError, ValueError):
+        return None
+    if str(cc.get("cudagraph_mode", "")).upper() == "NONE":
         return None
     batched = s["BATCHED_TOKENS"]
-    if s["GRAPH_TOKENS"]:
-        cap = min(s["GRAPH_TOKENS"], batched)
-        return batched if batched <= s["GRAPH_TOKENS"] else grid_max(cap)
+    sizes = cc.get("cudagraph_capture_sizes")
+    if isinstance(sizes, list) and sizes:  # an explicit list: vLLM keeps the sizes up to BATCHED_TOKENS
+        kept = [int(n) for n in sizes if str(n).strip().isdigit() and 0 < int(n) <= batched]
+        return max(kept) if kept else None
+    size = cc.get("max_cudagraph_capture_size")
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return batched if batched <= size else grid_max(size)
     return vllm_capture(s["SEQS"], s["MTP"], batched)
 
 
@@ -100,8 +117,16 @@ def plan(s, block: int, extra_words: list[str] = ()) -> dict | None:
         "even_threshold_tokens": even,
         "step_beside_tokens": step,
         "graph_tokens": graphs,
+        "graph_source": graph_source(s, extra_words),
         "in_graphs": None if graphs is None else step <= graphs,
     }
+
+
+def graph_source(s, extra_words: list[str] = ()) -> str:
+    """Who set the capture size: "flags" (COMPILE_FLAGS, or a compilation config in EXTRA, which
+    vLLM applies after flash's own), "GRAPH_TOKENS", or "vllm" (its own default)."""
+    cc_words = any(w.split("=", 1)[0].split(".", 1)[0] in CC_FLAGS for w in extra_words)
+    return "flags" if s["COMPILE_FLAGS"] or cc_words else ("GRAPH_TOKENS" if s["GRAPH_TOKENS"] else "vllm")
 
 
 
@@ -140,9 +165,13 @@ def graph_finding(p: dict, s) -> tuple[str, str] | None:
     if p["in_graphs"] is not False:
         return None
     step, graphs, cover = p["step_beside_tokens"], p["graph_tokens"], grid_up(p["step_beside_tokens"])
-    whose = (f"GRAPH_TOKENS={s['GRAPH_TOKENS']:,}" if s["GRAPH_TOKENS"] else
-             f"vLLM's own size, 2 x SEQS x (1 + MTP) at most {DEFAULT_GRAPH_CAP}")
+    source = p["graph_source"]
+    whose = {"flags": "the compilation config of COMPILE_FLAGS / EXTRA",
+             "GRAPH_TOKENS": f"GRAPH_TOKENS={s['GRAPH_TOKENS']:,}"}.get(
+                 source, f"vLLM's own size, 2 x SEQS x (1 + MTP) at most {DEFAULT_GRAPH_CAP}")
+    fix = (f"max_cudagraph_capture_size {cover:,} in that config covers them" if source == "flags" else
+           f"GRAPH_TOKENS={cover:,} covers them")
     return ("warn", f"a long prompt's {p['largest_piece_tokens']:,}-token piece beside SEQS={s['SEQS']} streams of "
                     f"1 + MTP={s['MTP']} tokens makes a {step:,}-token step, above the largest CUDA graph ({graphs:,}: "
                     f"{whose}): those steps run outside graphs, ~2.3x as long at 32 layers on an H100 "
-                    f"(benchmarks/latency48-h100 run2); GRAPH_TOKENS={cover:,} covers them")
+                    f"(benchmarks/latency48-h100 run2); {fix}")

@@ -17,6 +17,7 @@ prefill beside a decoding stream".
 from __future__ import annotations
 
 import math
+import shlex
 from typing import NamedTuple
 
 import pytest
@@ -150,7 +151,13 @@ def _release_capture_sizes(serve_cli, argv: list[str]) -> list[int]:
 
 GRAPH_CASES = (("shared", {}), ("shared", {"GRAPH_TOKENS": "0"}), ("shared", {"MTP": "4"}),
                ("shared", {"GRAPH_TOKENS": "830"}), ("shared", {"GRAPH_TOKENS": "9000"}), ("default", {}),
-               ("default", {"SEQS": "256"}), ("default", {"SEQS": "5", "MTP": "0"}), ("default", {"SEQS": "1"}))
+               ("default", {"SEQS": "256"}), ("default", {"SEQS": "5", "MTP": "0"}), ("default", {"SEQS": "1"}),
+               # the compilation flags set it: COMPILE_FLAGS whole, and a dotted -cc key in EXTRA, which this
+               # release's parser applies after flash's own JSON (replacing it whole)
+               ("nvidia", {}), ("default", {"GRAPH_TOKENS": "0", "COMPILE_FLAGS": "-cc '{\"max_cudagraph_capture_size\":256}'"}),
+               ("default", {"GRAPH_TOKENS": "0", "COMPILE_FLAGS": "-cc '{\"cudagraph_capture_sizes\":[1,2,4,8,100,9000]}'"}),
+               ("shared", {"EXTRA": "-cc.max_cudagraph_capture_size=64"}),
+               ("shared", {"EXTRA": "-cc.cudagraph_mode=FULL_AND_PIECEWISE"}))
 
 
 def test_flash_plan_knows_the_largest_cuda_graph_this_release_captures(serve_cli, base):
@@ -162,7 +169,8 @@ def test_flash_plan_knows_the_largest_cuda_graph_this_release_captures(serve_cli
     for profile, words in GRAPH_CASES:
         flash, argv, _ = rendered(serve_cli, base, profile, **words)
         sizes = _release_capture_sizes(serve_cli, argv)
-        assert prefill.capture_max(flash) == max(sizes), (profile, words, sizes[-4:])
+        extra = shlex.split(flash["EXTRA"] or "")
+        assert prefill.capture_max(flash, extra) == max(sizes), (profile, words, sizes[-4:])
     flash, argv, _ = rendered(serve_cli, base, "shared")
     step = prefill.plan(flash, BLOCK)["step_beside_tokens"]
     assert step == SHARED + 8 * 3 and any(step <= n for n in _release_capture_sizes(serve_cli, argv))
