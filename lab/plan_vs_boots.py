@@ -3,10 +3,13 @@
 The planner's constants were fitted on tiny fixtures (gpu-e2e) and on the GB10's field pools. The
 recipe48/latency48 benches booted the recipe at 32 and 48 of the real layers (every per-layer
 shape, NVFP4 experts, dummy weights) on an H100 and an H200, and each server's log says its pool
-("GPU KV cache size"), its weights ("Model loading took") and vLLM's KV budget ("Available KV cache
-memory"). This asks the planner the same question for each recipe server, from the configs
-`lab.bench_recipe prepare` writes, and prints both, so a change to the planner can be checked
-against every real-shape boot on record.
+("GPU KV cache size"), vLLM's KV budget ("Available KV cache memory") and what it took before it:
+the model load ("Model loading took": weights and buffers made at model init), non-torch memory
+and the peak activation ("Actual usage is ..."). This asks the planner the same question for each
+recipe server, from the configs `lab.bench_recipe prepare` writes, lays its budget out the way
+vLLM counts (the QSA top-k buffers in the load; patch 10's draft head, made after the load, in
+non-torch) and prints where the two differ, so a change to the planner can be checked against
+every real-shape boot on record.
 
     python3 -m lab.plan_vs_boots DIR32 DIR48 [--json OUT]
 
@@ -30,6 +33,9 @@ BENCH = ROOT / "benchmarks"
 POOL = re.compile(r"GPU KV cache size:\s*([\d,]+)\s*tokens")
 AVAILABLE = re.compile(r"Available KV cache memory:\s*([\d.]+)\s*GiB")
 LOADED = re.compile(r"Model loading took\s*([\d.]+)\s*GiB")
+# vLLM 0.33's own split of what it took before the KV cache (gpu_worker.py, at the end of the profile)
+USAGE = re.compile(r"Actual usage is ([\d.]+) GiB for consumed memory \(weights \+ non-torch\), ([\d.]+) GiB for "
+                   r"peak activation, and ([\d.]+) GiB for CUDAGraph memory")
 
 # (boot log, layers, hardware preset, flash plan words): each a recipe server as bench_recipe /
 # bench_latency rendered it (their CONFIGS), with the --set every server of that run got
@@ -54,8 +60,13 @@ def logged(path: Path) -> dict:
     pool, avail, loaded = POOL.search(text), AVAILABLE.search(text), LOADED.search(text)
     if not (pool and avail and loaded):
         raise SystemExit(f"{path}: no KV pool / available memory / model loading line in this boot log")
-    return {"tokens": int(pool.group(1).replace(",", "")), "kv_gib": float(avail.group(1)),
-            "weights_gib": float(loaded.group(1))}
+    got = {"tokens": int(pool.group(1).replace(",", "")), "kv_gib": float(avail.group(1)),
+           "loaded_gib": float(loaded.group(1))}
+    usage = USAGE.search(text)  # absent where the boot skipped the profile's last line (DeepGEMM's run2)
+    if usage:
+        consumed, act, graphs = (float(x) for x in usage.groups())
+        got |= {"non_torch_gib": round(consumed - got["loaded_gib"], 3), "activation_gib": act, "graphs_gib": graphs}
+    return got
 
 
 def planned(words: list[str], hardware: str, model_dir: Path) -> dict:
@@ -64,8 +75,14 @@ def planned(words: list[str], hardware: str, model_dir: Path) -> dict:
     if not out.stdout.strip():  # a plan that does not fit still prints its JSON (exit 1)
         raise SystemExit(f"flash plan {words}: {out.stderr.strip()[-400:]}")
     j = json.loads(out.stdout)
-    return {"tokens": j["kv_cache_tokens"], "range": j["kv_cache_tokens_range"],
-            "kv_gib": j["budget"]["kv_cache_gib"], "weights_gib": j["budget"]["weights_gib"]}
+    b, w = j["budget"], j["weights"]["gib"]
+    # laid out as vLLM counts it: the model load holds the weights and the QSA top-k buffers (allocated at
+    # model init), not the reduced draft head, which patch 10 builds after the load (it shows as non-torch)
+    draft = w.get("draft_head_copy", 0.0)
+    return {"tokens": j["kv_cache_tokens"], "range": j["kv_cache_tokens_range"], "kv_gib": b["kv_cache_gib"],
+            "loaded_gib": round(b["weights_gib"] - draft + b["topk_buffers_gib"], 3),
+            "non_torch_gib": round(b["runtime_overhead_gib"] + draft, 3),
+            "activation_gib": round(b["activations_gib"] + b["graphs_above_vllm_gib"], 3)}
 
 
 def compare(dirs: dict[int, Path]) -> list[dict]:
@@ -74,11 +91,11 @@ def compare(dirs: dict[int, Path]) -> list[dict]:
         mode = next((w.split("=", 1)[1] for w in words if w.startswith("MODE=")), "hybrid")
         mdir = dirs[layers] / ("model-hybrid" if mode == "hybrid" else "model")
         got, plan = logged(BENCH / log), planned(words, hw, mdir)
+        short = {k: round(got[k] - plan[k], 3) for k in ("loaded_gib", "non_torch_gib", "activation_gib") if k in got}
         rows.append({"boot": log, "layers": layers, "hardware": hw, "words": words, "logged": got, "planned": plan,
                      "tokens_err_pct": round(100 * (plan["tokens"] - got["tokens"]) / got["tokens"], 2),
                      "in_range": plan["range"][0] <= got["tokens"] <= plan["range"][1],
-                     "weights_short_gib": round(got["weights_gib"] - plan["weights_gib"], 3),
-                     "kv_over_gib": round(plan["kv_gib"] - got["kv_gib"], 3)})
+                     "plan_short_gib": short, "kv_over_gib": round(plan["kv_gib"] - got["kv_gib"], 3)})
     return rows
 
 
@@ -89,11 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args(argv)
     rows = compare({32: args.dir32, 48: args.dir48})
-    print(f"{'boot':62} {'logged':>10} {'planned':>10} {'err':>7}  in band  weights short  KV over (GiB)")
+    print(f"{'boot':62} {'logged':>10} {'planned':>10} {'err':>7}  in band  KV over | the plan short (GiB): "
+          "load  non-torch  activation")
     for r in rows:
+        sh = r["plan_short_gib"]
+        parts = "  ".join(f"{sh[k]:+.3f}" if k in sh else "   n/a" for k in ("loaded_gib", "non_torch_gib", "activation_gib"))
         print(f"{r['boot'][:62]:62} {r['logged']['tokens']:>10,} {r['planned']['tokens']:>10,} "
-              f"{r['tokens_err_pct']:>+6.2f}%  {'yes' if r['in_range'] else 'no':7}  {r['weights_short_gib']:>13.3f}  "
-              f"{r['kv_over_gib']:.3f}")
+              f"{r['tokens_err_pct']:>+6.2f}%  {'yes' if r['in_range'] else 'no':7}  {r['kv_over_gib']:+.3f} | {parts}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     return 0
