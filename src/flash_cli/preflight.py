@@ -140,6 +140,14 @@ CC_FLAGS = ("--compilation-config", "-cc")
 PLE_OP_V029 = "vllm::flash_ple_mmap_lookup"  # patch 1's splitting op where ple_storage=splitting-op (p01_ple_mmap.v029.SPLIT_OP)
 
 
+def cudagraph_mode(argv: list[str], cc: dict) -> str:
+    """The CUDA graph mode an argv runs with, `cc` its `compilation_config(argv)`: vLLM's default
+    when nothing sets it (a COMPILE_FLAGS or dotted -cc.* without a mode) is FULL_AND_PIECEWISE,
+    NONE at -O0."""
+    level = next((a[2:].lstrip("=") for a in argv if a.startswith("-O") and len(a) > 2), None)
+    return str(cc.get("cudagraph_mode", "NONE" if level == "0" else "FULL_AND_PIECEWISE")).upper()
+
+
 def compilation_config(argv: list[str]) -> dict:
     """The compilation config vLLM's argument parser ends up with for an argv (its semantics,
     FlexibleArgumentParser 0.29-0.33): whole JSON values (`-cc JSON`, `--compilation-config=JSON`)
@@ -226,10 +234,7 @@ def graph_regime(spec: RunSpec) -> list[Problem]:
     except ValueError as exc:
         return out + [Problem(ConfigError, f"COMPILE_FLAGS/EXTRA: {exc}", "the value is split with shlex: quote "
                               "the JSON inside it, e.g. COMPILE_FLAGS=\"-cc '{\\\"cudagraph_mode\\\":\\\"PIECEWISE\\\"}'\"")]
-    # vLLM's default when nothing sets it (a COMPILE_FLAGS or dotted -cc.* without a mode) is
-    # FULL_AND_PIECEWISE, NONE at -O0.
-    level = next((a[2:].lstrip("=") for a in argv if a.startswith("-O") and len(a) > 2), None)
-    mode = str(cc.get("cudagraph_mode", "NONE" if level == "0" else "FULL_AND_PIECEWISE")).upper()
+    mode = cudagraph_mode(argv, cc)
     if "FULL" in mode and not hoisted and not patch1_off(spec):
         out.append(Problem(ConfigError, f"cudagraph_mode {mode} (from COMPILE_FLAGS/EXTRA) would capture the PLE "
                            "gather in a FULL CUDA graph and replay stale rows; patch 1 needs PIECEWISE (or NONE)",

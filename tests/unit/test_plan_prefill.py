@@ -105,6 +105,9 @@ def test_rendering():
     ({"EXTRA": "--compilation-config.cudagraph_mode=PIECEWISE"}, 48),
     ({"EXTRA": "--enforce-eager"}, None),
     ({"COMPILE_FLAGS": "-cc not-json", "GRAPH_TOKENS": "0"}, None),  # refused by the parser: no verdict
+    ({"COMPILE_FLAGS": "-O0", "GRAPH_TOKENS": "0"}, None),            # -O0 without a mode: vLLM's NONE
+    ({"COMPILE_FLAGS": "-O0 -cc.cudagraph_mode=PIECEWISE", "GRAPH_TOKENS": "0"}, 48),
+    ({"COMPILE_FLAGS": "-O3"}, None),  # GRAPH_TOKENS (shared's 832) beside COMPILE_FLAGS: refused at build
 ])
 def test_capture_max(words, want):
     """The largest CUDA graph vLLM captures (its `_set_cudagraph_sizes`; check_prefill_beside.py holds

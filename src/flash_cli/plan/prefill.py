@@ -19,7 +19,7 @@ check_prefill_beside.py also holds `capture_max` to each release's `_set_cudagra
 from __future__ import annotations
 
 from ..errors import ConfigError
-from ..preflight import CC_FLAGS, compilation_config
+from ..preflight import CC_FLAGS, compilation_config, cudagraph_mode
 from ..spec import compilation_args
 
 # the most prompt tokens a step should carry beside a decoding stream (shared's value before the
@@ -70,10 +70,11 @@ def capture_max(s, extra_words: list[str] = ()) -> int | None:
     if "--enforce-eager" in extra_words:
         return None
     try:
-        cc = compilation_config(compilation_args(s) + list(extra_words))
-    except (ConfigError, ValueError):
+        argv = compilation_args(s) + list(extra_words)
+        cc = compilation_config(argv)
+    except (ConfigError, ValueError):  # GRAPH_TOKENS beside COMPILE_FLAGS, a config that is not JSON
         return None
-    if str(cc.get("cudagraph_mode", "")).upper() == "NONE":
+    if cudagraph_mode(argv, cc) == "NONE":
         return None
     batched = s["BATCHED_TOKENS"]
     sizes = cc.get("cudagraph_capture_sizes")
