@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flash_cli import preflight, recipe
+from flash_cli import compile_config, recipe
 from flash_cli.commands import serve
 
 from lab import bench_recipe as br
@@ -83,7 +83,7 @@ def test_ablations_change_only_their_setting():
         assert {k for k in set(got) | set(shared) if got.get(k) != shared.get(k)} == {flag}
         assert got[flag] == want
     assert br.render("shared-graphs", d, 1)["argv"] == br.render("shared", d, 1)["argv"]  # latency48 run2's argv
-    cc = preflight.compilation_config(br.render("shared", d, 1)["argv"])
+    cc = compile_config.compilation_config(br.render("shared", d, 1)["argv"])
     assert cc == {"cudagraph_mode": "FULL_AND_PIECEWISE", "max_cudagraph_capture_size": 832}
     assert "--speculative-config" not in _pairs(br.render("shared-nomtp", d, 1)["argv"])
     # the piece sweep: threshold and capture size change together, each piece divides the block and

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from flash_cli import preflight
+from flash_cli import compile_config, preflight
 from flash_cli.errors import ConfigError
 from flash_cli.settings import resolve
 
@@ -72,7 +72,7 @@ def test_op_name_is_the_plugins():
 
 
 def test_parser_model_edge_cases():
-    cc = preflight.compilation_config
+    cc = compile_config.compilation_config
     assert cc(["-cc.a.b=1", "-cc.a.c=x"]) == {"a": {"b": 1, "c": "x"}}
     assert cc(["-cc.ops+=a,b"]) == {"ops": ["a", "b"]}
     assert cc(["-cc", '{"x": 1}', "-cc", '{"y": 2}']) == {"y": 2}  # the last JSON wins whole
@@ -140,9 +140,9 @@ def test_full_graphs_still_refused_while_patch_1_serves(env):
 def test_graph_tokens_sets_the_capture_size_and_keeps_the_graph_regime(over, mode):
     """GRAPH_TOKENS (shared: 832) only adds max_cudagraph_capture_size: an eager PLE gather stays PIECEWISE."""
     argv = runspec(resolve(overrides={**over, "GRAPH_TOKENS": "832"})).command
-    assert preflight.compilation_config(argv) == {"cudagraph_mode": mode, "max_cudagraph_capture_size": 832}
+    assert compile_config.compilation_config(argv) == {"cudagraph_mode": mode, "max_cudagraph_capture_size": 832}
     assert problems(**over, GRAPH_TOKENS="832") == []
-    assert "max_cudagraph_capture_size" not in preflight.compilation_config(runspec(resolve(overrides=over)).command)
+    assert "max_cudagraph_capture_size" not in compile_config.compilation_config(runspec(resolve(overrides=over)).command)
 
 
 def test_graph_tokens_with_compile_flags_is_refused_not_dropped():

@@ -19,7 +19,7 @@ check_prefill_beside.py also holds `capture_max` to each release's `_set_cudagra
 from __future__ import annotations
 
 from ..errors import ConfigError
-from ..preflight import CC_FLAGS, compilation_config, cudagraph_mode
+from ..compile_config import CC_FLAGS, compilation_config, cudagraph_mode
 from ..spec import compilation_args
 
 # the most prompt tokens a step should carry beside a decoding stream (shared's value before the
@@ -63,7 +63,7 @@ def grid_up(tokens: int) -> int:
 def capture_max(s, extra_words: list[str] = ()) -> int | None:
     """The largest step, in tokens, vLLM captures CUDA graphs for under these settings (its
     `_set_cudagraph_sizes`, 0.29-0.33), read from the compilation config vLLM's parser ends up with
-    (flash's own or COMPILE_FLAGS, then EXTRA's `-cc` words: `preflight.compilation_config`). None
+    (flash's own or COMPILE_FLAGS, then EXTRA's `-cc` words: `compile_config.compilation_config`). None
     where no graph is captured (`--enforce-eager`, `cudagraph_mode` NONE) or the flags do not parse
     (doctor's graph-regime check names those). Sequence parallelism's trimming (tensor parallel with
     `enable_sp`) is not modelled."""

@@ -1,4 +1,4 @@
-"""preflight.compilation_config models what vLLM's own argument parser makes of the compilation
+"""compile_config.compilation_config models what vLLM's own argument parser makes of the compilation
 flags a user puts in COMPILE_FLAGS / EXTRA (the check that keeps FULL CUDA graphs away from the
 PLE gather relies on it): compare it with the release's real FlexibleArgumentParser."""
 
@@ -48,7 +48,7 @@ def vllm_sets(parser, argv):
 
 @pytest.mark.parametrize("argv", ARGVS, ids=[" ".join(a)[:60] for a in ARGVS])
 def test_model_matches_vllms_parser(parser, argv):
-    from flash_cli.preflight import compilation_config
+    from flash_cli.compile_config import compilation_config
 
     ours = compilation_config(argv)
     theirs = vllm_sets(parser, argv)
