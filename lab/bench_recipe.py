@@ -369,7 +369,6 @@ def run(args) -> int:
     base = row_base(meta) | {"design": "blocks"}
     t0 = time.monotonic()
     deadline = t0 + args.deadline
-    boot_s: dict[str, float] = {}
     boots: list[tuple[str, float]] = []  # every boot in order: the first paid the session's cold caches
     block_s: list[float] = []
 
@@ -407,7 +406,6 @@ def run(args) -> int:
                         srv.stop()
                         held = None
                         continue
-                    boot_s[name] = row["boot_s"]
                     boots.append((name, row["boot_s"]))
                 k0 = time.monotonic()
                 settle = client.PLE_SETTLE_S if CONFIGS[name]["kind"] == "recipe" else 0.0
@@ -431,7 +429,7 @@ def run(args) -> int:
     finally:
         if held is not None:
             held.stop()
-    emit({"event": "end", "at_s": round(time.monotonic() - t0, 1), "cycles": cycle, "boot_s": boot_s, **base})
+    emit({"event": "end", "at_s": round(time.monotonic() - t0, 1), "cycles": cycle, "boot_s": dict(boots), **base})
     return 0
 
 
