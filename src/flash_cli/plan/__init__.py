@@ -273,7 +273,7 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
     graphs_extra = graph_extra_bytes(s, geom, extra_words)
     non_kv = w_total + act + topk + overhead + graphs_extra
     if graphs_extra:
-        who = f"GRAPH_TOKENS={s['GRAPH_TOKENS']}" if s["GRAPH_TOKENS"] else "the compilation flags"
+        who = "the compilation flags" if prefill.graph_source(s, extra_words) == "flags" else f"GRAPH_TOKENS={s['GRAPH_TOKENS']}"
         assumptions.append(f"{who}: CUDA graphs captured to "
                            f"{prefill.capture_max(s, extra_words):,} tokens, above vLLM's own "
                            f"{prefill.vllm_capture(s['SEQS'], s['MTP'], s['BATCHED_TOKENS']):,}, hold "
