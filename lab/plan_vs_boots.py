@@ -27,6 +27,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lab.bench_recipe import CONFIGS
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 
@@ -37,21 +39,19 @@ LOADED = re.compile(r"Model loading took\s*([\d.]+)\s*GiB")
 USAGE = re.compile(r"Actual usage is ([\d.]+) GiB for consumed memory \(weights \+ non-torch\), ([\d.]+) GiB for "
                    r"peak activation, and ([\d.]+) GiB for CUDAGraph memory")
 
-# (boot log, layers, hardware preset, flash plan words): each a recipe server as bench_recipe /
-# bench_latency rendered it (their CONFIGS), with the --set every server of that run got
+# (boot log, layers, hardware preset, bench config, the --set its run gave every server): each a
+# recipe server, planned with the profile and words of bench_recipe's CONFIGS entry it booted
 BOOTS = [
-    ("recipe48-h200/run1/logs/default-c0.log", 48, "h200", ["default"]),
-    ("recipe48-h200/run2/logs/default-deepgemm-c0.log", 48, "h200",
-     ["default", "CONTAINER_ENV=VLLM_USE_DEEP_GEMM=1 VLLM_DEEP_GEMM_WARMUP=skip"]),
-    ("recipe48-h200/run5-h200-48layers/logs/default-c0.log", 48, "h200", ["default", "GPU_MEM=0.95"]),
-    ("recipe48-h200/run5-h200-48layers/logs/default-nvfp4-c0.log", 48, "h200", ["default", "MODE=nvfp4", "GPU_MEM=0.95"]),
-    ("recipe48-h200/run4-h100-32layers/logs/default-c0.log", 32, "h100", ["default", "GPU_MEM=0.95"]),
-    ("recipe48-h200/run3-h100-32layers/logs/default-nvfp4-c0.log", 32, "h100", ["default", "MODE=nvfp4", "GPU_MEM=0.95"]),
-    ("recipe48-h200/run4-h100-32layers/logs/default-ple-gpu-c0.log", 32, "h100",
-     ["default", "CONTAINER_ENV=VLLM_PLE_MMAP=0", "EXTRA=--engram-config '{\"cpu_offload\":false}'", "GPU_MEM=0.95"]),
-    # latency48's `shared` ran before GRAPH_TOKENS=832 shipped: graphs to vLLM's own size
-    ("latency48-h100/run2-32layers/logs/latency-shared.log", 32, "h100", ["shared", "GRAPH_TOKENS=0", "GPU_MEM=0.95"]),
-    ("latency48-h100/run2-32layers/logs/latency-shared-graphs.log", 32, "h100", ["shared", "GRAPH_TOKENS=832", "GPU_MEM=0.95"]),
+    ("recipe48-h200/run1/logs/default-c0.log", 48, "h200", "default", []),
+    ("recipe48-h200/run2/logs/default-deepgemm-c0.log", 48, "h200", "default-deepgemm", []),
+    ("recipe48-h200/run5-h200-48layers/logs/default-c0.log", 48, "h200", "default", ["GPU_MEM=0.95"]),
+    ("recipe48-h200/run5-h200-48layers/logs/default-nvfp4-c0.log", 48, "h200", "default-nvfp4", ["GPU_MEM=0.95"]),
+    ("recipe48-h200/run4-h100-32layers/logs/default-c0.log", 32, "h100", "default", ["GPU_MEM=0.95"]),
+    ("recipe48-h200/run3-h100-32layers/logs/default-nvfp4-c0.log", 32, "h100", "default-nvfp4", ["GPU_MEM=0.95"]),
+    ("recipe48-h200/run4-h100-32layers/logs/default-ple-gpu-c0.log", 32, "h100", "default-ple-gpu", ["GPU_MEM=0.95"]),
+    # latency48's `shared` ran before GRAPH_TOKENS=832 shipped: `shared-nographs` renders its argv
+    ("latency48-h100/run2-32layers/logs/latency-shared.log", 32, "h100", "shared-nographs", ["GPU_MEM=0.95"]),
+    ("latency48-h100/run2-32layers/logs/latency-shared-graphs.log", 32, "h100", "shared-graphs", ["GPU_MEM=0.95"]),
 ]
 
 
@@ -87,7 +87,8 @@ def planned(words: list[str], hardware: str, model_dir: Path) -> dict:
 
 def compare(dirs: dict[int, Path]) -> list[dict]:
     rows = []
-    for log, layers, hw, words in BOOTS:
+    for log, layers, hw, config, sets in BOOTS:
+        words = [CONFIGS[config]["profile"], *CONFIGS[config]["words"], *sets]
         mode = next((w.split("=", 1)[1] for w in words if w.startswith("MODE=")), "hybrid")
         mdir = dirs[layers] / ("model-hybrid" if mode == "hybrid" else "model")
         got, plan = logged(BENCH / log), planned(words, hw, mdir)
