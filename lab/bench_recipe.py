@@ -30,7 +30,7 @@ GPU's clocks or a first block after a cold boot, falls on both sides of a pair),
 deadline; the server that ends one cycle is kept for the block that starts the next (a `kept` row).
 A pair is one config's and stock's measurement of the same cell, round and cycle (the same prompts).
 
-  prepare DIR [--ple-rows N]   the 48-layer model dirs and the PLE table (bench_decode's writer)
+  prepare DIR [--ple-rows N] [--configs-only]   the 48-layer model dirs and the PLE table (bench_decode's writer)
   plan DIR [--configs …]       the servers as they would start, JSON
   run DIR --out RAW.jsonl …    the blocks (needs vLLM and a GPU)
   report RAW.jsonl… --out PNG [--json J]   pairs vs stock and vs nvidia, 95% intervals, a plot
@@ -219,7 +219,8 @@ def prepare(args) -> int:
     d = Path(args.dir)
     d.mkdir(parents=True, exist_ok=True)  # bench_decode's disk check reads the parent
     layers = model.check_layers(args.layers)
-    rc = model.prepare(argparse.Namespace(dir=str(d), quant="nvfp4", ple_rows=args.ple_rows, layers=layers))
+    rc = model.prepare(argparse.Namespace(dir=str(d), quant="nvfp4", ple_rows=args.ple_rows, layers=layers,
+                                          configs_only=args.configs_only))
     if rc:
         return rc
     summary = write_hybrid(d, layers)
@@ -460,6 +461,8 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=LAYERS,
                    help="the real model's %(default)s; fewer (a multiple of 4) keep every per-layer shape, for a GPU "
                         "that cannot hold 48 (an 80 GB H100 ran 32 with --set GPU_MEM=0.95: recipe48-h200 run3)")
+    p.add_argument("--configs-only", action="store_true",
+                   help="write the configs and no PLE table: enough for `flash plan --config` (lab.plan_vs_boots)")
     p.set_defaults(func=prepare)
     p = sub.add_parser("configs", help="the servers --configs accepts; with a list, check it (exit 2 naming the bad one)")
     p.add_argument("list", nargs="?")

@@ -23,11 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
-from lab.bench_recipe import CONFIGS
+from lab.bench_recipe import CONFIGS, OFFLINE_ARGS
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
@@ -85,10 +86,20 @@ def planned(words: list[str], hardware: str, model_dir: Path) -> dict:
             "activation_gib": round(b["activations_gib"] + b["graphs_above_vllm_gib"], 3)}
 
 
+def bench_words(config: str, sets: list[str]) -> list[str]:
+    """The profile and words `config` booted with, its run's --set, and the argv bench_recipe.render
+    appends (OFFLINE_ARGS: `--gdn-prefill-backend triton`, which exports no Mamba prefill checkpoints,
+    so one state block fewer a request) as EXTRA, after any EXTRA the config gives."""
+    words = [*CONFIGS[config]["words"], *sets]
+    extra = [w.split("=", 1)[1] for w in words if w.startswith("EXTRA=")]
+    rest = [w for w in words if not w.startswith("EXTRA=")]
+    return [CONFIGS[config]["profile"], *rest, "EXTRA=" + " ".join([*extra, shlex.join(OFFLINE_ARGS)])]
+
+
 def compare(dirs: dict[int, Path]) -> list[dict]:
     rows = []
     for log, layers, hw, config, sets in BOOTS:
-        words = [CONFIGS[config]["profile"], *CONFIGS[config]["words"], *sets]
+        words = bench_words(config, sets)
         mode = next((w.split("=", 1)[1] for w in words if w.startswith("MODE=")), "hybrid")
         mdir = dirs[layers] / ("model-hybrid" if mode == "hybrid" else "model")
         got, plan = logged(BENCH / log), planned(words, hw, mdir)

@@ -154,7 +154,8 @@ def prepare(args) -> int:
     if mem["stock_with_table_on_gpu_gib"] > GPU_GIB:
         print(f"warning: the stock run puts the table on the GPU: ~{mem['stock_with_table_on_gpu_gib']} GiB of "
               f"weights > {GPU_GIB} GiB; use a smaller --ple-rows for all three runs", file=sys.stderr)
-    if table_bytes + (1 << 30) > free:
+    configs_only = getattr(args, "configs_only", False)  # the configs alone: what `flash plan --config` reads
+    if table_bytes + (1 << 30) > free and not configs_only:
         raise SystemExit(f"--ple-rows {args.ple_rows}: the table needs {table_bytes / (1 << 30):.1f} GiB, "
                          f"{free / (1 << 30):.1f} GiB free at {out}; give a smaller --ple-rows (e.g. 32000000)")
     model, ple = out / "model", out / "ple"
@@ -186,11 +187,12 @@ def prepare(args) -> int:
     rps = layout.rows_per_shard
     last = layout.num_rows - rps * (layout.num_shards - 1)
     t0 = time.monotonic()
-    if not (ple / "model.safetensors.index.json").exists():
+    if not configs_only and not (ple / "model.safetensors.index.json").exists():
         synth.write_checkpoint(ple, layout="nvidia", rows_per_shard=rps, num_shards=layout.num_shards,
                                last_rows=last, width=layout.head_dim, scale=0.03125, finite=True)
     meta = {"quant": args.quant, "layers": layers, "ple_rows": layout.num_rows, "ngram_vocab_size_base": base,
             "full_table": args.ple_rows == "full", "ple_write_s": round(time.monotonic() - t0, 1),
+            "table_written": not configs_only,
             "weights_estimate": mem,
             "layers_note": ("all 48 layers" if layers == LAYERS else
                             f"{layers} of the real 48 layers ({layers // 4} repeats of 3 GDN + 1 QSA; every per-layer "
