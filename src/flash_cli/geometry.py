@@ -98,6 +98,20 @@ class Geometry:
 
 REAL = Geometry()
 
+# What sets one decoder layer's tensors (and the kernels vLLM picks for them); not the depth, the PLE
+# table's rows, the QSA budget, the drafter's depth or the vision tower
+LAYER_SHAPE = ("hidden_size", "full_attention_interval", "vocab_size", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_compress_ratio",
+               "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+               "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+               "shared_expert_intermediate_size", "hc_count", "hc_lowrank")
+
+
+def real_layer_shape(g: Geometry) -> bool:
+    """Whether `g`'s layers are the real model's (any depth): a bench checkpoint of 32 of the 48
+    layers is, a tiny test fixture is not."""
+    return all(getattr(g, k) == getattr(REAL, k) for k in LAYER_SHAPE)
+
 REAL_NGRAM_BASE = 20_000_000
 
 

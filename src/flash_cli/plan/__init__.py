@@ -29,7 +29,8 @@ from ..spec import ple_hoisted
 from . import hardware as hardware_mod
 from . import kvcache, prefill, prefix, weights as weights_mod, workspace
 from .calibration import (DISCRETE_OVERHEAD_BAND, DISCRETE_OVERHEAD_BAND_FULL, H200_RUN, H200_RUN_FULL, OVERHEAD_BAND,
-                          RUNTIME_OVERHEAD, RUNTIME_OVERHEAD_DISCRETE, RUNTIME_OVERHEAD_DISCRETE_FULL)
+                          REAL_SHAPE_RUN, RUNTIME_OVERHEAD, RUNTIME_OVERHEAD_DISCRETE, RUNTIME_OVERHEAD_DISCRETE_FULL,
+                          RUNTIME_SHAPE_EXTRA)
 from .hardware import GIB, Hardware
 
 # What vLLM's profiler counts beyond weights, activations and top-k buffers, fitted on the GB10
@@ -265,7 +266,9 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
     topk = topk_buffer_bytes(geom, batched, qsa_layers)
     full_graphs = ple_hoisted(s)  # the run spec renders FULL_AND_PIECEWISE for it, PIECEWISE otherwise
     constant = overhead_constant(s, hw)
-    overhead = globals()[constant]  # read at call time: fitting.py re-solves it by name
+    # at the real layers a discrete card's constant gets the real-shape term (the tiny fixtures fitted it)
+    shape_extra = globals()["RUNTIME_SHAPE_EXTRA"] if not hw.unified and geometry_mod.real_layer_shape(whole) else 0
+    overhead = globals()[constant] + shape_extra  # read at call time: fitting.py re-solves them by name
     overhead_band, fit_run = OVERHEAD_FITS[constant]
     requested = -(-int(hw.device_total * s["GPU_MEM"] * 1000) // 1000)  # math.ceil(total × util)
     w_total = w.total // ranks  # this rank's share
@@ -320,10 +323,16 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
                            f"the published default-recipe pool; boot-to-boot spread ±{_gib(overhead_band)} GiB")
     else:
         regime = "hoisted gather, FULL_AND_PIECEWISE graphs" if full_graphs else "eager gather, PIECEWISE graphs"
+        how = (f"fitted on the warm boots of the tiny fixtures alone on an H200 ({fit_run}); the band "
+               f"±{_gib(overhead_band)} GiB covers a cold first boot")
+        if shape_extra:
+            how += (f"; plus {_gib(shape_extra)} GiB at the model's own layers, fitted on two `default` boots at 32 and 48 "
+                    f"real layers (an H100 and an H200, the hoisted gather) and held out on the others ({REAL_SHAPE_RUN})"
+                    + ("" if full_graphs else "; the eager gather was not booted at the real shape: carried over"))
+        else:
+            how += "; not the real model's layers, so the real-shape term is not added"
         assumptions.append(f"runtime overhead {_gib(overhead)} GiB (graphs, non-torch buffers; the discrete-GPU fit "
-                           f"for the {regime}): fitted on the warm boots of the tiny fixtures alone on an H200 "
-                           f"({fit_run}); the band ±{_gib(overhead_band)} GiB covers a cold first boot; not yet "
-                           "checked on the real model")
+                           f"for the {regime}): {how}")
     assumptions.append("cold Triton autotune cache: a first boot (a fresh install, an upgrade, a new shape) "
                        "autotunes inside vLLM's profile, which then holds do_bench's 256 MiB buffer: up to 0.25 GiB "
                        "less KV on that boot only (the discrete fits are on warm boots)")

@@ -61,6 +61,25 @@ RUNTIME_OVERHEAD_DISCRETE_FULL = 161_546_240
 # covers every boot's own solution, the cold one too (a's is 0.198 GiB above the warm mean)
 DISCRETE_OVERHEAD_BAND_FULL = int(0.2 * GIB)
 
+# The model's own per-layer shape on a discrete card (benchmarks/plan-real-shape). Both constants above
+# were fitted on tiny fixtures; booted at the real shape (32 and 48 of its layers, NVFP4 experts on
+# HUMMING, the hoisted gather), vLLM counts more before the KV pool than they allow: against the plan's
+# terms its non-torch memory is ~1.08 GiB more, its model load 0.43-0.61 GiB more (the MTP layer's
+# hidden-state buffer, hyper-connection padding, allocator rounding: read from vLLM's source) and its
+# peak activation 0.64-0.72 GiB less. RUNTIME_SHAPE_EXTRA is added to the discrete constant where the
+# geometry has the real layers (geometry.real_layer_shape): the mean of what two `default` boots need,
+# one per card and depth; the other real-shape boots on record are held out (lab/plan_vs_boots.py).
+REAL_SHAPE_BOOTS: tuple[tuple[str, int, str, tuple[str, ...], int], ...] = (
+    # boot log under benchmarks/, layers, hardware preset, the profile and words it booted (the bench's
+    # offline argv as EXTRA: lab.plan_vs_boots.bench_words), its "GPU KV cache size"
+    ("recipe48-h200/run5-h200-48layers/logs/default-c0.log", 48, "h200",
+     ("default", "GPU_MEM=0.95", "EXTRA=--gdn-prefill-backend triton"), 2_074_242),
+    ("recipe48-h200/run4-h100-32layers/logs/default-c0.log", 32, "h100",
+     ("default", "GPU_MEM=0.95", "EXTRA=--gdn-prefill-backend triton"), 1_134_848),
+)
+REAL_SHAPE_RUN = "benchmarks/plan-real-shape"
+RUNTIME_SHAPE_EXTRA = 894_238_720  # 0.833 GiB: the mean of the two boots' own solutions (0.882 at 48 layers, 0.784 at 32)
+
 SEED = "the upstream recipe's README (github.com/blazux/qwen3.8-Flash-DGX)"  # the anchor recipe this project follows
 DEFAULT = {"MODE": "hybrid", "YARN": "1", "CTX": "500000", "MTP": "2", "GPU_MEM": "0.80", "BASE": "v0.29"}
 

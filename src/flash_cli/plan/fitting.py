@@ -3,6 +3,7 @@ re-solve the fitted constants. Above both the planner and its data, so neither i
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 from .calibration import FIGURES, FIT_FIGURE, GIB, Figure
@@ -68,3 +69,12 @@ def solve_discrete(settings, hw, measured_tokens: int) -> int:
 
     return _solve(overhead_constant(settings, hw),
                   lambda: build(settings, hw, snapshot=True, live_checks=False)["kv_cache_tokens"], measured_tokens)
+
+
+def solve_shape_extra(settings, hw, config: Path, measured_tokens: int) -> int:
+    """RUNTIME_SHAPE_EXTRA that makes the plan's pool for `settings`, with the geometry and weights of
+    the bench checkpoint `config` (real layers, no weights on disk), equal vLLM's measured tokens."""
+    from . import build
+
+    return _solve("RUNTIME_SHAPE_EXTRA",
+                  lambda: build(settings, hw, snapshot=config, live_checks=False)["kv_cache_tokens"], measured_tokens)
