@@ -323,8 +323,8 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
                            f"the published default-recipe pool; boot-to-boot spread ±{_gib(overhead_band)} GiB")
     else:
         regime = "hoisted gather, FULL_AND_PIECEWISE graphs" if full_graphs else "eager gather, PIECEWISE graphs"
-        how = (f"fitted on the warm boots of the tiny fixtures alone on an H200 ({fit_run}); the band "
-               f"±{_gib(overhead_band)} GiB covers a cold first boot")
+        how = (f"{_gib(overhead - shape_extra)} GiB fitted on the warm boots of the tiny fixtures alone on an H200 "
+               f"({fit_run}); the band ±{_gib(overhead_band)} GiB covers a cold first boot")
         if shape_extra:
             how += (f"; plus {_gib(shape_extra)} GiB at the model's own layers, fitted on two `default` boots at 32 and 48 "
                     f"real layers (an H100 and an H200, the hoisted gather) and held out on the others ({REAL_SHAPE_RUN})"

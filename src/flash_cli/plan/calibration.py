@@ -12,7 +12,9 @@ patch 1's eager gather and PIECEWISE graphs; RUNTIME_OVERHEAD_DISCRETE_FULL like
 H200_BOOTS_FULL, with the hoisted gather and FULL_AND_PIECEWISE graphs (the planner picks by the
 regime the run spec renders). A cold boot (its profile autotuned Triton kernels, whose do_bench held
 a 256 MiB buffer: benchmarks/gpu-e2e-h200, run46's section) is kept, marked, and covered by the band,
-not averaged in: the plan predicts a warm boot. Data only:
+not averaged in: the plan predicts a warm boot. RUNTIME_SHAPE_EXTRA comes on top of either where
+the geometry has the real model's layers: solved on two real-shape boots (REAL_SHAPE_BOOTS), which
+the tiny fixtures cannot stand for. Data only:
 the planner imports it; `fitting.py` plans the figures (predict, fit) on top of both.
 """
 
