@@ -112,6 +112,7 @@ def real_layer_shape(g: Geometry) -> bool:
     layers is, a tiny test fixture is not."""
     return all(getattr(g, k) == getattr(REAL, k) for k in LAYER_SHAPE)
 
+
 REAL_NGRAM_BASE = 20_000_000
 
 
