@@ -169,7 +169,7 @@ def render(name: str, d: Path, port: int, python: str = "python3", sets: tuple[s
     else:
         argv = [python, "-m", "flash_vllm.launch", *vllm, str(mdir), *args, *OFFLINE_ARGS]
         devs.append(f"VLLM_PLE_MMAP_DIR={ple['VLLM_PLE_MMAP_DIR']}: the bench's table")
-    return {"name": name, "argv": argv, "env": env, "deviations": devs,
+    return {"name": name, "words": [c["profile"], *c["words"], *sets], "argv": argv, "env": env, "deviations": devs,
             "settings": {k: str(r.settings[k]) for k in ("MODE", "MTP", "CTX", "GPU_MEM", "KV_DTYPE", "DET_TOPK",
                                                           "DRAFT_VOCAB", "PLE_MODE")}}
 
@@ -308,8 +308,8 @@ class Server:
             return {"event": "boot_failed", "why": why, "tail": self.log.read_text(errors="replace")[-2000:]}
         spec = self.spec
         return {"event": "booted", "boot_s": round(time.monotonic() - self.started, 1), "gpu_mib": _gpu_mib(),
-                "argv": spec["argv"], "env": spec["env"], "deviations": spec["deviations"],
-                "settings": spec["settings"], **_log_facts(self.log)}
+                "words": spec["words"], "log": self.log.name, "argv": spec["argv"], "env": spec["env"],
+                "deviations": spec["deviations"], "settings": spec["settings"], **_log_facts(self.log)}
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -11,11 +11,14 @@ vLLM counts (the QSA top-k buffers in the load; patch 10's draft head, made afte
 non-torch) and prints where the two differ, so a change to the planner can be checked against
 every real-shape boot on record.
 
-    python3 -m lab.plan_vs_boots DIR32 DIR48 [--json OUT]
+    python3 -m lab.plan_vs_boots DIR32 DIR48 [--json OUT]                 the boots of record (BOOTS)
+    python3 -m lab.plan_vs_boots DIR32 DIR48 --raw RUN/raw48.jsonl [...]  a new run's boots
 
-DIR32/DIR48: `python3 -m lab.bench_recipe prepare DIR --layers 32|48 --ple-rows 32000000` (the rows
-the device sessions used, so a table on the GPU has the boots' size). Stock servers are left out:
-they run without flash's plugin, which the planner does not model.
+DIR32/DIR48: `python3 -m lab.bench_recipe prepare DIR --layers 32|48 --ple-rows 32000000
+--configs-only` (the rows the device sessions used, so a table on the GPU has the boots' size).
+`--raw` reads the `booted` rows of recipe48/latency48 raw files that name their words and log
+(since 2026-12-07), the logs beside them in logs/. Stock servers are left out: they run without
+flash's plugin, which the planner does not model.
 """
 
 from __future__ import annotations
@@ -86,23 +89,55 @@ def planned(words: list[str], hardware: str, model_dir: Path) -> dict:
             "activation_gib": round(b["activations_gib"] + b["graphs_above_vllm_gib"], 3)}
 
 
-def bench_words(config: str, sets: list[str]) -> list[str]:
-    """The profile and words `config` booted with, its run's --set, and the argv bench_recipe.render
-    appends (OFFLINE_ARGS: `--gdn-prefill-backend triton`, which exports no Mamba prefill checkpoints,
-    so one state block fewer a request) as EXTRA, after any EXTRA the config gives."""
-    words = [*CONFIGS[config]["words"], *sets]
+def with_offline(words: list[str]) -> list[str]:
+    """A server's profile and words with the argv bench_recipe.render appends (OFFLINE_ARGS:
+    `--gdn-prefill-backend triton`, which exports no Mamba prefill checkpoints, so one state block
+    fewer a request) as EXTRA, after any EXTRA the words give."""
     extra = [w.split("=", 1)[1] for w in words if w.startswith("EXTRA=")]
     rest = [w for w in words if not w.startswith("EXTRA=")]
-    return [CONFIGS[config]["profile"], *rest, "EXTRA=" + " ".join([*extra, shlex.join(OFFLINE_ARGS)])]
+    return [*rest, "EXTRA=" + " ".join([*extra, shlex.join(OFFLINE_ARGS)])]
 
 
-def compare(dirs: dict[int, Path]) -> list[dict]:
+def bench_words(config: str, sets: list[str]) -> list[str]:
+    """What `config` of bench_recipe.CONFIGS booted with, its run's --set and the offline argv."""
+    return with_offline([CONFIGS[config]["profile"], *CONFIGS[config]["words"], *sets])
+
+
+def preset(gpu: str) -> str:
+    """The hardware preset of the card a raw row names ("NVIDIA H100 80GB HBM3" -> h100)."""
+    for name in ("h200", "h100"):
+        if name in gpu.lower():
+            return name
+    raise SystemExit(f"a boot on {gpu!r}: no hardware preset for it (h100, h200)")
+
+
+def raw_boots(raw: Path) -> list[tuple[Path, int, str, list[str]]]:
+    """(log, layers, preset, words) of every recipe server a raw file booted, from its `booted` rows."""
+    out, old = [], []
+    for line in raw.read_text().splitlines():
+        r = json.loads(line)
+        if r.get("event") != "booted" or CONFIGS.get(r.get("label"), {}).get("kind") != "recipe":
+            continue
+        if "words" not in r or "log" not in r:
+            old.append(r["label"])
+            continue
+        out.append((raw.parent / "logs" / r["log"], r["layers"], preset(r["gpu"]), with_offline(r["words"])))
+    if old:
+        raise SystemExit(f"{raw}: booted rows without their words ({', '.join(old)}): recorded before rows named "
+                         "them; BOOTS lists those of record with their words")
+    return out
+
+
+def compare(dirs: dict[int, Path], boots: list[tuple[Path, int, str, list[str]]] | None = None) -> list[dict]:
+    """Each boot (default: BOOTS, the boots of record) planned and set beside its log."""
+    if boots is None:
+        boots = [(BENCH / log, layers, hw, bench_words(config, sets)) for log, layers, hw, config, sets in BOOTS]
     rows = []
-    for log, layers, hw, config, sets in BOOTS:
-        words = bench_words(config, sets)
+    for path, layers, hw, words in boots:
         mode = next((w.split("=", 1)[1] for w in words if w.startswith("MODE=")), "hybrid")
         mdir = dirs[layers] / ("model-hybrid" if mode == "hybrid" else "model")
-        got, plan = logged(BENCH / log), planned(words, hw, mdir)
+        got, plan = logged(path), planned(words, hw, mdir)
+        log = str(path.relative_to(BENCH)) if path.is_relative_to(BENCH) else str(path)
         short = {k: round(got[k] - plan[k], 3) for k in ("loaded_gib", "non_torch_gib", "activation_gib") if k in got}
         rows.append({"boot": log, "layers": layers, "hardware": hw, "words": words, "logged": got, "planned": plan,
                      "tokens_err_pct": round(100 * (plan["tokens"] - got["tokens"]) / got["tokens"], 2),
@@ -116,8 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("dir32", type=Path, help="bench_recipe prepare --layers 32 directory")
     ap.add_argument("dir48", type=Path, help="bench_recipe prepare --layers 48 directory")
     ap.add_argument("--json", type=Path, help="write the rows here")
+    ap.add_argument("--raw", type=Path, nargs="+", help="a run's raw files: its boots instead of the boots of record")
     args = ap.parse_args(argv)
-    rows = compare({32: args.dir32, 48: args.dir48})
+    boots = None if not args.raw else [b for raw in args.raw for b in raw_boots(raw)]
+    rows = compare({32: args.dir32, 48: args.dir48}, boots)
     print(f"{'boot':62} {'logged':>10} {'planned':>10} {'err':>7}  in band  KV over | the plan short (GiB): "
           "load  non-torch  activation")
     for r in rows:

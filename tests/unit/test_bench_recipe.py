@@ -263,6 +263,10 @@ def test_blocks_alternate_whole_servers_and_pair_within_a_cycle(tmp_path, monkey
               and r["concurrency"] == 1 and r["prompt_tokens"] == 64]
     assert blocks == [("stock", 0), ("default", 0), ("default", 1), ("stock", 1)]
     assert all(r["commit"] and r["deviations"] and r["layers"] == 48 for r in booted)
+    # each booted row names the words it was rendered from and its log (lab.plan_vs_boots --raw plans it)
+    assert [(r["words"], r["log"]) for r in booted] == [
+        (["published", "GPU_MEM=0.7"], "stock-c0.log"), (["default", "GPU_MEM=0.7"], "default-c0.log"),
+        (["published", "GPU_MEM=0.7"], "stock-c1.log")]
     assert all(float(_pairs(r["argv"])["--gpu-memory-utilization"]) == 0.7 and "gpu" in r for r in booted)
     assert any("MoE backend" in ln for ln in booted[0]["log_lines"])
     # each server log names the commit it measured and the argv it ran, before the server's own lines

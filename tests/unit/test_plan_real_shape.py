@@ -100,3 +100,28 @@ def test_the_term_is_added_only_at_the_real_layers_on_a_discrete_card(tmp_path):
     tiny = build(s, h200, snapshot=tmp_path, live_checks=False)
     assert tiny["budget"]["runtime_overhead_gib"] == round(full / GIB, 3)
     assert any("not the real model's layers" in a for a in tiny["assumptions"])
+
+
+def test_a_new_runs_boots_are_planned_from_its_raw_rows(bench_dirs, tmp_path):
+    """`--raw`: the recipe servers a run booted, from the words and log its `booted` rows name (stock
+    left out), planned as the boots of record are: run5's `default` row rebuilt gives the same plan."""
+    run5 = ROOT / "benchmarks/recipe48-h200/run5-h200-48layers"
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "default-c0.log").symlink_to(run5 / "logs/default-c0.log")
+    row = {"event": "booted", "label": "default", "cycle": 0, "layers": 48, "gpu": "NVIDIA H200",
+           "words": ["default", "GPU_MEM=0.95"], "log": "default-c0.log"}
+    stock = {**row, "label": "stock", "words": ["published", "GPU_MEM=0.95"], "log": "stock-c0.log"}
+    raw = tmp_path / "raw48.jsonl"
+    raw.write_text("\n".join(json.dumps(r) for r in (stock, row, {"event": "kept", "label": "default"})) + "\n")
+    boots = plan_vs_boots.raw_boots(raw)
+    assert [(b[1], b[2], b[3]) for b in boots] == [(48, "h200", plan_vs_boots.bench_words("default", ["GPU_MEM=0.95"]))]
+    got = plan_vs_boots.compare(bench_dirs, boots)[0]
+    of_record = next(r for r in plan_vs_boots.compare(bench_dirs) if r["boot"].endswith("run5-h200-48layers/logs/default-c0.log"))
+    assert got["planned"] == of_record["planned"] and got["logged"] == of_record["logged"]
+    # rows from before the words were recorded are refused, naming them
+    del row["words"]
+    raw.write_text(json.dumps(row) + "\n")
+    with pytest.raises(SystemExit, match=r"without their words \(default\)"):
+        plan_vs_boots.raw_boots(raw)
+    with pytest.raises(SystemExit, match="no hardware preset"):
+        plan_vs_boots.preset("NVIDIA A100-SXM4-80GB")
