@@ -93,7 +93,11 @@ def test_the_term_is_added_only_at_the_real_layers_on_a_discrete_card(tmp_path):
     full = cal.RUNTIME_OVERHEAD_DISCRETE_FULL
     real = build(s, h200, snapshot=None, live_checks=False)
     assert real["budget"]["runtime_overhead_gib"] == round((full + cal.RUNTIME_SHAPE_EXTRA) / GIB, 3)
-    assert any("at the model's own layers" in a for a in real["assumptions"])
+    assert any("at the model's own layers" in a and "carried over" not in a for a in real["assumptions"])
+    # the eager gather (PIECEWISE graphs) was never booted at the real shape: the term is carried over, said so
+    eager = build(_settings(["default", "PLE_MODE=eager"]), h200, snapshot=None, live_checks=False)
+    assert eager["budget"]["runtime_overhead_gib"] == round((cal.RUNTIME_OVERHEAD_DISCRETE + cal.RUNTIME_SHAPE_EXTRA) / GIB, 3)
+    assert any("eager gather was not booted at the real shape: carried over" in a for a in eager["assumptions"])
     assert build(s, gb10, snapshot=None, live_checks=False)["budget"]["runtime_overhead_gib"] == round(cal.RUNTIME_OVERHEAD / GIB, 3)
     cfg = {"text_config": {"hidden_size": 256, "num_hidden_layers": 4}}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
