@@ -62,19 +62,22 @@ def fit(hw=None) -> int:
     return _solve("RUNTIME_OVERHEAD", lambda: predict(fig, hw), fig.published)
 
 
+def _pool(settings, hw, snapshot) -> Callable[[], float]:
+    """The plan's KV pool for `settings` as `_solve` asks it, read afresh at each trial constant."""
+    from . import build
+
+    return lambda: build(settings, hw, snapshot=snapshot, live_checks=False)["kv_cache_tokens"]
+
+
 def solve_discrete(settings, hw, measured_tokens: int) -> int:
     """The discrete-GPU overhead that makes the plan's pool for `settings` (its checkpoint found in
     HF_CACHE) equal vLLM's measured tokens: the constant of the graph regime `settings` render."""
-    from . import build, overhead_constant
+    from . import overhead_constant
 
-    return _solve(overhead_constant(settings, hw),
-                  lambda: build(settings, hw, snapshot=True, live_checks=False)["kv_cache_tokens"], measured_tokens)
+    return _solve(overhead_constant(settings, hw), _pool(settings, hw, True), measured_tokens)
 
 
 def solve_shape_extra(settings, hw, config: Path, measured_tokens: int) -> int:
     """RUNTIME_SHAPE_EXTRA that makes the plan's pool for `settings`, with the geometry and weights of
     the bench checkpoint `config` (real layers, no weights on disk), equal vLLM's measured tokens."""
-    from . import build
-
-    return _solve("RUNTIME_SHAPE_EXTRA",
-                  lambda: build(settings, hw, snapshot=config, live_checks=False)["kv_cache_tokens"], measured_tokens)
+    return _solve("RUNTIME_SHAPE_EXTRA", _pool(settings, hw, config), measured_tokens)
