@@ -29,8 +29,8 @@ from ..spec import ple_hoisted
 from . import hardware as hardware_mod
 from . import kvcache, prefill, prefix, weights as weights_mod, workspace
 from .calibration import (DISCRETE_OVERHEAD_BAND, DISCRETE_OVERHEAD_BAND_FULL, H200_RUN, H200_RUN_FULL, OVERHEAD_BAND,
-                          REAL_SHAPE_RUN, RUNTIME_OVERHEAD, RUNTIME_OVERHEAD_DISCRETE, RUNTIME_OVERHEAD_DISCRETE_FULL,
-                          RUNTIME_SHAPE_EXTRA)
+                          REAL_SHAPE_BOOTS, REAL_SHAPE_RUN, RUNTIME_OVERHEAD, RUNTIME_OVERHEAD_DISCRETE,
+                          RUNTIME_OVERHEAD_DISCRETE_FULL, RUNTIME_SHAPE_EXTRA)
 from .hardware import GIB, Hardware
 
 # What vLLM's profiler counts beyond weights, activations and top-k buffers, fitted on the GB10
@@ -326,8 +326,10 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
         how = (f"{_gib(overhead - shape_extra)} GiB fitted on the warm boots of the tiny fixtures alone on an H200 "
                f"({fit_run}); the band ±{_gib(overhead_band)} GiB covers a cold first boot")
         if shape_extra:
-            how += (f"; plus {_gib(shape_extra)} GiB at the model's own layers, fitted on two `default` boots at 32 and 48 "
-                    f"real layers (an H100 and an H200, the hoisted gather) and held out on the others ({REAL_SHAPE_RUN})"
+            fitted = ", ".join(f"{words[0]} at {layers} real layers on an {card.upper()}"
+                               for _, layers, card, words, _ in REAL_SHAPE_BOOTS)
+            how += (f"; plus {_gib(shape_extra)} GiB at the model's own layers, fitted on {len(REAL_SHAPE_BOOTS)} boots "
+                    f"({fitted}; the hoisted gather) and held out on the others ({REAL_SHAPE_RUN})"
                     + ("" if full_graphs else "; the eager gather was not booted at the real shape: carried over"))
         else:
             how += "; not the real model's layers, so the real-shape term is not added"
