@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     p.add_argument("--quant", choices=("nvfp4", "fp8"), default="nvfp4")
     p.add_argument("--ple-rows", default="full", help="'full' (320,001,536 rows, 47.68 GiB) or a row count")
     p.add_argument("--layers", type=int, default=model.LAYERS, help="decoder layers: a multiple of 4 up to 48 (the real 48)")
-    p.set_defaults(func=model.prepare)
+    p.set_defaults(func=model.prepare, configs_only=False)  # bench_recipe's prepare --configs-only; here always the table
     p = sub.add_parser("configs", help="print the servers `matrix --configs` accepts (gpu_session checks against it)")
     p.set_defaults(func=lambda args: print(",".join(servers.ALL_CONFIGS)) or 0)
     p = sub.add_parser("plan")

@@ -154,7 +154,7 @@ def prepare(args) -> int:
     if mem["stock_with_table_on_gpu_gib"] > GPU_GIB:
         print(f"warning: the stock run puts the table on the GPU: ~{mem['stock_with_table_on_gpu_gib']} GiB of "
               f"weights > {GPU_GIB} GiB; use a smaller --ple-rows for all three runs", file=sys.stderr)
-    configs_only = getattr(args, "configs_only", False)  # the configs alone: what `flash plan --config` reads
+    configs_only = args.configs_only  # the configs alone: what `flash plan --config` reads
     if table_bytes + (1 << 30) > free and not configs_only:
         raise SystemExit(f"--ple-rows {args.ple_rows}: the table needs {table_bytes / (1 << 30):.1f} GiB, "
                          f"{free / (1 << 30):.1f} GiB free at {out}; give a smaller --ple-rows (e.g. 32000000)")
