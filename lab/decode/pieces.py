@@ -1,0 +1,242 @@
+"""What a step that carries a prefill piece costs a decoding stream beside it: a model from the experts.
+
+Each token a step runs picks TOPK of the EXPERTS routed experts in every MoE layer, so the step reads
+the weights of every expert its tokens touch. With routing spread evenly (random weights route so;
+a trained router is held near even over a batch by its balancing loss) t tokens touch on average a
+share cov(t) = 1 - (1 - TOPK/EXPERTS)^t of the experts: 3 tokens (one stream, 1 + MTP 2) touch 6%,
+25 tokens 39%, 100 tokens 86%, 400 tokens all of them. A step with a piece of n prompt tokens beside
+that stream therefore costs
+
+    step(n) = idle + E * (cov(n + 3) - cov(3)) + s * n
+
+- idle: the stream's own step (measured, the ITL bench's idle gaps);
+- E: reading every expert of every layer once;
+- s: the work a prompt token adds once the experts are read (attention, GDN, the side layers).
+
+E comes from the decode steps at c = 1, 4, 8 (3, 12, 24 tokens: each pair's step difference over its
+coverage difference; the rest of what grows with c is charged to E, so it is an upper reading), and
+s from one piece size measured beside a stream inside CUDA graphs. E is never below the experts'
+bytes at the card's peak bandwidth; that floor is kept as a corner too. The corners give a range
+per piece size: an estimate from the model, not a statistical interval.
+
+The point of it: a piece that touches most experts costs at least E, whatever its size. So the
+piece size at which the stream's gaps stay within a factor of its idle step is set by E / idle,
+and on a card where reading the experts takes several idle steps (a GB10: ~68 GB at 273 GB/s) no
+piece that finishes a long prompt in useful time gets there.
+
+  python3 -m lab.decode.pieces [--json OUT] [--check LATENCY_REPORT.json …]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from lab.decode import model
+
+ROOT = Path(__file__).resolve().parents[2]
+STREAM_TOKENS = 1 + model.MTP     # one decoding stream's tokens in a step
+PROMPT = 32768                    # the ITL bench's long prompt (bench_latency.PREFILL)
+GOAL = 2.0                        # issue 33: p99 gap with `shared` <= 2x its idle p99
+PIECES = (25, 50, 100, 200, 400, 800, 1024, 8192)
+
+# The rows the H100 fit reads (32 of 48 layers, NVFP4 experts on HUMMING, random weights)
+DECODE_REPORT = "benchmarks/recipe48-h200/run4-h100-32layers/report.json"  # step_ms at c = 1, 4, 8
+PIECE_REPORT = "benchmarks/latency48-h100/run2-32layers/report.json"       # `shared-graphs`: 800 in graphs
+PIECE_CONFIG, PIECE_TOKENS = "shared-graphs", 800
+HELD_OUT_REPORT = "benchmarks/latency48-h100/run1-32layers/report.json"    # stock's 8,192-token chunks
+H100_LAYERS, H100_PEAK_GBS = 32, 3350.0
+
+# The GB10 corners (assumptions, each said in the output)
+GB10_BAND = "benchmarks/recipe48-h200/gb10-band.json"  # its idle c=1 step, 47-68 ms
+GB10_GBS = 273.0
+GB10_BW_FRACTION = (0.59, 1.0)         # the H100 fit's share of its peak (59-68%) .. the peak
+GB10_PREFILL_TOK_S = (2000.0, 2962.0)  # the field's measured Spark prefill, 8k-32k prompts (FIELD.md)
+GB10_CHUNK = 8192
+
+
+def coverage(tokens: float) -> float:
+    """The expected share of the routed experts `tokens` tokens touch, routing spread evenly."""
+    return 1.0 - (1.0 - model.TOPK / model.EXPERTS) ** tokens
+
+
+def expert_gb(layers: int) -> float:
+    """Every routed expert of `layers` layers in NVFP4, block scales included, in GB."""
+    return layers * model.EXPERTS * 3 * model.HIDDEN * model.MOE_INTER * model.EXPERT_BYTES["nvfp4"] / 1e9
+
+
+def step_ms(n: int, idle: float, e: float, s: float, stream: int = STREAM_TOKENS) -> float:
+    """A step with `n` prompt tokens beside `stream` decoding tokens."""
+    return idle + e * (coverage(n + stream) - coverage(stream)) + s * n
+
+
+def e_from_decode(steps: dict[int, float]) -> list[float]:
+    """E read from each pair of adjacent concurrencies' decode steps ({c: ms}, c streams of
+    STREAM_TOKENS tokens)."""
+    cs = sorted(steps)
+    return [(steps[b] - steps[a]) / (coverage(b * STREAM_TOKENS) - coverage(a * STREAM_TOKENS)) for a, b in zip(cs, cs[1:])]
+
+
+def s_from_piece(e: float, n: int, gap: float, idle: float) -> float:
+    """s given E, from one piece size's measured gap beside an idle-`idle` stream."""
+    s = (gap - idle - e * (coverage(n + STREAM_TOKENS) - coverage(STREAM_TOKENS))) / n
+    if s <= 0:
+        raise ValueError(f"a {gap} ms step with {n} prompt tokens cannot read every expert in {e:.1f} ms beside a {idle} ms step")
+    return s
+
+
+def predict(corners: list[dict], pieces=PIECES, prompt: int = PROMPT) -> list[dict]:
+    """Per piece size, over the corners ({idle, e, s}): the step (= the stream's gap), the gap over
+    the idle step, and the long prompt's time in pieces (its steps times the step)."""
+    rows = []
+    for n in pieces:
+        steps = [step_ms(n, c["idle"], c["e"], c["s"]) for c in corners]
+        ratios = [st / c["idle"] for st, c in zip(steps, corners)]
+        prompt_s = [math.ceil(prompt / n) * st / 1000.0 for st in steps]
+        rows.append({"piece": n, "gap_ms": _range(steps), "gap_over_idle": _range(ratios, 2),
+                     "prompt_s": _range(prompt_s, 1)})
+    return rows
+
+
+def largest_piece(corners: list[dict], goal: float = GOAL, prompt: int = PROMPT) -> dict:
+    """The largest piece whose gap stays within `goal` x idle, at the most and least favourable
+    corner, with the long prompt's time at that piece."""
+    def at(c: dict) -> int:
+        n = 0
+        while step_ms(n + 1, c["idle"], c["e"], c["s"]) <= goal * c["idle"]:
+            n += 1
+        return n
+
+    ns = [at(c) for c in corners]
+    times = [math.ceil(prompt / n) * step_ms(n, c["idle"], c["e"], c["s"]) / 1000.0 if n else math.inf
+             for n, c in zip(ns, corners)]
+    return {"goal": goal, "piece": [min(ns), max(ns)], "prompt_s": _range(times, 1)}
+
+
+def _range(xs, nd: int = 1) -> list[float]:
+    return [round(min(xs), nd), round(max(xs), nd)]
+
+
+def _read(rel: str) -> dict:
+    return json.loads((ROOT / rel).read_text())
+
+
+def h100_corners() -> tuple[list[dict], dict]:
+    """The H100 (32 layers) corners: E from each decode pair of stock's and `default`'s steps and
+    the bytes at peak, s from `shared-graphs`' 800-token pieces for each E."""
+    steps = _read(DECODE_REPORT)["step_ms"]
+    itl = _read(PIECE_REPORT)[PIECE_CONFIG]["itl"]
+    idle, gap = itl["idle_p50_ms"], itl["busy_p50_ms"]
+    es = {f"{cfg} c={a}->{b}": e
+          for cfg in ("stock", "default")
+          for (a, b), e in zip(((1, 4), (4, 8)), e_from_decode({c: steps[cfg][f"c={c} p=64"]["step"] for c in (1, 4, 8)}))}
+    es["bytes at peak"] = expert_gb(H100_LAYERS) / H100_PEAK_GBS * 1000.0
+    corners = [{"from": k, "idle": idle, "e": e, "s": s_from_piece(e, PIECE_TOKENS, gap, idle)} for k, e in es.items()]
+    return corners, {"idle_p50_ms": idle, "idle_p99_ms": itl["idle_p99_ms"], "piece": PIECE_TOKENS, "gap_p50_ms": gap}
+
+
+def held_out(corners: list[dict]) -> dict:
+    """What the corners say of stock's 8,192-token chunks beside the stream (run1, another H100):
+    the largest gap and the 32k prompt's time, against the measured ones. Only the decode-fitted
+    corners: the bytes-at-peak one is a floor, not a reading."""
+    itl = _read(HELD_OUT_REPORT)["stock"]["itl"]
+    fitted = [c for c in corners if c["from"] != "bytes at peak"]
+    idle = itl["idle_p50_ms"]
+    gap = [step_ms(GB10_CHUNK, idle, c["e"], c["s"]) for c in fitted]
+    return {"case": "stock, 8,192-token chunks beside the stream (latency48 run1)",
+            "predicted_gap_ms": _range(gap), "measured_gap_p99_ms": itl["busy_p99_ms"],
+            "predicted_prompt_s": _range([math.ceil(PROMPT / GB10_CHUNK) * g / 1000.0 for g in gap], 2),
+            "measured_prompt_s": itl["prefill_ttft_s"]}
+
+
+def gb10_corners() -> list[dict]:
+    """The GB10 (48 layers) corners, all assumptions: idle from the GB10 band, E from the experts'
+    bytes at GB10_BW_FRACTION of 273 GB/s, s from the field's prefill rates in 8,192-token chunks."""
+    band = _read(GB10_BAND)["bands"][0]["gb10_step_ms"]
+    corners = []
+    for idle in band:
+        for frac in GB10_BW_FRACTION:
+            e = expert_gb(model.LAYERS) / (GB10_GBS * frac) * 1000.0
+            for rate in GB10_PREFILL_TOK_S:
+                chunk_ms = GB10_CHUNK / rate * 1000.0
+                corners.append({"from": f"idle {idle} ms, {frac:.0%} of {GB10_GBS:.0f} GB/s, prefill {rate:.0f} tok/s",
+                                "idle": idle, "e": e, "s": s_from_piece(e, GB10_CHUNK, chunk_ms + idle, idle)})
+    return corners
+
+
+def build() -> dict:
+    h100, fit = h100_corners()
+    gb10 = gb10_corners()
+    return {
+        "model": "step(n) = idle + E*(cov(n+3) - cov(3)) + s*n, cov(t) = 1 - (1 - 10/512)^t: an estimate",
+        "h100_32_layers": {"fit": fit, "corners": _rounded(h100), "pieces": predict(h100),
+                           "within_goal": largest_piece(h100), "held_out": held_out(h100)},
+        "gb10_48_layers": {"corners": _rounded(gb10), "pieces": predict(gb10), "within_goal": largest_piece(gb10),
+                           "assumed": {"idle": GB10_BAND, "bw_fraction": list(GB10_BW_FRACTION),
+                                       "prefill_tok_s": list(GB10_PREFILL_TOK_S)}},
+    }
+
+
+def _rounded(corners: list[dict]) -> list[dict]:
+    return [{"from": c["from"], "idle_ms": round(c["idle"], 2), "e_ms": round(c["e"], 1), "s_ms_per_token": round(c["s"], 4)}
+            for c in corners]
+
+
+def check(report: dict, prediction: dict) -> list[dict]:
+    """A latency report's piece-size configs (bench_recipe's words name LONG_PREFILL) against the
+    H100 prediction: the measured p50 gap inside the predicted range or not. The prediction is for
+    32 layers on an H100; a report from another card or depth is not comparable."""
+    from lab import bench_recipe as br
+
+    rows = {r["piece"]: r for r in prediction["h100_32_layers"]["pieces"]}
+    out = []
+    for cfg, res in report.items():
+        words = br.CONFIGS.get(cfg, {}).get("words", [])
+        piece = next((int(w.split("=", 1)[1]) for w in words if w.startswith("LONG_PREFILL=")), None)
+        if piece is None and br.CONFIGS.get(cfg, {}).get("profile") == "shared":
+            piece = PIECE_TOKENS
+        itl = res.get("itl") or {}
+        if piece is None or "busy_p50_ms" not in itl:
+            continue
+        lo, hi = (rows[piece]["gap_ms"] if piece in rows else
+                  predict(h100_corners()[0], pieces=(piece,))[0]["gap_ms"])
+        out.append({"config": cfg, "piece": piece, "predicted_gap_ms": [lo, hi], "measured_gap_p50_ms": itl["busy_p50_ms"],
+                    # the range is rounded to 0.1 ms: half of that either side belongs to it
+                    "inside": lo - 0.05 <= itl["busy_p50_ms"] <= hi + 0.05, "p99_over_idle_p99": itl.get("p99_ratio")})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m lab.decode.pieces", description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", type=Path, help="write the prediction here")
+    p.add_argument("--check", type=Path, nargs="*", default=[], help="bench_latency report.json files to hold against it")
+    a = p.parse_args(argv)
+    pred = build()
+    for name, part in (("H100, 32 layers", pred["h100_32_layers"]), ("GB10, 48 layers (assumed)", pred["gb10_48_layers"])):
+        print(f"{name}: a stream's gap beside a piece of n prompt tokens (range over {len(part['corners'])} corners)")
+        for r in part["pieces"]:
+            print(f"  n={r['piece']:>5}: gap {r['gap_ms'][0]:>7.1f}-{r['gap_ms'][1]:<7.1f} ms  "
+                  f"{r['gap_over_idle'][0]:>5.2f}-{r['gap_over_idle'][1]:<5.2f}x idle  "
+                  f"a {PROMPT}-token prompt {r['prompt_s'][0]}-{r['prompt_s'][1]} s")
+        w = part["within_goal"]
+        print(f"  within {w['goal']}x idle: pieces of {w['piece'][0]}-{w['piece'][1]} tokens; "
+              f"the prompt then takes {w['prompt_s'][0]}-{w['prompt_s'][1]} s")
+    h = pred["h100_32_layers"]["held_out"]
+    print(f"held out, {h['case']}: gap {h['predicted_gap_ms']} ms predicted, p99 {h['measured_gap_p99_ms']} measured; "
+          f"prompt {h['predicted_prompt_s']} s predicted, {h['measured_prompt_s']} measured")
+    checked = []
+    for path in a.check:
+        for r in check(json.loads(path.read_text()), pred):
+            checked.append({"report": str(path), **r})
+            print(f"{path}: {r['config']} (piece {r['piece']}): p50 gap {r['measured_gap_p50_ms']} ms, predicted "
+                  f"{r['predicted_gap_ms']}: {'inside' if r['inside'] else 'OUTSIDE'}")
+    if a.json:
+        a.json.write_text(json.dumps(pred | ({"checked": checked} if checked else {}), indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""lab/decode/pieces.py: the expert-coverage model of a step carrying a prefill piece beside a stream."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from lab.decode import model, pieces
+
+
+def test_coverage_is_the_even_routing_share():
+    assert pieces.coverage(0) == 0.0
+    assert pieces.coverage(1) == pytest.approx(model.TOPK / model.EXPERTS)
+    # two tokens miss an expert independently: 1 - (1 - k/E)^2
+    assert pieces.coverage(2) == pytest.approx(1 - (1 - model.TOPK / model.EXPERTS) ** 2)
+    xs = [pieces.coverage(t) for t in (3, 25, 100, 400, 8192)]
+    assert xs == sorted(xs) and xs[-1] > 0.9999 and 0.05 < xs[0] < 0.06
+
+
+def test_expert_bytes_are_the_checkpoints():
+    # nvidia's 192 expert files hold 67,987,279,488 bytes for 48 layers (model-and-checkpoints)
+    assert pieces.expert_gb(48) == pytest.approx(67.987, rel=0.002)
+
+
+def _planted(idle=7.0, e=20.0, s=0.03):
+    return {"idle": idle, "e": e, "s": s}
+
+
+def test_e_and_s_are_recovered_from_planted_steps():
+    e, s, base = 21.5, 0.035, 6.0
+    steps = {c: base + e * pieces.coverage(c * pieces.STREAM_TOKENS) for c in (1, 4, 8)}
+    assert pieces.e_from_decode(steps) == pytest.approx([e, e])
+    idle = steps[1]
+    gap = pieces.step_ms(800, idle, e, s)
+    assert pieces.s_from_piece(e, 800, gap, idle) == pytest.approx(s)
+
+
+def test_a_gap_too_short_to_read_the_experts_is_refused_with_its_values():
+    with pytest.raises(ValueError, match=r"a 20 ms step with 800 prompt tokens .* 30.0 ms"):
+        pieces.s_from_piece(30.0, 800, 20, 7.0)
+
+
+def test_predict_gives_ranges_over_corners_and_the_prompt_in_pieces():
+    corners = [_planted(e=18.0), _planted(e=24.0, s=0.025)]
+    rows = {r["piece"]: r for r in pieces.predict(corners, pieces=(100, 800), prompt=32768)}
+    g = [pieces.step_ms(100, 7.0, c["e"], c["s"]) for c in corners]
+    assert rows[100]["gap_ms"] == [round(min(g), 1), round(max(g), 1)]
+    assert rows[100]["prompt_s"][1] == round(math.ceil(32768 / 100) * max(g) / 1000, 1)
+    assert rows[800]["gap_ms"][0] > rows[100]["gap_ms"][1]       # a bigger piece costs more a step
+    assert rows[800]["prompt_s"][1] < rows[100]["prompt_s"][0]   # and finishes the prompt sooner
+
+
+def test_largest_piece_is_the_edge_of_the_goal():
+    c = _planted()
+    got = pieces.largest_piece([c], goal=2.0)
+    n = got["piece"][0]
+    assert pieces.step_ms(n, 7.0, 20.0, 0.03) <= 14.0 < pieces.step_ms(n + 1, 7.0, 20.0, 0.03)
+    # a card whose expert read is a tenth of the idle step: any piece up to several thousand tokens fits
+    assert pieces.largest_piece([_planted(e=0.7, s=0.0001)], goal=2.0)["piece"][0] > 1000
+
+
+def test_the_committed_rows_give_a_fit_that_predicts_the_held_out_chunks():
+    """The claim latency48-h100's README makes: fitted on run4's decode steps and run2's 800-token
+    pieces, the model puts stock's 8,192-token chunk gap (run1, another H100) inside its range, and
+    every E the decode steps give is above the experts' bytes at the card's peak."""
+    pred = pieces.build()
+    h = pred["h100_32_layers"]
+    floor = next(c["e_ms"] for c in h["corners"] if c["from"] == "bytes at peak")
+    assert all(c["e_ms"] > floor for c in h["corners"] if c["from"] != "bytes at peak")
+    lo, hi = h["held_out"]["predicted_gap_ms"]
+    assert lo <= h["held_out"]["measured_gap_p99_ms"] <= hi
+    # the fitted piece gives back its own measurement at every corner
+    assert h["pieces"][[r["piece"] for r in h["pieces"]].index(800)]["gap_ms"] == [round(h["fit"]["gap_p50_ms"], 1)] * 2
+    # the GB10's goal piece is smaller than the H100's: its expert read is more idle steps
+    assert pred["gb10_48_layers"]["within_goal"]["piece"][1] < h["within_goal"]["piece"][1]
+
+
+def test_check_holds_a_sweep_report_against_the_prediction():
+    pred = pieces.build()
+    rows = {r["piece"]: r["gap_ms"] for r in pred["h100_32_layers"]["pieces"]}
+    lo, hi = rows[200]
+    report = {"shared-200": {"itl": {"busy_p50_ms": (lo + hi) / 2, "p99_ratio": 5.0}},
+              "shared-100": {"itl": {"busy_p50_ms": rows[100][1] * 2, "p99_ratio": 9.0}},
+              "stock": {"itl": {"busy_p50_ms": 33.0}},          # no piece: not checked
+              "shared-400": {"prefix": {}}}                      # no ITL row: not checked
+    got = {r["config"]: r for r in pieces.check(report, pred)}
+    assert set(got) == {"shared-200", "shared-100"}
+    assert got["shared-200"]["inside"] and not got["shared-100"]["inside"]
+    assert got["shared-100"]["piece"] == 100
+
+
+def test_main_writes_the_prediction_and_the_check(tmp_path, capsys):
+    rep = tmp_path / "report.json"
+    rep.write_text(json.dumps({"shared-graphs": {"itl": {"busy_p50_ms": 54.05, "p99_ratio": 8.26}}}))
+    out = tmp_path / "pred.json"
+    assert pieces.main(["--json", str(out), "--check", str(rep)]) == 0
+    text = capsys.readouterr().out
+    assert "within 2.0x idle" in text and "shared-graphs (piece 800)" in text and "inside" in text
+    data = json.loads(out.read_text())
+    assert data["checked"][0]["config"] == "shared-graphs" and data["checked"][0]["inside"]
