@@ -24,7 +24,7 @@ piece size at which the stream's gaps stay within a factor of its idle step is s
 and on a card where reading the experts takes several idle steps (a GB10: ~68 GB at 273 GB/s) no
 piece that finishes a long prompt in useful time gets there.
 
-  python3 -m lab.decode.pieces [--json OUT] [--check LATENCY_REPORT.json …]
+  python3 -m lab.decode.pieces [--json OUT] [--png PNG] [--check LATENCY_REPORT.json …]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STREAM_TOKENS = 1 + model.MTP     # one decoding stream's tokens in a step
 PROMPT = 32768                    # the ITL bench's long prompt (bench_latency.PREFILL)
 GOAL = 2.0                        # issue 33: p99 gap with `shared` <= 2x its idle p99
-PIECES = (25, 50, 100, 200, 400, 800, 1024, 8192)
+PIECES = (10, 25, 50, 100, 200, 400, 800, 1024, 8192)
 
 # The rows the H100 fit reads (32 of 48 layers, NVFP4 experts on HUMMING, random weights)
 DECODE_REPORT = "benchmarks/recipe48-h200/run4-h100-32layers/report.json"  # step_ms at c = 1, 4, 8
@@ -54,7 +54,8 @@ H100_LAYERS, H100_PEAK_GBS = 32, 3350.0
 GB10_BAND = "benchmarks/recipe48-h200/gb10-band.json"  # its idle c=1 step, 47-68 ms
 GB10_GBS = 273.0
 GB10_BW_FRACTION = (0.59, 1.0)         # the H100 fit's share of its peak (59-68%) .. the peak
-GB10_PREFILL_TOK_S = (2000.0, 2962.0)  # the field's measured Spark prefill, 8k-32k prompts (FIELD.md)
+# the Spark prefill published recipes measured at 8k-32k-token prompts (the anchor's 2,400-2,900, peers' 2,003-2,962)
+GB10_PREFILL_TOK_S = (2000.0, 2962.0)
 GB10_CHUNK = 8192
 
 
@@ -147,7 +148,7 @@ def held_out(corners: list[dict]) -> dict:
     idle = itl["idle_p50_ms"]
     gap = [step_ms(GB10_CHUNK, idle, c["e"], c["s"]) for c in fitted]
     return {"case": "stock, 8,192-token chunks beside the stream (latency48 run1)",
-            "predicted_gap_ms": _range(gap), "measured_gap_p99_ms": itl["busy_p99_ms"],
+            "predicted_gap_ms": _range(gap), "measured_gap_p99_ms": itl["busy_p99_ms"], "measured_idle_p50_ms": idle,
             "predicted_prompt_s": _range([math.ceil(PROMPT / GB10_CHUNK) * g / 1000.0 for g in gap], 2),
             "measured_prompt_s": itl["prefill_ttft_s"]}
 
@@ -209,9 +210,39 @@ def check(report: dict, prediction: dict) -> list[dict]:
     return out
 
 
+def plot(pred: dict, path: Path) -> None:
+    """The trade-off as a picture: the gap over the idle step, and the long prompt's time, against
+    the piece size, each card's range as a band; the measured H100 points on top."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for key, label, colour in (("h100_32_layers", "H100, 32 layers (fitted)", "tab:blue"),
+                               ("gb10_48_layers", "GB10, 48 layers (assumed)", "tab:red")):
+        rows = pred[key]["pieces"]
+        n = [r["piece"] for r in rows]
+        for ax, field in ((left, "gap_over_idle"), (right, "prompt_s")):
+            ax.fill_between(n, [r[field][0] for r in rows], [r[field][1] for r in rows], alpha=0.3, color=colour, label=label)
+    fit, held = pred["h100_32_layers"]["fit"], pred["h100_32_layers"]["held_out"]
+    left.plot([fit["piece"]], [fit["gap_p50_ms"] / fit["idle_p50_ms"]], "o", color="tab:blue", label="measured: `shared`, 800 in graphs (fit)")
+    left.plot([GB10_CHUNK], [held["measured_gap_p99_ms"] / held["measured_idle_p50_ms"]], "s", color="black",
+              label="measured: stock's 8,192 chunks (held out)")
+    right.plot([GB10_CHUNK], [held["measured_prompt_s"]], "s", color="black")
+    left.axhline(GOAL, ls="--", color="grey", label=f"issue 33's goal, {GOAL:g}x idle")
+    left.set(xscale="log", yscale="log", xlabel="prompt tokens in a step (LONG_PREFILL)", ylabel="stream's gap / its idle step")
+    right.set(xscale="log", yscale="log", xlabel="prompt tokens in a step (LONG_PREFILL)", ylabel=f"a {PROMPT}-token prompt, s")
+    left.legend(fontsize=7)
+    right.legend(fontsize=7)
+    fig.suptitle("A stream beside a long prompt cut into pieces: expert-coverage model (an estimate)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m lab.decode.pieces", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", type=Path, help="write the prediction here")
+    p.add_argument("--png", type=Path, help="draw the trade-off here")
     p.add_argument("--check", type=Path, nargs="*", default=[], help="bench_latency report.json files to hold against it")
     a = p.parse_args(argv)
     pred = build()
@@ -233,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             checked.append({"report": str(path), **r})
             print(f"{path}: {r['config']} (piece {r['piece']}): p50 gap {r['measured_gap_p50_ms']} ms, predicted "
                   f"{r['predicted_gap_ms']}: {'inside' if r['inside'] else 'OUTSIDE'}")
+    if a.png:
+        plot(pred, a.png)
     if a.json:
         a.json.write_text(json.dumps(pred | ({"checked": checked} if checked else {}), indent=1) + "\n")
     return 0
