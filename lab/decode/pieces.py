@@ -41,13 +41,15 @@ ROOT = Path(__file__).resolve().parents[2]
 STREAM_TOKENS = 1 + model.MTP     # one decoding stream's tokens in a step
 PROMPT = 32768                    # the ITL bench's long prompt (bench_latency.PREFILL)
 GOAL = 2.0                        # issue 33: p99 gap with `shared` <= 2x its idle p99
-PIECES = (10, 25, 50, 100, 200, 400, 800, 1024, 8192)
+# each divides the 1,600-token block (a piece that does not gets cut at the block: docs/PREFIX-CACHE.md)
+PIECES = (10, 25, 50, 100, 200, 400, 800, 8000)
+CHUNK = 8000                      # `default`'s and stock's prefill step on 0.33: 8,192 down to the block
 
 # The rows the H100 fit reads (32 of 48 layers, NVFP4 experts on HUMMING, random weights)
 DECODE_REPORT = "benchmarks/recipe48-h200/run4-h100-32layers/report.json"  # step_ms at c = 1, 4, 8
 PIECE_REPORT = "benchmarks/latency48-h100/run2-32layers/report.json"       # `shared-graphs`: 800 in graphs
 PIECE_CONFIG, PIECE_TOKENS = "shared-graphs", 800
-HELD_OUT_REPORT = "benchmarks/latency48-h100/run1-32layers/report.json"    # stock's 8,192-token chunks
+HELD_OUT_REPORT = "benchmarks/latency48-h100/run1-32layers/report.json"    # stock's 8,000-token chunks
 H100_LAYERS, H100_PEAK_GBS = 32, 3350.0
 
 # The GB10 corners (assumptions, each said in the output)
@@ -56,7 +58,6 @@ GB10_GBS = 273.0
 GB10_BW_FRACTION = (0.59, 1.0)         # the H100 fit's share of its peak (59-68%) .. the peak
 # the Spark prefill published recipes measured at 8k-32k-token prompts (the anchor's 2,400-2,900, peers' 2,003-2,962)
 GB10_PREFILL_TOK_S = (2000.0, 2962.0)
-GB10_CHUNK = 8192
 
 
 def coverage(tokens: float) -> float:
@@ -89,6 +90,11 @@ def s_from_piece(e: float, n: int, gap: float, idle: float) -> float:
     return s
 
 
+def prompt_ms(n: int, c: dict, prompt: int = PROMPT) -> float:
+    """The long prompt in pieces of `n` (the last one shorter), each step beside the stream."""
+    return (prompt // n) * step_ms(n, c["idle"], c["e"], c["s"]) + (step_ms(prompt % n, c["idle"], c["e"], c["s"]) if prompt % n else 0.0)
+
+
 def predict(corners: list[dict], pieces=PIECES, prompt: int = PROMPT) -> list[dict]:
     """Per piece size, over the corners ({idle, e, s}): the step (= the stream's gap), the gap over
     the idle step, and the long prompt's time in pieces (its steps times the step)."""
@@ -96,7 +102,7 @@ def predict(corners: list[dict], pieces=PIECES, prompt: int = PROMPT) -> list[di
     for n in pieces:
         steps = [step_ms(n, c["idle"], c["e"], c["s"]) for c in corners]
         ratios = [st / c["idle"] for st, c in zip(steps, corners)]
-        prompt_s = [math.ceil(prompt / n) * st / 1000.0 for st in steps]
+        prompt_s = [prompt_ms(n, c, prompt) / 1000.0 for c in corners]
         rows.append({"piece": n, "gap_ms": _range(steps), "gap_over_idle": _range(ratios, 2),
                      "prompt_s": _range(prompt_s, 1)})
     return rows
@@ -112,8 +118,7 @@ def largest_piece(corners: list[dict], goal: float = GOAL, prompt: int = PROMPT)
         return n
 
     ns = [at(c) for c in corners]
-    times = [math.ceil(prompt / n) * step_ms(n, c["idle"], c["e"], c["s"]) / 1000.0 if n else math.inf
-             for n, c in zip(ns, corners)]
+    times = [prompt_ms(n, c, prompt) / 1000.0 if n else math.inf for n, c in zip(ns, corners)]
     return {"goal": goal, "piece": [min(ns), max(ns)], "prompt_s": _range(times, 1)}
 
 
@@ -140,31 +145,33 @@ def h100_corners() -> tuple[list[dict], dict]:
 
 
 def held_out(corners: list[dict]) -> dict:
-    """What the corners say of stock's 8,192-token chunks beside the stream (run1, another H100):
+    """What the corners say of stock's 8,000-token chunks beside the stream (run1, another H100):
     the largest gap and the 32k prompt's time, against the measured ones. Only the decode-fitted
     corners: the bytes-at-peak one is a floor, not a reading."""
     itl = _read(HELD_OUT_REPORT)["stock"]["itl"]
     fitted = [c for c in corners if c["from"] != "bytes at peak"]
     idle = itl["idle_p50_ms"]
-    gap = [step_ms(GB10_CHUNK, idle, c["e"], c["s"]) for c in fitted]
-    return {"case": "stock, 8,192-token chunks beside the stream (latency48 run1)",
+    # 0.33 cuts the 32k prompt into 8,000 x 4 and 768 (PREFIX-CACHE.md's table)
+    fitted = [c | {"idle": idle} for c in fitted]
+    gap = [step_ms(CHUNK, idle, c["e"], c["s"]) for c in fitted]
+    prompt = [prompt_ms(CHUNK, c) / 1000.0 for c in fitted]
+    return {"case": "stock, 8,000-token chunks beside the stream (latency48 run1)",
             "predicted_gap_ms": _range(gap), "measured_gap_p99_ms": itl["busy_p99_ms"], "measured_idle_p50_ms": idle,
-            "predicted_prompt_s": _range([math.ceil(PROMPT / GB10_CHUNK) * g / 1000.0 for g in gap], 2),
-            "measured_prompt_s": itl["prefill_ttft_s"]}
+            "predicted_prompt_s": _range(prompt, 2), "measured_prompt_s": itl["prefill_ttft_s"]}
 
 
 def gb10_corners() -> list[dict]:
     """The GB10 (48 layers) corners, all assumptions: idle from the GB10 band, E from the experts'
-    bytes at GB10_BW_FRACTION of 273 GB/s, s from the field's prefill rates in 8,192-token chunks."""
+    bytes at GB10_BW_FRACTION of 273 GB/s, s from the published Spark prefill rates in CHUNK-token steps."""
     band = _read(GB10_BAND)["bands"][0]["gb10_step_ms"]
     corners = []
     for idle in band:
         for frac in GB10_BW_FRACTION:
             e = expert_gb(model.LAYERS) / (GB10_GBS * frac) * 1000.0
             for rate in GB10_PREFILL_TOK_S:
-                chunk_ms = GB10_CHUNK / rate * 1000.0
+                chunk_ms = CHUNK / rate * 1000.0
                 corners.append({"from": f"idle {idle} ms, {frac:.0%} of {GB10_GBS:.0f} GB/s, prefill {rate:.0f} tok/s",
-                                "idle": idle, "e": e, "s": s_from_piece(e, GB10_CHUNK, chunk_ms + idle, idle)})
+                                "idle": idle, "e": e, "s": s_from_piece(e, CHUNK, chunk_ms + idle, idle)})
     return corners
 
 
@@ -195,12 +202,15 @@ def check(report: dict, prediction: dict) -> list[dict]:
     rows = {r["piece"]: r for r in prediction["h100_32_layers"]["pieces"]}
     out = []
     for cfg, res in report.items():
-        words = br.CONFIGS.get(cfg, {}).get("words", [])
-        piece = next((int(w.split("=", 1)[1]) for w in words if w.startswith("LONG_PREFILL=")), None)
-        if piece is None and br.CONFIGS.get(cfg, {}).get("profile") == "shared":
-            piece = PIECE_TOKENS
+        spec = br.CONFIGS.get(cfg, {})
+        if spec.get("profile") != "shared":
+            continue
+        said = _profile_words(spec["profile"]) | dict(w.split("=", 1) for w in spec["words"] if "=" in w)
+        piece, graphs = int(said.get("LONG_PREFILL", 0)), int(said.get("GRAPH_TOKENS", 0))
         itl = res.get("itl") or {}
-        if piece is None or "busy_p50_ms" not in itl:
+        # the fit is of a piece inside CUDA graphs (beside up to 8 streams of 3 tokens); outside
+        # them a step pays the eager forward too (run2: 127 against 54 ms), which is not modelled
+        if not piece or piece + 8 * STREAM_TOKENS > graphs or "busy_p50_ms" not in itl:
             continue
         lo, hi = (rows[piece]["gap_ms"] if piece in rows else
                   predict(h100_corners()[0], pieces=(piece,))[0]["gap_ms"])
@@ -208,6 +218,12 @@ def check(report: dict, prediction: dict) -> list[dict]:
                     # the range is rounded to 0.1 ms: half of that either side belongs to it
                     "inside": lo - 0.05 <= itl["busy_p50_ms"] <= hi + 0.05, "p99_over_idle_p99": itl.get("p99_ratio")})
     return out
+
+
+def _profile_words(name: str) -> dict[str, str]:
+    """KEY=VALUE lines of profiles/NAME.env (what bench_recipe's words override)."""
+    lines = (ROOT / "profiles" / f"{name}.env").read_text().splitlines()
+    return dict(ln.split("=", 1) for ln in lines if "=" in ln and not ln.lstrip().startswith("#"))
 
 
 def plot(pred: dict, path: Path) -> None:
@@ -226,9 +242,9 @@ def plot(pred: dict, path: Path) -> None:
             ax.fill_between(n, [r[field][0] for r in rows], [r[field][1] for r in rows], alpha=0.3, color=colour, label=label)
     fit, held = pred["h100_32_layers"]["fit"], pred["h100_32_layers"]["held_out"]
     left.plot([fit["piece"]], [fit["gap_p50_ms"] / fit["idle_p50_ms"]], "o", color="tab:blue", label="measured: `shared`, 800 in graphs (fit)")
-    left.plot([GB10_CHUNK], [held["measured_gap_p99_ms"] / held["measured_idle_p50_ms"]], "s", color="black",
-              label="measured: stock's 8,192 chunks (held out)")
-    right.plot([GB10_CHUNK], [held["measured_prompt_s"]], "s", color="black")
+    left.plot([CHUNK], [held["measured_gap_p99_ms"] / held["measured_idle_p50_ms"]], "s", color="black",
+              label="measured: stock's 8,000 chunks (held out)")
+    right.plot([CHUNK], [held["measured_prompt_s"]], "s", color="black")
     left.axhline(GOAL, ls="--", color="grey", label=f"issue 33's goal, {GOAL:g}x idle")
     left.set(xscale="log", yscale="log", xlabel="prompt tokens in a step (LONG_PREFILL)", ylabel="stream's gap / its idle step")
     right.set(xscale="log", yscale="log", xlabel="prompt tokens in a step (LONG_PREFILL)", ylabel=f"a {PROMPT}-token prompt, s")

@@ -47,7 +47,9 @@ def test_predict_gives_ranges_over_corners_and_the_prompt_in_pieces():
     rows = {r["piece"]: r for r in pieces.predict(corners, pieces=(100, 800), prompt=32768)}
     g = [pieces.step_ms(100, 7.0, c["e"], c["s"]) for c in corners]
     assert rows[100]["gap_ms"] == [round(min(g), 1), round(max(g), 1)]
-    assert rows[100]["prompt_s"][1] == round(math.ceil(32768 / 100) * max(g) / 1000, 1)
+    # 327 pieces of 100 and one of 68
+    last = max(pieces.step_ms(68, 7.0, c["e"], c["s"]) for c in corners)
+    assert rows[100]["prompt_s"][1] == round((327 * max(g) + last) / 1000, 1)
     assert rows[800]["gap_ms"][0] > rows[100]["gap_ms"][1]       # a bigger piece costs more a step
     assert rows[800]["prompt_s"][1] < rows[100]["prompt_s"][0]   # and finishes the prompt sooner
 
@@ -84,6 +86,8 @@ def test_check_holds_a_sweep_report_against_the_prediction():
     report = {"shared-200": {"itl": {"busy_p50_ms": (lo + hi) / 2, "p99_ratio": 5.0}},
               "shared-100": {"itl": {"busy_p50_ms": rows[100][1] * 2, "p99_ratio": 9.0}},
               "stock": {"itl": {"busy_p50_ms": 33.0}},          # no piece: not checked
+              "shared-nographs": {"itl": {"busy_p50_ms": 127.0}},  # 800 outside graphs: not the model's
+              "shared-3200": {"itl": {"busy_p50_ms": 150.0}},      # 3,200 + 24 past the 832 captured
               "shared-400": {"prefix": {}}}                      # no ITL row: not checked
     got = {r["config"]: r for r in pieces.check(report, pred)}
     assert set(got) == {"shared-200", "shared-100"}
