@@ -58,6 +58,11 @@ GB10_GBS = 273.0
 GB10_BW_FRACTION = (0.59, 1.0)         # the H100 fit's share of its peak (59-68%) .. the peak
 # the Spark prefill published recipes measured at 8k-32k-token prompts (the anchor's 2,400-2,900, peers' 2,003-2,962)
 GB10_PREFILL_TOK_S = (2000.0, 2962.0)
+# A published Spark decode ladder, prose, aggregate tok/s at c = 1, 2, 4, 8 (a peer recipe's README,
+# trained weights with MTP): per-stream acceptance cancels in c*step(1)/step(c), so the ladder's
+# shape constrains E / idle. Two more peers' points are held out.
+FIELD_LADDER = {1: 48.7, 2: 74.6, 4: 113.7, 8: 162.9}
+FIELD_HELD_OUT = {"a second peer, prose, c=8": (54.4, 8, 207.0), "a third peer, code, c=4": (50.5, 4, 124.0)}
 
 
 def coverage(tokens: float) -> float:
@@ -175,9 +180,72 @@ def gb10_corners() -> list[dict]:
     return corners
 
 
+def decode_step(c: int, corner: dict) -> float:
+    """The decode step of c streams (3 tokens each) beside nothing: the idle step plus the experts the
+    other streams' tokens add, plus their per-token work (s: an upper reading at short contexts)."""
+    return corner["idle"] + corner["e"] * (coverage(c * STREAM_TOKENS) - coverage(STREAM_TOKENS)) + corner["s"] * STREAM_TOKENS * (c - 1)
+
+
+def ladder(corner: dict, cs=(2, 4, 8)) -> dict[int, float]:
+    """Aggregate throughput at c over c=1's: c * step(1) / step(c)."""
+    return {c: c * decode_step(1, corner) / decode_step(c, corner) for c in cs}
+
+
+def fit_e_to_ladder(idle: float, s: float, measured: dict[int, float] = FIELD_LADDER) -> tuple[float, float]:
+    """The E (ms, to 0.1) whose ladder best matches the measured one in log terms, and the rms error."""
+    want = {c: v / measured[1] for c, v in measured.items() if c != 1}
+
+    def err(e: float) -> float:
+        got = ladder({"idle": idle, "e": e, "s": s}, tuple(want))
+        return math.sqrt(sum((math.log(got[c]) - math.log(w)) ** 2 for c, w in want.items()) / len(want))
+
+    lo, hi = 1.0, 2000.0   # the error has one minimum in E (the ladder falls as E grows): golden section
+    g = (math.sqrt(5) - 1) / 2
+    while hi - lo > 0.01:
+        a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+        lo, hi = (lo, b) if err(a) < err(b) else (a, hi)
+    e = round((lo + hi) / 2, 1)
+    return e, err(e)
+
+
+def gb10_field_corners() -> tuple[list[dict], dict]:
+    """The GB10 corners narrowed by the field's ladder: for each prefill rate's s and each idle step
+    in the band (0.1 ms apart), E fitted to the ladder, kept where it is no faster than the experts'
+    bytes at the full 273 GB/s; the corners are the smallest and largest idle kept, per s."""
+    band = _read(GB10_BAND)["bands"][0]["gb10_step_ms"]
+    floor = expert_gb(model.LAYERS) / GB10_GBS * 1000.0
+    corners, fits = [], []
+    for rate in GB10_PREFILL_TOK_S:
+        kept = []
+        for i in range(round(band[0] * 10), round(band[1] * 10) + 1):
+            idle = i / 10
+            s = s_from_piece(floor, CHUNK, CHUNK / rate * 1000.0 + idle, idle)
+            e, rms = fit_e_to_ladder(idle, s)
+            s = s_from_piece(e, CHUNK, CHUNK / rate * 1000.0 + idle, idle)   # s again with the fitted E
+            e, rms = fit_e_to_ladder(idle, s)
+            fits.append({"prefill_tok_s": rate, "idle_ms": idle, "e_ms": e, "rms": rms})
+            if e >= floor:
+                kept.append({"from": f"idle {idle} ms, E fitted to the field's ladder ({e / idle:.2f} idle steps), prefill {rate:.0f} tok/s",
+                             "idle": idle, "e": e, "s": s})
+        if kept:
+            corners += [kept[0], kept[-1]] if len(kept) > 1 else kept
+    held = {}
+    for name, (one, c, at_c) in FIELD_HELD_OUT.items():
+        got = [ladder(k, (c,))[c] for k in corners]
+        held[name] = {"measured": round(at_c / one, 2), "predicted": _range(got, 2)}
+    lad = [ladder(k) for k in corners]
+    return corners, {"ladder_measured": {c: round(v / FIELD_LADDER[1], 2) for c, v in FIELD_LADDER.items() if c != 1},
+                     "ladder_predicted": {c: _range([x[c] for x in lad], 2) for c in (2, 4, 8)},
+                     "rms_log_error": _range([f["rms"] for f in fits if f["e_ms"] >= floor], 3),
+                     "e_floor_ms": round(floor, 1),
+                     "idle_kept_ms": _range([k["idle"] for k in corners]),
+                     "held_out": held}
+
+
 def build() -> dict:
     h100, fit = h100_corners()
     gb10 = gb10_corners()
+    field, field_fit = gb10_field_corners()
     return {
         "model": "step(n) = idle + E*(cov(n+3) - cov(3)) + s*n, cov(t) = 1 - (1 - 10/512)^t: an estimate",
         "h100_32_layers": {"fit": fit, "corners": _rounded(h100), "pieces": predict(h100),
@@ -185,6 +253,8 @@ def build() -> dict:
         "gb10_48_layers": {"corners": _rounded(gb10), "pieces": predict(gb10), "within_goal": largest_piece(gb10),
                            "assumed": {"idle": GB10_BAND, "bw_fraction": list(GB10_BW_FRACTION),
                                        "prefill_tok_s": list(GB10_PREFILL_TOK_S)}},
+        "gb10_48_layers_field": {"fit": field_fit, "corners": _rounded(field), "pieces": predict(field),
+                                 "within_goal": largest_piece(field)},
     }
 
 
@@ -235,7 +305,8 @@ def plot(pred: dict, path: Path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for key, label, colour in (("h100_32_layers", "H100, 32 layers (fitted)", "tab:blue"),
-                               ("gb10_48_layers", "GB10, 48 layers (assumed)", "tab:red")):
+                               ("gb10_48_layers", "GB10, 48 layers (assumed)", "tab:red"),
+                               ("gb10_48_layers_field", "GB10, narrowed by a Spark decode ladder", "tab:green")):
         rows = pred[key]["pieces"]
         n = [r["piece"] for r in rows]
         for ax, field in ((left, "gap_over_idle"), (right, "prompt_s")):
@@ -262,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", type=Path, nargs="*", default=[], help="bench_latency report.json files to hold against it")
     a = p.parse_args(argv)
     pred = build()
-    for name, part in (("H100, 32 layers", pred["h100_32_layers"]), ("GB10, 48 layers (assumed)", pred["gb10_48_layers"])):
+    parts = (("H100, 32 layers", pred["h100_32_layers"]), ("GB10, 48 layers (assumed)", pred["gb10_48_layers"]),
+             ("GB10, 48 layers (narrowed by the field's decode ladder)", pred["gb10_48_layers_field"]))
+    for name, part in parts:
         print(f"{name}: a stream's gap beside a piece of n prompt tokens (range over {len(part['corners'])} corners)")
         for r in part["pieces"]:
             print(f"  n={r['piece']:>5}: gap {r['gap_ms'][0]:>7.1f}-{r['gap_ms'][1]:<7.1f} ms  "
@@ -274,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     h = pred["h100_32_layers"]["held_out"]
     print(f"held out, {h['case']}: gap {h['predicted_gap_ms']} ms predicted, p99 {h['measured_gap_p99_ms']} measured; "
           f"prompt {h['predicted_prompt_s']} s predicted, {h['measured_prompt_s']} measured")
+    f = pred["gb10_48_layers_field"]["fit"]
+    print(f"field ladder c=2/4/8 over c=1: measured {f['ladder_measured']}, predicted {f['ladder_predicted']} "
+          f"(rms log error {f['rms_log_error']}); idle kept {f['idle_kept_ms']} ms (E no faster than {f['e_floor_ms']} ms); "
+          + "; ".join(f"held out, {k}: {v['measured']} measured, {v['predicted']} predicted" for k, v in f["held_out"].items()))
     checked = []
     for path in a.check:
         for r in check(json.loads(path.read_text()), pred):

@@ -104,3 +104,16 @@ def test_main_writes_the_prediction_and_the_check(tmp_path, capsys):
     assert "within 2.0x idle" in text and "shared-graphs (piece 800)" in text and "inside" in text
     data = json.loads(out.read_text())
     assert data["checked"][0]["config"] == "shared-graphs" and data["checked"][0]["inside"]
+
+
+def test_the_ladder_fit_recovers_a_planted_e_and_the_field_corners_respect_the_bandwidth():
+    planted = {"idle": 60.0, "e": 280.0, "s": 0.3}
+    measured = {1: 10.0} | {c: 10.0 * r for c, r in pieces.ladder(planted).items()}
+    e, rms = pieces.fit_e_to_ladder(60.0, 0.3, measured)
+    assert e == pytest.approx(280.0, abs=0.2) and rms < 1e-4
+    corners, fit = pieces.gb10_field_corners()
+    floor = pieces.expert_gb(model.LAYERS) / pieces.GB10_GBS * 1000.0
+    assert corners and all(c["e"] >= floor for c in corners)    # none reads the experts faster than the bus
+    assert fit["idle_kept_ms"][0] > 47.1                         # the band's fast end needs an impossible E
+    # acceptance cancels in the ladder: the shape alone is fitted, within a few percent
+    assert fit["rms_log_error"][1] < 0.05
