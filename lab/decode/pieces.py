@@ -123,8 +123,10 @@ def largest_piece(corners: list[dict], goal: float = GOAL, prompt: int = PROMPT)
         return n
 
     ns = [at(c) for c in corners]
-    times = [prompt_ms(n, c, prompt) / 1000.0 if n else math.inf for n, c in zip(ns, corners)]
-    return {"goal": goal, "piece": [min(ns), max(ns)], "prompt_s": _range(times, 1)}
+    if not min(ns):   # a corner where not even one prompt token a step stays within the goal
+        return {"goal": goal, "piece": [0, max(ns)], "prompt_s": None}
+    return {"goal": goal, "piece": [min(ns), max(ns)],
+            "prompt_s": _range([prompt_ms(n, c, prompt) / 1000.0 for n, c in zip(ns, corners)], 1)}
 
 
 def _range(xs, nd: int = 1) -> list[float]:
@@ -154,11 +156,10 @@ def held_out(corners: list[dict]) -> dict:
     the largest gap and the 32k prompt's time, against the measured ones. Only the decode-fitted
     corners: the bytes-at-peak one is a floor, not a reading."""
     itl = _read(HELD_OUT_REPORT)["stock"]["itl"]
-    fitted = [c for c in corners if c["from"] != "bytes at peak"]
-    idle = itl["idle_p50_ms"]
-    # 0.33 cuts the 32k prompt into 8,000 x 4 and 768 (PREFIX-CACHE.md's table)
-    fitted = [c | {"idle": idle} for c in fitted]
+    idle = itl["idle_p50_ms"]   # that run's own idle step
+    fitted = [c | {"idle": idle} for c in corners if c["from"] != "bytes at peak"]
     gap = [step_ms(CHUNK, idle, c["e"], c["s"]) for c in fitted]
+    # 0.33 cuts the 32k prompt into 8,000 x 4 and 768 (PREFIX-CACHE.md's table)
     prompt = [prompt_ms(CHUNK, c) / 1000.0 for c in fitted]
     return {"case": "stock, 8,000-token chunks beside the stream (latency48 run1)",
             "predicted_gap_ms": _range(gap), "measured_gap_p99_ms": itl["busy_p99_ms"], "measured_idle_p50_ms": idle,

@@ -59,6 +59,8 @@ def test_largest_piece_is_the_edge_of_the_goal():
     got = pieces.largest_piece([c], goal=2.0)
     n = got["piece"][0]
     assert pieces.step_ms(n, 7.0, 20.0, 0.03) <= 14.0 < pieces.step_ms(n + 1, 7.0, 20.0, 0.03)
+    # a card where one more token already doubles the step: no piece, and no prompt time to give
+    assert pieces.largest_piece([_planted(e=500.0, s=0.0)], goal=2.0) == {"goal": 2.0, "piece": [0, 0], "prompt_s": None}
     # a card whose expert read is a tenth of the idle step: any piece up to several thousand tokens fits
     assert pieces.largest_piece([_planted(e=0.7, s=0.0001)], goal=2.0)["piece"][0] > 1000
 
