@@ -166,12 +166,16 @@ def held_out(corners: list[dict]) -> dict:
             "predicted_prompt_s": _range(prompt, 2), "measured_prompt_s": itl["prefill_ttft_s"]}
 
 
+def _gb10_idle_band() -> list[float]:
+    """The GB10 band's c=1 step, [fast, slow] ms (recipe48's gb10-band.json, run1's row)."""
+    return _read(GB10_BAND)["bands"][0]["gb10_step_ms"]
+
+
 def gb10_corners() -> list[dict]:
     """The GB10 (48 layers) corners, all assumptions: idle from the GB10 band, E from the experts'
     bytes at GB10_BW_FRACTION of 273 GB/s, s from the published Spark prefill rates in CHUNK-token steps."""
-    band = _read(GB10_BAND)["bands"][0]["gb10_step_ms"]
     corners = []
-    for idle in band:
+    for idle in _gb10_idle_band():
         for frac in GB10_BW_FRACTION:
             e = expert_gb(model.LAYERS) / (GB10_GBS * frac) * 1000.0
             for rate in GB10_PREFILL_TOK_S:
@@ -213,16 +217,16 @@ def gb10_field_corners() -> tuple[list[dict], dict]:
     """The GB10 corners narrowed by the field's ladder: for each prefill rate's s and each idle step
     in the band (0.1 ms apart), E fitted to the ladder, kept where it is no faster than the experts'
     bytes at the full 273 GB/s; the corners are the smallest and largest idle kept, per s."""
-    band = _read(GB10_BAND)["bands"][0]["gb10_step_ms"]
+    band = _gb10_idle_band()
     floor = expert_gb(model.LAYERS) / GB10_GBS * 1000.0
     corners, fits = [], []
     for rate in GB10_PREFILL_TOK_S:
         kept = []
         for i in range(round(band[0] * 10), round(band[1] * 10) + 1):
-            idle = i / 10
-            s = s_from_piece(floor, CHUNK, CHUNK / rate * 1000.0 + idle, idle)
+            idle, chunk_ms = i / 10, CHUNK / rate * 1000.0
+            s = s_from_piece(floor, CHUNK, chunk_ms + idle, idle)
             e, rms = fit_e_to_ladder(idle, s)
-            s = s_from_piece(e, CHUNK, CHUNK / rate * 1000.0 + idle, idle)   # s again with the fitted E
+            s = s_from_piece(e, CHUNK, chunk_ms + idle, idle)   # s again with the fitted E
             e, rms = fit_e_to_ladder(idle, s)
             fits.append({"prefill_tok_s": rate, "idle_ms": idle, "e_ms": e, "rms": rms})
             if e >= floor:
@@ -264,37 +268,44 @@ def _rounded(corners: list[dict]) -> list[dict]:
             for c in corners]
 
 
-def check(report: dict, prediction: dict) -> list[dict]:
-    """A latency report's piece-size configs (bench_recipe's words name LONG_PREFILL) against the
-    H100 prediction: the measured p50 gap inside the predicted range or not. The prediction is for
-    32 layers on an H100; a report from another card or depth is not comparable."""
+def piece_in_graphs(name: str) -> int | None:
+    """The piece a bench config cuts a long prompt into (LONG_PREFILL, from the settings its profile
+    and words resolve to), where its step beside every seat runs inside CUDA graphs as `flash plan`
+    reckons it (prefill.capture_max); None for no piece, or one run outside graphs. The fit is of a
+    piece inside graphs: outside them a step pays the eager forward too (run2: 127 against 54 ms)."""
+    import shlex
+
+    from flash_cli import recipe
+    from flash_cli.plan import prefill
     from lab import bench_recipe as br
 
-    rows = {r["piece"]: r for r in prediction["h100_32_layers"]["pieces"]}
+    cfg = br.CONFIGS.get(name)
+    if cfg is None:
+        return None
+    s = recipe.load([cfg["profile"], *cfg["words"]], env={}).settings
+    graphs = prefill.capture_max(s, shlex.split(s["EXTRA"] or ""))
+    piece = s["LONG_PREFILL"]
+    return piece if piece and graphs is not None and piece + s["SEQS"] * (1 + s["MTP"]) <= graphs else None
+
+
+def check(report: dict, prediction: dict) -> list[dict]:
+    """A latency report's piece-size configs (`piece_in_graphs`) against the H100 prediction: the
+    measured p50 gap inside the predicted range or not. The prediction is for 32 layers on an H100;
+    a report from another card or depth is not comparable."""
+    rows = {r["piece"]: r["gap_ms"] for r in prediction["h100_32_layers"]["pieces"]}
     out = []
     for cfg, res in report.items():
-        spec = br.CONFIGS.get(cfg, {})
-        if spec.get("profile") != "shared":
-            continue
-        said = _profile_words(spec["profile"]) | dict(w.split("=", 1) for w in spec["words"] if "=" in w)
-        piece, graphs = int(said.get("LONG_PREFILL", 0)), int(said.get("GRAPH_TOKENS", 0))
         itl = res.get("itl") or {}
-        # the fit is of a piece inside CUDA graphs (beside up to 8 streams of 3 tokens); outside
-        # them a step pays the eager forward too (run2: 127 against 54 ms), which is not modelled
-        if not piece or piece + 8 * STREAM_TOKENS > graphs or "busy_p50_ms" not in itl:
+        piece = piece_in_graphs(cfg) if "busy_p50_ms" in itl else None
+        if piece is None:
             continue
-        lo, hi = (rows[piece]["gap_ms"] if piece in rows else
-                  predict(h100_corners()[0], pieces=(piece,))[0]["gap_ms"])
+        if piece not in rows:   # a piece the committed prediction has no row for: the same model, asked now
+            rows[piece] = predict(h100_corners()[0], pieces=(piece,))[0]["gap_ms"]
+        lo, hi = rows[piece]
         out.append({"config": cfg, "piece": piece, "predicted_gap_ms": [lo, hi], "measured_gap_p50_ms": itl["busy_p50_ms"],
                     # the range is rounded to 0.1 ms: half of that either side belongs to it
                     "inside": lo - 0.05 <= itl["busy_p50_ms"] <= hi + 0.05, "p99_over_idle_p99": itl.get("p99_ratio")})
     return out
-
-
-def _profile_words(name: str) -> dict[str, str]:
-    """KEY=VALUE lines of profiles/NAME.env (what bench_recipe's words override)."""
-    lines = (ROOT / "profiles" / f"{name}.env").read_text().splitlines()
-    return dict(ln.split("=", 1) for ln in lines if "=" in ln and not ln.lstrip().startswith("#"))
 
 
 def plot(pred: dict, path: Path) -> None:
