@@ -227,7 +227,9 @@ def plot(summary: dict, rows: list[dict], out: str | Path) -> None:
 
     labels = list(summary)
     tails = sorted({t for s in summary.values() for t in s.get("prefix", {})}, key=int)
-    fig, axes = plt.subplots(1, len(tails) + 1, figsize=(5 * (len(tails) + 1), 4.4))
+    # squeeze=False: an --itl-only run has no prefix panel, and one Axes is not a sequence
+    fig, axes = plt.subplots(1, len(tails) + 1, figsize=(5 * (len(tails) + 1), 4.4), squeeze=False)
+    axes = axes[0]
     for ax, tail in zip(axes, tails):
         for i, label in enumerate(labels):
             by_n = summary[label].get("prefix", {}).get(tail, {})
@@ -271,6 +273,8 @@ def report_cmd(args) -> int:
         if "prefix" in s:
             print(f"{label}: hits (half the prefix or more) by the third prompt from {HIT_GOAL_FROM} tokens: "
                   f"{'met' if s['hit_goal_met'] else 'not met'}")
+        else:
+            print(f"{label}: (no prefix study)")
         for tail, by_n in s.get("prefix", {}).items():
             starts = s["hits_from_tokens"][tail]
             print(f"  tail {tail}: hits from {starts['send2']} tokens on the second prompt, "

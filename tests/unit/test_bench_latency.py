@@ -131,6 +131,12 @@ def test_prefix_hits_and_gaps_under_a_prefill(tmp_path, monkeypatch, capsys):
     assert "tail 600: hits from None tokens on the second prompt, 1024 on the third" in capsys.readouterr().out
     assert json.loads((tmp_path / "s.json").read_text()) == rep
     assert "prefix" not in rep["shared-400"] and rep["shared-400"]["itl"]["repeats"] == 1
+    # a run of --itl-only servers alone (latency48 run3): one panel, and each line names its server
+    only = tmp_path / "itl-only.jsonl"
+    only.write_text("".join(json.dumps(r) + "\n" for r in rows if r.get("label") == "shared-400"))
+    assert bl.main(["report", str(only), "--png", str(tmp_path / "i.png")]) == 0
+    assert (tmp_path / "i.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert capsys.readouterr().out.startswith("shared-400: (no prefix study)\n  ITL p50 ")
     with pytest.raises(SystemExit, match="--itl-only shared-200: not in --configs stock"):
         bl.main(["run", str(d), "--configs", "stock", "--out", str(tmp_path / "x.jsonl"), "--itl-only", "shared-200"])
 
