@@ -7,22 +7,30 @@ share cov(t) = 1 - (1 - TOPK/EXPERTS)^t of the experts: 3 tokens (one stream, 1 
 25 tokens 39%, 100 tokens 86%, 400 tokens all of them. A step with a piece of n prompt tokens beside
 that stream therefore costs
 
-    step(n) = idle + E * (cov(n + 3) - cov(3)) + s * n
+    step(n) = idle + F + E * (cov(n + 3) - cov(3)) + s * n      (n > 0; idle alone for n = 0)
 
 - idle: the stream's own step (measured, the ITL bench's idle gaps);
+- F: what any step carrying a prompt piece pays whatever the piece's size (a mixed batch leaves the
+  full CUDA graph: the attention and GDN prefill paths run between piecewise graphs);
 - E: reading every expert of every layer once;
 - s: the work a prompt token adds once the experts are read (attention, GDN, the side layers).
 
 E comes from the decode steps at c = 1, 4, 8 (3, 12, 24 tokens: each pair's step difference over its
-coverage difference; the rest of what grows with c is charged to E, so it is an upper reading), and
-s from one piece size measured beside a stream inside CUDA graphs. E is never below the experts'
-bytes at the card's peak bandwidth; that floor is kept as a corner too. The corners give a range
-per piece size: an estimate from the model, not a statistical interval.
+coverage difference; the rest of what grows with c is charged to E, so it is an upper reading). F and
+s are fitted, for each E, by least squares to a sweep of piece sizes measured beside a stream inside
+CUDA graphs on the same machine in the same session. E is never below the experts' bytes at the
+card's peak bandwidth; that floor is kept as a corner too. The corners give a range per piece size:
+an estimate from the model, not a statistical interval.
 
-The point of it: a piece that touches most experts costs at least E, whatever its size. So the
-piece size at which the stream's gaps stay within a factor of its idle step is set by E / idle,
-and on a card where reading the experts takes several idle steps (a GB10: ~68 GB at 273 GB/s) no
-piece that finishes a long prompt in useful time gets there.
+F was not in the model committed before the sweep (9e32fb4: F = 0, s from one 800-token piece). That
+model put the sweep's 100- and 200-token gaps at 22-29 and 28-35 ms; latency48 run3 measured 53 and
+64 (benchmarks/latency48-h100/run3-32layers/piece-check-committed.txt), so F was added and fitted there.
+
+The point of it: a piece costs at least F, and one that touches most experts at least F + E, whatever
+its size. So the piece size at which the stream's gaps stay within a factor of its idle step is set
+by (F + E) / idle; where F alone exceeds the idle step (the H100 at 32 layers) no piece does, and on a
+card where reading the experts takes several idle steps (a GB10: ~68 GB at 273 GB/s) no piece that
+finishes a long prompt in useful time gets there.
 
   python3 -m lab.decode.pieces [--json OUT] [--png PNG] [--check LATENCY_REPORT.json …]
 """
@@ -45,11 +53,15 @@ GOAL = 2.0                        # issue 33: p99 gap with `shared` <= 2x its id
 PIECES = (10, 25, 50, 100, 200, 400, 800, 8000)
 CHUNK = 8000                      # `default`'s and stock's prefill step on 0.33: 8,192 down to the block
 
-# The rows the H100 fit reads (32 of 48 layers, NVFP4 experts on HUMMING, random weights)
-DECODE_REPORT = "benchmarks/recipe48-h200/run4-h100-32layers/report.json"  # step_ms at c = 1, 4, 8
-PIECE_REPORT = "benchmarks/latency48-h100/run2-32layers/report.json"       # `shared-graphs`: 800 in graphs
-PIECE_CONFIG, PIECE_TOKENS = "shared-graphs", 800
-HELD_OUT_REPORT = "benchmarks/latency48-h100/run1-32layers/report.json"    # stock's 8,000-token chunks
+# The rows the H100 fit reads (32 of 48 layers, NVFP4 experts on HUMMING, random weights): one
+# machine, one session (2026-12-07), so the mixed step's machine-to-machine spread stays out of the fit
+DECODE_REPORT = "benchmarks/recipe48-h200/run6-h100-32layers/report.json"  # step_ms at c = 1, 4, 8
+PIECE_REPORT = "benchmarks/latency48-h100/run3-32layers/report.json"       # the sweep, pieces in graphs
+PIECE_CONFIGS = {"shared-100": 100, "shared-200": 200, "shared": 800}
+# held out, each from another H100 machine: stock's 8,000-token chunks (run1), `shared`'s 800 (run2)
+HELD_OUT = (("latency48 run1: stock, 8,000-token chunks", "benchmarks/latency48-h100/run1-32layers/report.json", "stock", 8000),
+            ("latency48 run2: `shared`, 800-token pieces in graphs", "benchmarks/latency48-h100/run2-32layers/report.json",
+             "shared-graphs", 800))
 H100_LAYERS, H100_PEAK_GBS = 32, 3350.0
 
 # The GB10 corners (assumptions, each said in the output)
@@ -75,9 +87,14 @@ def expert_gb(layers: int) -> float:
     return layers * model.EXPERTS * 3 * model.HIDDEN * model.MOE_INTER * model.EXPERT_BYTES["nvfp4"] / 1e9
 
 
-def step_ms(n: int, idle: float, e: float, s: float, stream: int = STREAM_TOKENS) -> float:
-    """A step with `n` prompt tokens beside `stream` decoding tokens."""
-    return idle + e * (coverage(n + stream) - coverage(stream)) + s * n
+def step_ms(n: int, idle: float, e: float, s: float, fixed: float = 0.0, stream: int = STREAM_TOKENS) -> float:
+    """A step with `n` prompt tokens beside `stream` decoding tokens (`fixed`: F, paid when n > 0)."""
+    return idle + (fixed if n else 0.0) + e * (coverage(n + stream) - coverage(stream)) + s * n
+
+
+def gap(n: int, corner: dict) -> float:
+    """step_ms at a corner ({idle, e, s, fixed})."""
+    return step_ms(n, corner["idle"], corner["e"], corner["s"], corner["fixed"])
 
 
 def e_from_decode(steps: dict[int, float]) -> list[float]:
@@ -87,17 +104,38 @@ def e_from_decode(steps: dict[int, float]) -> list[float]:
     return [(steps[b] - steps[a]) / (coverage(b * STREAM_TOKENS) - coverage(a * STREAM_TOKENS)) for a, b in zip(cs, cs[1:])]
 
 
-def s_from_piece(e: float, n: int, gap: float, idle: float) -> float:
-    """s given E, from one piece size's measured gap beside an idle-`idle` stream."""
-    s = (gap - idle - e * (coverage(n + STREAM_TOKENS) - coverage(STREAM_TOKENS))) / n
+def s_from_piece(e: float, n: int, gap: float, idle: float, fixed: float = 0.0) -> float:
+    """s given E (and F), from one piece size's measured gap beside an idle-`idle` stream."""
+    s = (gap - idle - fixed - e * (coverage(n + STREAM_TOKENS) - coverage(STREAM_TOKENS))) / n
     if s <= 0:
-        raise ValueError(f"a {gap} ms step with {n} prompt tokens cannot read every expert in {e:.1f} ms beside a {idle} ms step")
+        raise ValueError(f"a {gap} ms step with {n} prompt tokens cannot read every expert in {e:.1f} ms "
+                         f"(and pay {fixed:.1f} ms) beside a {idle} ms step")
     return s
+
+
+def fit_fixed_and_s(e: float, points: list[tuple[int, float, float]]) -> tuple[float, float, float]:
+    """F and s given E, by least squares over measured (piece, gap, idle) points, each kept >= 0;
+    with the rms residual (ms). What is left of a gap once the idle step and the experts are taken
+    out is F + s * n."""
+    ys = [(n, g - idle - e * (coverage(n + STREAM_TOKENS) - coverage(STREAM_TOKENS))) for n, g, idle in points]
+    if all(y <= 0 for _, y in ys):
+        raise ValueError(f"gaps {[g for _, g, _ in points]} ms cannot read every expert in {e:.1f} ms")
+    k = len(ys)
+    mn, my = sum(n for n, _ in ys) / k, sum(y for _, y in ys) / k
+    var = sum((n - mn) ** 2 for n, _ in ys)
+    s = sum((n - mn) * (y - my) for n, y in ys) / var if var else 0.0
+    fixed = my - s * mn
+    if s < 0:          # a sweep whose gaps shrink with the piece: all of it is F
+        s, fixed = 0.0, my
+    elif fixed < 0:    # a line through the origin: all of it is per token
+        fixed, s = 0.0, sum(n * y for n, y in ys) / sum(n * n for n, _ in ys)
+    rms = math.sqrt(sum((fixed + s * n - y) ** 2 for n, y in ys) / k)
+    return fixed, s, rms
 
 
 def prompt_ms(n: int, c: dict, prompt: int = PROMPT) -> float:
     """The long prompt in pieces of `n` (the last one shorter), each step beside the stream."""
-    return (prompt // n) * step_ms(n, c["idle"], c["e"], c["s"]) + (step_ms(prompt % n, c["idle"], c["e"], c["s"]) if prompt % n else 0.0)
+    return (prompt // n) * gap(n, c) + (gap(prompt % n, c) if prompt % n else 0.0)
 
 
 def predict(corners: list[dict], pieces=PIECES, prompt: int = PROMPT) -> list[dict]:
@@ -105,7 +143,7 @@ def predict(corners: list[dict], pieces=PIECES, prompt: int = PROMPT) -> list[di
     the idle step, and the long prompt's time in pieces (its steps times the step)."""
     rows = []
     for n in pieces:
-        steps = [step_ms(n, c["idle"], c["e"], c["s"]) for c in corners]
+        steps = [gap(n, c) for c in corners]
         ratios = [st / c["idle"] for st, c in zip(steps, corners)]
         prompt_s = [prompt_ms(n, c, prompt) / 1000.0 for c in corners]
         rows.append({"piece": n, "gap_ms": _range(steps), "gap_over_idle": _range(ratios, 2),
@@ -118,7 +156,7 @@ def largest_piece(corners: list[dict], goal: float = GOAL, prompt: int = PROMPT)
     corner, with the long prompt's time at that piece."""
     def at(c: dict) -> int:
         n = 0
-        while step_ms(n + 1, c["idle"], c["e"], c["s"]) <= goal * c["idle"]:
+        while gap(n + 1, c) <= goal * c["idle"]:
             n += 1
         return n
 
@@ -139,31 +177,41 @@ def _read(rel: str) -> dict:
 
 def h100_corners() -> tuple[list[dict], dict]:
     """The H100 (32 layers) corners: E from each decode pair of stock's and `default`'s steps and
-    the bytes at peak, s from `shared-graphs`' 800-token pieces for each E."""
+    the bytes at peak, F and s fitted to the sweep's pieces for each E."""
     steps = _read(DECODE_REPORT)["step_ms"]
-    itl = _read(PIECE_REPORT)[PIECE_CONFIG]["itl"]
-    idle, gap = itl["idle_p50_ms"], itl["busy_p50_ms"]
+    sweep = _read(PIECE_REPORT)
+    itls = {n: sweep[cfg]["itl"] for cfg, n in PIECE_CONFIGS.items()}
+    points = [(n, i["busy_p50_ms"], i["idle_p50_ms"]) for n, i in sorted(itls.items())]
+    idle = sorted(i for _, _, i in points)[len(points) // 2]   # the sweep's median idle step
     es = {f"{cfg} c={a}->{b}": e
           for cfg in ("stock", "default")
           for (a, b), e in zip(((1, 4), (4, 8)), e_from_decode({c: steps[cfg][f"c={c} p=64"]["step"] for c in (1, 4, 8)}))}
     es["bytes at peak"] = expert_gb(H100_LAYERS) / H100_PEAK_GBS * 1000.0
-    corners = [{"from": k, "idle": idle, "e": e, "s": s_from_piece(e, PIECE_TOKENS, gap, idle)} for k, e in es.items()]
-    return corners, {"idle_p50_ms": idle, "idle_p99_ms": itl["idle_p99_ms"], "piece": PIECE_TOKENS, "gap_p50_ms": gap}
+    corners = []
+    for k, e in es.items():
+        fixed, s, rms = fit_fixed_and_s(e, points)
+        corners.append({"from": k, "idle": idle, "e": e, "s": s, "fixed": fixed, "rms": rms})
+    return corners, {"idle_p50_ms": idle, "points": [{"piece": n, "gap_p50_ms": g, "idle_p50_ms": i} for n, g, i in points],
+                     "rms_ms": _range([c["rms"] for c in corners])}
 
 
-def held_out(corners: list[dict]) -> dict:
-    """What the corners say of stock's 8,000-token chunks beside the stream (run1, another H100):
-    the largest gap and the 32k prompt's time, against the measured ones. Only the decode-fitted
-    corners: the bytes-at-peak one is a floor, not a reading."""
-    itl = _read(HELD_OUT_REPORT)["stock"]["itl"]
-    idle = itl["idle_p50_ms"]   # that run's own idle step
-    fitted = [c | {"idle": idle} for c in corners if c["from"] != "bytes at peak"]
-    gap = [step_ms(CHUNK, idle, c["e"], c["s"]) for c in fitted]
-    # 0.33 cuts the 32k prompt into 8,000 x 4 and 768 (PREFIX-CACHE.md's table)
-    prompt = [prompt_ms(CHUNK, c) / 1000.0 for c in fitted]
-    return {"case": "stock, 8,000-token chunks beside the stream (latency48 run1)",
-            "predicted_gap_ms": _range(gap), "measured_gap_p99_ms": itl["busy_p99_ms"], "measured_idle_p50_ms": idle,
-            "predicted_prompt_s": _range(prompt, 2), "measured_prompt_s": itl["prefill_ttft_s"]}
+def held_out(corners: list[dict]) -> list[dict]:
+    """What the corners say of the runs on other H100 machines: the gap (p99 for stock's chunks,
+    whose few gaps are all chunk steps; p50 for the pieces) and the 32k prompt's time, against the
+    measured ones, at each run's own idle step. Only the decode-fitted corners: the bytes-at-peak
+    one is a floor, not a reading."""
+    out = []
+    for case, rel, cfg, n in HELD_OUT:
+        itl = _read(rel)[cfg]["itl"]
+        idle = itl["idle_p50_ms"]
+        fitted = [c | {"idle": idle} for c in corners if c["from"] != "bytes at peak"]
+        measured = itl["busy_p99_ms"] if n == CHUNK else itl["busy_p50_ms"]
+        out.append({"case": case, "piece": n, "predicted_gap_ms": _range([gap(n, c) for c in fitted]),
+                    "measured_gap_ms": measured, "measured": "p99" if n == CHUNK else "p50", "measured_idle_p50_ms": idle,
+                    # 0.33 cuts the 32k prompt into 8,000 x 4 and 768 (PREFIX-CACHE.md's table)
+                    "predicted_prompt_s": _range([prompt_ms(n, c) / 1000.0 for c in fitted], 2),
+                    "measured_prompt_s": itl["prefill_ttft_s"]})
+    return out
 
 
 def _gb10_idle_band() -> list[float]:
@@ -171,17 +219,25 @@ def _gb10_idle_band() -> list[float]:
     return _read(GB10_BAND)["bands"][0]["gb10_step_ms"]
 
 
-def gb10_corners() -> list[dict]:
+def _gb10_fixed(h100: list[dict]) -> tuple[float, float]:
+    """F on a GB10, assumed: none, up to the H100 fit's largest (the GB10's host is no faster)."""
+    return 0.0, max(c["fixed"] for c in h100 if c["from"] != "bytes at peak")
+
+
+def gb10_corners(fixeds: tuple[float, float]) -> list[dict]:
     """The GB10 (48 layers) corners, all assumptions: idle from the GB10 band, E from the experts'
-    bytes at GB10_BW_FRACTION of 273 GB/s, s from the published Spark prefill rates in CHUNK-token steps."""
+    bytes at GB10_BW_FRACTION of 273 GB/s, F from `fixeds`, s from the published Spark prefill rates
+    in CHUNK-token steps."""
     corners = []
     for idle in _gb10_idle_band():
         for frac in GB10_BW_FRACTION:
             e = expert_gb(model.LAYERS) / (GB10_GBS * frac) * 1000.0
             for rate in GB10_PREFILL_TOK_S:
                 chunk_ms = CHUNK / rate * 1000.0
-                corners.append({"from": f"idle {idle} ms, {frac:.0%} of {GB10_GBS:.0f} GB/s, prefill {rate:.0f} tok/s",
-                                "idle": idle, "e": e, "s": s_from_piece(e, CHUNK, chunk_ms + idle, idle)})
+                for fixed in fixeds:
+                    corners.append({"from": f"idle {idle} ms, {frac:.0%} of {GB10_GBS:.0f} GB/s, prefill {rate:.0f} tok/s, "
+                                            f"F {fixed:.1f} ms", "idle": idle, "e": e, "fixed": fixed,
+                                    "s": s_from_piece(e, CHUNK, chunk_ms + idle, idle, fixed)})
     return corners
 
 
@@ -213,10 +269,12 @@ def fit_e_to_ladder(idle: float, s: float, measured: dict[int, float] = FIELD_LA
     return e, err(e)
 
 
-def gb10_field_corners() -> tuple[list[dict], dict]:
+def gb10_field_corners(fixeds: tuple[float, float] = (0.0, 0.0)) -> tuple[list[dict], dict]:
     """The GB10 corners narrowed by the field's ladder: for each prefill rate's s and each idle step
     in the band (0.1 ms apart), E fitted to the ladder, kept where it is no faster than the experts'
-    bytes at the full 273 GB/s; the corners are the smallest and largest idle kept, per s."""
+    bytes at the full 273 GB/s; the corners are the smallest and largest idle kept, per s, each with
+    both ends of `fixeds` (F: no decode step pays it, so the ladder says nothing of it). s is read
+    with F = 0: at 8,000-token chunks F is under 1% of the step."""
     band = _gb10_idle_band()
     floor = expert_gb(model.LAYERS) / GB10_GBS * 1000.0
     corners, fits = [], []
@@ -233,7 +291,8 @@ def gb10_field_corners() -> tuple[list[dict], dict]:
                 kept.append({"from": f"idle {idle} ms, E fitted to the field's ladder ({e / idle:.2f} idle steps), prefill {rate:.0f} tok/s",
                              "idle": idle, "e": e, "s": s})
         if kept:
-            corners += [kept[0], kept[-1]] if len(kept) > 1 else kept
+            corners += [k | {"fixed": f, "from": f"{k['from']}, F {f:.1f} ms"}
+                        for k in ([kept[0], kept[-1]] if len(kept) > 1 else kept) for f in fixeds]
     held = {}
     for name, (one, c, at_c) in FIELD_HELD_OUT.items():
         got = [ladder(k, (c,))[c] for k in corners]
@@ -249,23 +308,24 @@ def gb10_field_corners() -> tuple[list[dict], dict]:
 
 def build() -> dict:
     h100, fit = h100_corners()
-    gb10 = gb10_corners()
-    field, field_fit = gb10_field_corners()
+    fixeds = _gb10_fixed(h100)
+    gb10 = gb10_corners(fixeds)
+    field, field_fit = gb10_field_corners(fixeds)
     return {
-        "model": "step(n) = idle + E*(cov(n+3) - cov(3)) + s*n, cov(t) = 1 - (1 - 10/512)^t: an estimate",
+        "model": "step(n) = idle + F + E*(cov(n+3) - cov(3)) + s*n for n > 0, cov(t) = 1 - (1 - 10/512)^t: an estimate",
         "h100_32_layers": {"fit": fit, "corners": _rounded(h100), "pieces": predict(h100),
                            "within_goal": largest_piece(h100), "held_out": held_out(h100)},
         "gb10_48_layers": {"corners": _rounded(gb10), "pieces": predict(gb10), "within_goal": largest_piece(gb10),
                            "assumed": {"idle": GB10_BAND, "bw_fraction": list(GB10_BW_FRACTION),
-                                       "prefill_tok_s": list(GB10_PREFILL_TOK_S)}},
+                                       "prefill_tok_s": list(GB10_PREFILL_TOK_S), "fixed_ms": _range(fixeds)}},
         "gb10_48_layers_field": {"fit": field_fit, "corners": _rounded(field), "pieces": predict(field),
                                  "within_goal": largest_piece(field)},
     }
 
 
 def _rounded(corners: list[dict]) -> list[dict]:
-    return [{"from": c["from"], "idle_ms": round(c["idle"], 2), "e_ms": round(c["e"], 1), "s_ms_per_token": round(c["s"], 4)}
-            for c in corners]
+    return [{"from": c["from"], "idle_ms": round(c["idle"], 2), "e_ms": round(c["e"], 1), "fixed_ms": round(c["fixed"], 1),
+             "s_ms_per_token": round(c["s"], 4)} for c in corners]
 
 
 def piece_in_graphs(name: str) -> int | None:
@@ -324,10 +384,13 @@ def plot(pred: dict, path: Path) -> None:
         for ax, field in ((left, "gap_over_idle"), (right, "prompt_s")):
             ax.fill_between(n, [r[field][0] for r in rows], [r[field][1] for r in rows], alpha=0.3, color=colour, label=label)
     fit, held = pred["h100_32_layers"]["fit"], pred["h100_32_layers"]["held_out"]
-    left.plot([fit["piece"]], [fit["gap_p50_ms"] / fit["idle_p50_ms"]], "o", color="tab:blue", label="measured: `shared`, 800 in graphs (fit)")
-    left.plot([CHUNK], [held["measured_gap_p99_ms"] / held["measured_idle_p50_ms"]], "s", color="black",
-              label="measured: stock's 8,000 chunks (held out)")
-    right.plot([CHUNK], [held["measured_prompt_s"]], "s", color="black")
+    pts = fit["points"]
+    left.plot([x["piece"] for x in pts], [x["gap_p50_ms"] / x["idle_p50_ms"] for x in pts], "o", color="tab:blue",
+              label="measured: run3's sweep, in graphs (fit)")
+    for h, mark in zip(held, "sD"):
+        left.plot([h["piece"]], [h["measured_gap_ms"] / h["measured_idle_p50_ms"]], mark, color="black",
+                  label=f"held out, {h['case']}")
+        right.plot([h["piece"]], [h["measured_prompt_s"]], mark, color="black")
     left.axhline(GOAL, ls="--", color="grey", label=f"issue 33's goal, {GOAL:g}x idle")
     left.set(xscale="log", yscale="log", xlabel="prompt tokens in a step (LONG_PREFILL)", ylabel="stream's gap / its idle step")
     right.set(xscale="log", yscale="log", xlabel="prompt tokens in a step (LONG_PREFILL)", ylabel=f"a {PROMPT}-token prompt, s")
@@ -354,11 +417,19 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['gap_over_idle'][0]:>5.2f}-{r['gap_over_idle'][1]:<5.2f}x idle  "
                   f"a {PROMPT}-token prompt {r['prompt_s'][0]}-{r['prompt_s'][1]} s")
         w = part["within_goal"]
-        print(f"  within {w['goal']}x idle: pieces of {w['piece'][0]}-{w['piece'][1]} tokens; "
-              f"the prompt then takes {w['prompt_s'][0]}-{w['prompt_s'][1]} s")
-    h = pred["h100_32_layers"]["held_out"]
-    print(f"held out, {h['case']}: gap {h['predicted_gap_ms']} ms predicted, p99 {h['measured_gap_p99_ms']} measured; "
-          f"prompt {h['predicted_prompt_s']} s predicted, {h['measured_prompt_s']} measured")
+        if w["prompt_s"] is None:
+            print(f"  within {w['goal']}x idle: pieces of {w['piece'][0]}-{w['piece'][1]} tokens: at some corner none, "
+                  f"not one prompt token a step")
+        else:
+            print(f"  within {w['goal']}x idle: pieces of {w['piece'][0]}-{w['piece'][1]} tokens; "
+                  f"the prompt then takes {w['prompt_s'][0]}-{w['prompt_s'][1]} s")
+    fit = pred["h100_32_layers"]["fit"]
+    print(f"H100 fit: F {_range([c['fixed_ms'] for c in pred['h100_32_layers']['corners']])} ms, s "
+          f"{_range([c['s_ms_per_token'] for c in pred['h100_32_layers']['corners']], 4)} ms/token over pieces "
+          f"{[x['piece'] for x in fit['points']]} (rms residual {fit['rms_ms']} ms)")
+    for h in pred["h100_32_layers"]["held_out"]:
+        print(f"held out, {h['case']}: gap {h['predicted_gap_ms']} ms predicted, {h['measured']} {h['measured_gap_ms']} "
+              f"measured; prompt {h['predicted_prompt_s']} s predicted, {h['measured_prompt_s']} measured")
     f = pred["gb10_48_layers_field"]["fit"]
     print(f"field ladder c=2/4/8 over c=1: measured {f['ladder_measured']}, predicted {f['ladder_predicted']} "
           f"(rms log error {f['rms_log_error']}); idle kept {f['idle_kept_ms']} ms (E no faster than {f['e_floor_ms']} ms); "

@@ -24,8 +24,8 @@ def test_expert_bytes_are_the_checkpoints():
     assert pieces.expert_gb(48) == pytest.approx(67.987, rel=0.002)
 
 
-def _planted(idle=7.0, e=20.0, s=0.03):
-    return {"idle": idle, "e": e, "s": s}
+def _planted(idle=7.0, e=20.0, s=0.03, fixed=0.0):
+    return {"idle": idle, "e": e, "s": s, "fixed": fixed}
 
 
 def test_e_and_s_are_recovered_from_planted_steps():
@@ -35,6 +35,22 @@ def test_e_and_s_are_recovered_from_planted_steps():
     idle = steps[1]
     gap = pieces.step_ms(800, idle, e, s)
     assert pieces.s_from_piece(e, 800, gap, idle) == pytest.approx(s)
+
+
+def test_f_and_s_are_recovered_from_a_planted_sweep_and_kept_non_negative():
+    e, fixed, s, idle = 20.0, 27.0, 0.025, 7.4
+    pts = [(n, pieces.step_ms(n, idle, e, s, fixed), idle) for n in (100, 200, 800)]
+    got = pieces.fit_fixed_and_s(e, pts)
+    assert got[:2] == pytest.approx((fixed, s)) and got[2] < 1e-9
+    assert pieces.step_ms(0, idle, e, s, fixed) == idle      # no piece, no F
+    # gaps that shrink as the piece grows: no negative s, all of it F
+    f2, s2, _ = pieces.fit_fixed_and_s(0.0, [(100, 60.0, 7.0), (800, 50.0, 7.0)])
+    assert s2 == 0.0 and f2 == pytest.approx(48.0)
+    # a line that would cross zero below the smallest piece: no negative F, all of it per token
+    f3, s3, _ = pieces.fit_fixed_and_s(0.0, [(100, 7.0 + 1.0, 7.0), (800, 7.0 + 16.0, 7.0)])
+    assert f3 == 0.0 and s3 > 0
+    with pytest.raises(ValueError, match=r"gaps \[8.0\] ms cannot read every expert in 30.0 ms"):
+        pieces.fit_fixed_and_s(30.0, [(800, 8.0, 7.0)])
 
 
 def test_a_gap_too_short_to_read_the_experts_is_refused_with_its_values():
@@ -59,26 +75,35 @@ def test_largest_piece_is_the_edge_of_the_goal():
     got = pieces.largest_piece([c], goal=2.0)
     n = got["piece"][0]
     assert pieces.step_ms(n, 7.0, 20.0, 0.03) <= 14.0 < pieces.step_ms(n + 1, 7.0, 20.0, 0.03)
+    # an F above the idle step: not one token a step stays within 2x
+    assert pieces.largest_piece([_planted(fixed=7.5)], goal=2.0) == {"goal": 2.0, "piece": [0, 0], "prompt_s": None}
     # a card where one more token already doubles the step: no piece, and no prompt time to give
     assert pieces.largest_piece([_planted(e=500.0, s=0.0)], goal=2.0) == {"goal": 2.0, "piece": [0, 0], "prompt_s": None}
     # a card whose expert read is a tenth of the idle step: any piece up to several thousand tokens fits
     assert pieces.largest_piece([_planted(e=0.7, s=0.0001)], goal=2.0)["piece"][0] > 1000
 
 
-def test_the_committed_rows_give_a_fit_that_predicts_the_held_out_chunks():
-    """The claim latency48-h100's README makes: fitted on run4's decode steps and run2's 800-token
-    pieces, the model puts stock's 8,192-token chunk gap (run1, another H100) inside its range, and
-    every E the decode steps give is above the experts' bytes at the card's peak."""
+def test_the_committed_rows_give_a_fit_and_no_piece_meets_the_goal_on_the_h100():
+    """The claims latency48-h100's README makes: fitted on run6's decode steps and run3's sweep (one
+    machine, one session), F alone is several idle steps, so no piece keeps the stream within 2x; the
+    fit gives back its three points within a few ms; the runs on other H100 machines land within 30%
+    of it (the mixed step's spread between machines), and every decode-fitted E is above the bytes."""
     pred = pieces.build()
     h = pred["h100_32_layers"]
     floor = next(c["e_ms"] for c in h["corners"] if c["from"] == "bytes at peak")
     assert all(c["e_ms"] > floor for c in h["corners"] if c["from"] != "bytes at peak")
-    lo, hi = h["held_out"]["predicted_gap_ms"]
-    assert lo <= h["held_out"]["measured_gap_p99_ms"] <= hi
-    # the fitted piece gives back its own measurement at every corner
-    assert h["pieces"][[r["piece"] for r in h["pieces"]].index(800)]["gap_ms"] == [round(h["fit"]["gap_p50_ms"], 1)] * 2
-    # the GB10's goal piece is smaller than the H100's: its expert read is more idle steps
-    assert pred["gb10_48_layers"]["within_goal"]["piece"][1] < h["within_goal"]["piece"][1]
+    assert all(c["fixed_ms"] > 3 * c["idle_ms"] for c in h["corners"])
+    assert h["within_goal"] == {"goal": 2.0, "piece": [0, 0], "prompt_s": None}
+    assert h["fit"]["rms_ms"][1] < 3.0
+    rows = {r["piece"]: r["gap_ms"] for r in h["pieces"]}
+    for x in h["fit"]["points"]:
+        assert abs(sum(rows[x["piece"]]) / 2 - x["gap_p50_ms"]) < 5.0
+    for held in h["held_out"]:
+        lo, hi = held["predicted_gap_ms"]
+        assert 0.7 * lo <= held["measured_gap_ms"] <= 1.3 * hi, held
+    # a GB10 may meet 2x only with pieces of a few tokens: a 32k prompt then takes minutes
+    g = pred["gb10_48_layers_field"]["within_goal"]
+    assert g["piece"][1] <= 15 and g["prompt_s"][0] > 200
 
 
 def test_check_holds_a_sweep_report_against_the_prediction():
@@ -99,7 +124,8 @@ def test_check_holds_a_sweep_report_against_the_prediction():
 
 def test_main_writes_the_prediction_and_the_check(tmp_path, capsys):
     rep = tmp_path / "report.json"
-    rep.write_text(json.dumps({"shared-graphs": {"itl": {"busy_p50_ms": 54.05, "p99_ratio": 8.26}}}))
+    lo, hi = next(r["gap_ms"] for r in pieces.build()["h100_32_layers"]["pieces"] if r["piece"] == 800)
+    rep.write_text(json.dumps({"shared-graphs": {"itl": {"busy_p50_ms": (lo + hi) / 2, "p99_ratio": 8.26}}}))
     out = tmp_path / "pred.json"
     assert pieces.main(["--json", str(out), "--check", str(rep)]) == 0
     text = capsys.readouterr().out
