@@ -100,6 +100,8 @@ CONFIGS: dict[str, dict] = {
     "shared-100": {"kind": "recipe", "profile": "shared", "words": ["LONG_PREFILL=100", "GRAPH_TOKENS=128"]},
     "shared-200": {"kind": "recipe", "profile": "shared", "words": ["LONG_PREFILL=200", "GRAPH_TOKENS=224"]},
     "shared-400": {"kind": "recipe", "profile": "shared", "words": ["LONG_PREFILL=400", "GRAPH_TOKENS=432"]},
+    # below run3's smallest piece: is F (lab/decode/pieces.py) paid by a piece of a few dozen tokens too?
+    "shared-25": {"kind": "recipe", "profile": "shared", "words": ["LONG_PREFILL=25", "GRAPH_TOKENS=64"]},
 }
 
 # NVIDIA's one-Spark recipe is profiles/nvidia.env (its settings on our base): `nvidia` renders it
