@@ -32,7 +32,7 @@ by (F + E) / idle; where F alone exceeds the idle step (the H100 at 32 layers) n
 card where reading the experts takes several idle steps (a GB10: ~68 GB at 273 GB/s) no piece that
 finishes a long prompt in useful time gets there.
 
-  python3 -m lab.decode.pieces [--json OUT] [--png PNG] [--check LATENCY_REPORT.json …]
+  python3 -m lab.decode.pieces [--json OUT] [--png PNG] [--check LATENCY_RAW.jsonl …]
 """
 
 from __future__ import annotations
@@ -328,40 +328,48 @@ def _rounded(corners: list[dict]) -> list[dict]:
              "s_ms_per_token": round(c["s"], 4)} for c in corners]
 
 
-def piece_in_graphs(name: str) -> int | None:
-    """The piece a bench config cuts a long prompt into (LONG_PREFILL, from the settings its profile
-    and words resolve to), where its step beside every seat runs inside CUDA graphs as `flash plan`
-    reckons it (prefill.capture_max); None for no piece, or one run outside graphs. The fit is of a
-    piece inside graphs: outside them a step pays the eager forward too (run2: 127 against 54 ms)."""
-    import shlex
-
-    from flash_cli import recipe
+def piece_in_graphs(argv: list[str]) -> int | None:
+    """The piece a server cut a long prompt into (its --long-prefill-token-threshold), where the step
+    carrying it beside every seat ran inside CUDA graphs, read from the argv the server booted with
+    (`flash plan`'s own reading, prefill.argv_capture_max): a raw row outlives the profile that made
+    it (run2's `shared` had graphs to 48 tokens; today's to 832). None for no piece, a piece outside
+    graphs (there a step pays the eager forward too: run2, 127 against 54 ms), or a stream of other
+    than STREAM_TOKENS a step (the model's MTP 2)."""
     from flash_cli.plan import prefill
-    from lab import bench_recipe as br
 
-    cfg = br.CONFIGS.get(name)
-    if cfg is None:
+    ap = argparse.ArgumentParser(add_help=False)
+    for flag in ("--long-prefill-token-threshold", "--max-num-seqs", "--max-num-batched-tokens"):
+        ap.add_argument(flag, type=int)
+    ap.add_argument("--speculative-config")
+    a, _ = ap.parse_known_args(argv)
+    if not a.long_prefill_token_threshold or a.max_num_seqs is None or a.max_num_batched_tokens is None:
         return None
-    s = recipe.load([cfg["profile"], *cfg["words"]], env={}).settings
-    graphs = prefill.capture_max(s, shlex.split(s["EXTRA"] or ""))
-    piece = s["LONG_PREFILL"]
-    return piece if piece and graphs is not None and piece + s["SEQS"] * (1 + s["MTP"]) <= graphs else None
+    mtp = json.loads(a.speculative_config).get("num_speculative_tokens", 0) if a.speculative_config else 0
+    if 1 + mtp != STREAM_TOKENS:
+        return None
+    graphs = prefill.argv_capture_max(argv, a.max_num_seqs, mtp, a.max_num_batched_tokens)
+    piece = a.long_prefill_token_threshold
+    return piece if graphs is not None and piece + a.max_num_seqs * STREAM_TOKENS <= graphs else None
 
 
-def check(report: dict, prediction: dict) -> list[dict]:
-    """A latency report's piece-size configs (`piece_in_graphs`) against the H100 prediction: the
-    measured p50 gap inside the predicted range or not. The prediction is for 32 layers on an H100;
-    a report from another card or depth is not comparable."""
-    rows = {r["piece"]: r["gap_ms"] for r in prediction["h100_32_layers"]["pieces"]}
+def check(rows: list[dict], prediction: dict) -> list[dict]:
+    """A latency run's raw rows (bench_latency's) against the H100 prediction: for each server whose
+    pieces ran inside graphs (`piece_in_graphs` on its `booted` row's argv), the measured p50 gap
+    (bench_latency's report) inside the predicted range or not. The prediction is for 32 layers on
+    an H100; a run on another card or depth is not comparable."""
+    from lab import bench_latency
+
+    booted = {r["label"]: r["argv"] for r in rows if r.get("event") == "booted" and r.get("argv")}
+    table = {r["piece"]: r["gap_ms"] for r in prediction["h100_32_layers"]["pieces"]}
     out = []
-    for cfg, res in report.items():
+    for cfg, res in bench_latency.report(rows).items():
         itl = res.get("itl") or {}
-        piece = piece_in_graphs(cfg) if "busy_p50_ms" in itl else None
+        piece = piece_in_graphs(booted[cfg]) if itl.get("busy_p50_ms") is not None and cfg in booted else None
         if piece is None:
             continue
-        if piece not in rows:   # a piece the committed prediction has no row for: the same model, asked now
-            rows[piece] = predict(h100_corners()[0], pieces=(piece,))[0]["gap_ms"]
-        lo, hi = rows[piece]
+        if piece not in table:   # a piece the committed prediction has no row for: the same model, asked now
+            table[piece] = predict(h100_corners()[0], pieces=(piece,))[0]["gap_ms"]
+        lo, hi = table[piece]
         out.append({"config": cfg, "piece": piece, "predicted_gap_ms": [lo, hi], "measured_gap_p50_ms": itl["busy_p50_ms"],
                     # the range is rounded to 0.1 ms: half of that either side belongs to it
                     "inside": lo - 0.05 <= itl["busy_p50_ms"] <= hi + 0.05, "p99_over_idle_p99": itl.get("p99_ratio")})
@@ -405,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m lab.decode.pieces", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", type=Path, help="write the prediction here")
     p.add_argument("--png", type=Path, help="draw the trade-off here")
-    p.add_argument("--check", type=Path, nargs="*", default=[], help="bench_latency report.json files to hold against it")
+    p.add_argument("--check", type=Path, nargs="*", default=[],
+                   help="bench_latency raw.jsonl files (a run's rows, argv included) to hold against it")
     a = p.parse_args(argv)
     pred = build()
     parts = (("H100, 32 layers", pred["h100_32_layers"]), ("GB10, 48 layers (assumed)", pred["gb10_48_layers"]),
@@ -436,7 +445,9 @@ def main(argv: list[str] | None = None) -> int:
           + "; ".join(f"held out, {k}: {v['measured']} measured, {v['predicted']} predicted" for k, v in f["held_out"].items()))
     checked = []
     for path in a.check:
-        for r in check(json.loads(path.read_text()), pred):
+        from lab.decode import recipe_report
+
+        for r in check(recipe_report.load_rows([str(path)]), pred):
             checked.append({"report": str(path), **r})
             print(f"{path}: {r['config']} (piece {r['piece']}): p50 gap {r['measured_gap_p50_ms']} ms, predicted "
                   f"{r['predicted_gap_ms']}: {'inside' if r['inside'] else 'OUTSIDE'}")

@@ -106,32 +106,76 @@ def test_the_committed_rows_give_a_fit_and_no_piece_meets_the_goal_on_the_h100()
     assert g["piece"][1] <= 15 and g["prompt_s"][0] > 200
 
 
-def test_check_holds_a_sweep_report_against_the_prediction():
+def _argv(piece=0, graphs=None, mtp=2, seqs=8, batched=8192, eager=False):
+    """A serve argv as bench rows carry it (the flags piece_in_graphs reads, among others)."""
+    argv = ["python3", "-m", "vllm.entrypoints.cli.main", "serve", "/m", "--max-num-seqs", str(seqs),
+            "--max-num-batched-tokens", str(batched), "--enable-prefix-caching"]
+    if graphs is not None:
+        argv += ["--compilation-config", json.dumps({"cudagraph_mode": "FULL_AND_PIECEWISE", "max_cudagraph_capture_size": graphs})]
+    if piece:
+        argv += ["--long-prefill-token-threshold", str(piece)]
+    if mtp:
+        argv += ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": mtp})]
+    return argv + (["--enforce-eager"] if eager else [])
+
+
+def _itl(label, busy_p50):
+    return {"label": label, "study": "itl", "repeat": 0, "idle_p50_ms": 7.3, "idle_p99_ms": 8.2, "busy_gaps": 40,
+            "busy_p50_ms": busy_p50, "busy_p99_ms": busy_p50 * 1.3, "prefill_ttft_s": 3.0}
+
+
+def test_piece_in_graphs_reads_the_argv_the_server_booted_with():
+    assert pieces.piece_in_graphs(_argv(200, graphs=224)) == 200      # 200 + 8 x 3 = 224
+    assert pieces.piece_in_graphs(_argv(208, graphs=224)) is None     # 232 > 224: outside graphs
+    # no max_cudagraph_capture_size: vLLM's own 2 x 8 x 3 = 48 (run2's `shared` before GRAPH_TOKENS)
+    assert pieces.piece_in_graphs(_argv(800)) is None
+    assert pieces.piece_in_graphs(_argv(24)) == 24
+    assert pieces.piece_in_graphs(_argv(800, graphs=832, eager=True)) is None
+    assert pieces.piece_in_graphs(_argv(0, graphs=832)) is None       # no piece: the whole step
+    assert pieces.piece_in_graphs(_argv(800, graphs=832, mtp=0)) is None   # a 1-token stream, not the model's 3
+    assert pieces.piece_in_graphs(["vllm", "serve", "--long-prefill-token-threshold", "800"]) is None
+
+
+def test_check_holds_a_runs_rows_against_the_prediction():
     pred = pieces.build()
-    rows = {r["piece"]: r["gap_ms"] for r in pred["h100_32_layers"]["pieces"]}
-    lo, hi = rows[200]
-    report = {"shared-200": {"itl": {"busy_p50_ms": (lo + hi) / 2, "p99_ratio": 5.0}},
-              "shared-100": {"itl": {"busy_p50_ms": rows[100][1] * 2, "p99_ratio": 9.0}},
-              "stock": {"itl": {"busy_p50_ms": 33.0}},          # no piece: not checked
-              "shared-nographs": {"itl": {"busy_p50_ms": 127.0}},  # 800 outside graphs: not the model's
-              "shared-3200": {"itl": {"busy_p50_ms": 150.0}},      # 3,200 + 24 past the 832 captured
-              "shared-400": {"prefix": {}}}                      # no ITL row: not checked
-    got = {r["config"]: r for r in pieces.check(report, pred)}
+    table = {r["piece"]: r["gap_ms"] for r in pred["h100_32_layers"]["pieces"]}
+    lo, hi = table[200]
+    booted = {"shared-200": _argv(200, graphs=224), "shared-100": _argv(100, graphs=128), "stock": _argv(),
+              "shared-old": _argv(800), "shared-nomtp": _argv(800, graphs=832, mtp=0), "shared-400": _argv(400, graphs=432)}
+    rows = [{"event": "booted", "label": k, "argv": v} for k, v in booted.items()]
+    rows += [_itl("shared-200", (lo + hi) / 2), _itl("shared-100", table[100][1] * 2), _itl("stock", 33.0),
+             _itl("shared-old", 127.0), _itl("shared-nomtp", 60.0)]   # shared-400: booted, no ITL row
+    got = {r["config"]: r for r in pieces.check(rows, pred)}
     assert set(got) == {"shared-200", "shared-100"}
     assert got["shared-200"]["inside"] and not got["shared-100"]["inside"]
     assert got["shared-100"]["piece"] == 100
 
 
+def test_check_on_the_committed_runs_takes_the_pieces_that_ran_in_graphs():
+    """run2's `shared` ran with graphs to 48 (before GRAPH_TOKENS shipped): today's profile would
+    call it 800 in graphs; its own argv does not."""
+    from lab.decode import recipe_report
+
+    pred = pieces.build()
+    got = {}
+    for run in ("run1-32layers", "run2-32layers", "run3-32layers"):
+        rows = recipe_report.load_rows([str(pieces.ROOT / "benchmarks/latency48-h100" / run / "raw.jsonl")])
+        got[run] = {r["config"]: r["piece"] for r in pieces.check(rows, pred)}
+    assert got == {"run1-32layers": {}, "run2-32layers": {"shared-graphs": 800},
+                   "run3-32layers": {"shared-100": 100, "shared-200": 200, "shared": 800}}
+
+
 def test_main_writes_the_prediction_and_the_check(tmp_path, capsys):
-    rep = tmp_path / "report.json"
+    raw = tmp_path / "raw.jsonl"
     lo, hi = next(r["gap_ms"] for r in pieces.build()["h100_32_layers"]["pieces"] if r["piece"] == 800)
-    rep.write_text(json.dumps({"shared-graphs": {"itl": {"busy_p50_ms": (lo + hi) / 2, "p99_ratio": 8.26}}}))
+    raw.write_text("".join(json.dumps(r) + "\n" for r in
+                           ({"event": "booted", "label": "shared", "argv": _argv(800, graphs=832)}, _itl("shared", (lo + hi) / 2))))
     out = tmp_path / "pred.json"
-    assert pieces.main(["--json", str(out), "--check", str(rep)]) == 0
+    assert pieces.main(["--json", str(out), "--check", str(raw)]) == 0
     text = capsys.readouterr().out
-    assert "within 2.0x idle" in text and "shared-graphs (piece 800)" in text and "inside" in text
+    assert "within 2.0x idle" in text and "shared (piece 800)" in text and "inside" in text
     data = json.loads(out.read_text())
-    assert data["checked"][0]["config"] == "shared-graphs" and data["checked"][0]["inside"]
+    assert data["checked"][0]["config"] == "shared" and data["checked"][0]["inside"]
 
 
 def test_the_ladder_fit_recovers_a_planted_e_and_the_field_corners_respect_the_bandwidth():

@@ -67,24 +67,32 @@ def capture_max(s, extra_words: list[str] = ()) -> int | None:
     where no graph is captured (`--enforce-eager`, `cudagraph_mode` NONE) or the flags do not parse
     (doctor's graph-regime check names those). Sequence parallelism's trimming (tensor parallel with
     `enable_sp`) is not modelled."""
-    if "--enforce-eager" in extra_words:
+    try:
+        argv = compilation_args(s)
+    except (ConfigError, ValueError):  # GRAPH_TOKENS beside COMPILE_FLAGS
+        return None
+    return argv_capture_max(argv + list(extra_words), s["SEQS"], s["MTP"], s["BATCHED_TOKENS"])
+
+
+def argv_capture_max(argv: list[str], seqs: int, mtp: int, batched: int) -> int | None:
+    """capture_max read from a vLLM argv's own flags (a rendered one, or a benchmark row's, which
+    outlives the profile that made it), with the sequences, draft tokens and step it runs with."""
+    if "--enforce-eager" in argv:
         return None
     try:
-        argv = compilation_args(s) + list(extra_words)
         cc = compilation_config(argv)
-    except (ConfigError, ValueError):  # GRAPH_TOKENS beside COMPILE_FLAGS, a config that is not JSON
+    except (ConfigError, ValueError):  # a config that is not JSON
         return None
     if cudagraph_mode(argv, cc) == "NONE":
         return None
-    batched = s["BATCHED_TOKENS"]
     sizes = cc.get("cudagraph_capture_sizes")
-    if isinstance(sizes, list) and sizes:  # an explicit list: vLLM keeps the sizes up to BATCHED_TOKENS
+    if isinstance(sizes, list) and sizes:  # an explicit list: vLLM keeps the sizes up to the step
         kept = [int(n) for n in sizes if str(n).strip().isdigit() and 0 < int(n) <= batched]
         return max(kept) if kept else None
     size = cc.get("max_cudagraph_capture_size")
     if isinstance(size, int) and not isinstance(size, bool) and size > 0:
         return batched if batched <= size else grid_max(size)
-    return vllm_capture(s["SEQS"], s["MTP"], batched)
+    return vllm_capture(seqs, mtp, batched)
 
 
 def vllm_capture(seqs: int, mtp: int, batched: int) -> int:
