@@ -10,8 +10,9 @@ that stream therefore costs
     step(n) = idle + F + E * (cov(n + 3) - cov(3)) + s * n      (n > 0; idle alone for n = 0)
 
 - idle: the stream's own step (measured, the ITL bench's idle gaps);
-- F: what any step carrying a prompt piece pays whatever the piece's size (a mixed batch leaves the
-  full CUDA graph: the attention and GDN prefill paths run between piecewise graphs);
+- F: what any step carrying a prompt piece pays whatever the piece's size (read, not measured, as
+  the mixed batch leaving the full CUDA graph: its attention and GDN prefill run between piecewise
+  graphs, host-paced, which fits its varying between machines whose decode steps agree);
 - E: reading every expert of every layer once;
 - s: the work a prompt token adds once the experts are read (attention, GDN, the side layers).
 
@@ -274,7 +275,7 @@ def gb10_field_corners(fixeds: tuple[float, float] = (0.0, 0.0)) -> tuple[list[d
     in the band (0.1 ms apart), E fitted to the ladder, kept where it is no faster than the experts'
     bytes at the full 273 GB/s; the corners are the smallest and largest idle kept, per s, each with
     both ends of `fixeds` (F: no decode step pays it, so the ladder says nothing of it). s is read
-    with F = 0: at 8,000-token chunks F is under 1% of the step."""
+    with F = 0 (gb10_corners reads it with F): at 8,000-token chunks F is ~1% of the step."""
     band = _gb10_idle_band()
     floor = expert_gb(model.LAYERS) / GB10_GBS * 1000.0
     corners, fits = [], []
