@@ -10,9 +10,12 @@ that stream therefore costs
     step(n) = idle + F + E * (cov(n + 3) - cov(3)) + s * n      (n > 0; idle alone for n = 0)
 
 - idle: the stream's own step (measured, the ITL bench's idle gaps);
-- F: what any step carrying a prompt piece pays whatever the piece's size (read, not measured, as
-  the mixed batch leaving the full CUDA graph: its attention and GDN prefill run between piecewise
-  graphs, host-paced, which fits its varying between machines whose decode steps agree);
+- F: what any step carrying a prompt piece pays whatever the piece's size. vLLM 0.33 replays a FULL
+  graph only for a batch of uniform decodes (FULL_AND_PIECEWISE: CudagraphDispatcher.dispatch); a
+  batch with a piece gets the PIECEWISE graphs, and this model's splitting ops (its PLE short conv,
+  QSA prepare and QSA, GDN core: CompilationConfig._attention_ops) run eagerly between them, in
+  every layer. That F is that eager, host-paced work is a reading, not a measurement; it fits F
+  varying between machines whose decode steps agree;
 - E: reading every expert of every layer once;
 - s: the work a prompt token adds once the experts are read (attention, GDN, the side layers).
 
@@ -221,8 +224,9 @@ def _gb10_idle_band() -> list[float]:
 
 
 def _gb10_fixed(h100: list[dict]) -> tuple[float, float]:
-    """F on a GB10, assumed: none, up to the H100 fit's largest (the GB10's host is no faster)."""
-    return 0.0, max(c["fixed"] for c in h100 if c["from"] != "bytes at peak")
+    """F on a GB10 at 48 layers, assumed: none, up to the H100 fit's largest scaled from its 32
+    layers (the eager ops run in every layer; the GB10's host is taken as no faster)."""
+    return 0.0, max(c["fixed"] for c in h100 if c["from"] != "bytes at peak") * model.LAYERS / H100_LAYERS
 
 
 def gb10_corners(fixeds: tuple[float, float]) -> list[dict]:
@@ -275,7 +279,7 @@ def gb10_field_corners(fixeds: tuple[float, float] = (0.0, 0.0)) -> tuple[list[d
     in the band (0.1 ms apart), E fitted to the ladder, kept where it is no faster than the experts'
     bytes at the full 273 GB/s; the corners are the smallest and largest idle kept, per s, each with
     both ends of `fixeds` (F: no decode step pays it, so the ladder says nothing of it). s is read
-    with F = 0 (gb10_corners reads it with F): at 8,000-token chunks F is ~1% of the step."""
+    with F = 0 (gb10_corners reads it with F): at 8,000-token chunks F is ~1-2% of the step."""
     band = _gb10_idle_band()
     floor = expert_gb(model.LAYERS) / GB10_GBS * 1000.0
     corners, fits = [], []
