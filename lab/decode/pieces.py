@@ -60,8 +60,7 @@ CHUNK = 8000                      # `default`'s and stock's prefill step on 0.33
 # The rows the H100 fit reads (32 of 48 layers, NVFP4 experts on HUMMING, random weights): one
 # machine, one session (2026-12-07), so the mixed step's machine-to-machine spread stays out of the fit
 DECODE_REPORT = "benchmarks/recipe48-h200/run6-h100-32layers/report.json"  # step_ms at c = 1, 4, 8
-PIECE_REPORT = "benchmarks/latency48-h100/run3-32layers/report.json"       # the sweep, pieces in graphs
-PIECE_CONFIGS = {"shared-100": 100, "shared-200": 200, "shared": 800}
+PIECE_RAW = "benchmarks/latency48-h100/run3-32layers/raw.jsonl"           # the sweep: each piece its argv says ran in graphs
 # held out, each from another H100 machine: stock's 8,000-token chunks (run1), `shared`'s 800 (run2)
 HELD_OUT = (("latency48 run1: stock, 8,000-token chunks", "benchmarks/latency48-h100/run1-32layers/report.json", "stock", 8000),
             ("latency48 run2: `shared`, 800-token pieces in graphs", "benchmarks/latency48-h100/run2-32layers/report.json",
@@ -182,10 +181,11 @@ def _read(rel: str) -> dict:
 def h100_corners() -> tuple[list[dict], dict]:
     """The H100 (32 layers) corners: E from each decode pair of stock's and `default`'s steps and
     the bytes at peak, F and s fitted to the sweep's pieces for each E."""
+    from lab.decode import recipe_report
+
     steps = _read(DECODE_REPORT)["step_ms"]
-    sweep = _read(PIECE_REPORT)
-    itls = {n: sweep[cfg]["itl"] for cfg, n in PIECE_CONFIGS.items()}
-    points = [(n, i["busy_p50_ms"], i["idle_p50_ms"]) for n, i in sorted(itls.items())]
+    sweep = pieces_in_graphs(recipe_report.load_rows([str(ROOT / PIECE_RAW)]))
+    points = sorted((n, i["busy_p50_ms"], i["idle_p50_ms"]) for n, i in sweep.values())
     idle = sorted(i for _, _, i in points)[len(points) // 2]   # the sweep's median idle step
     es = {f"{cfg} c={a}->{b}": e
           for cfg in ("stock", "default")
@@ -357,21 +357,29 @@ def piece_in_graphs(argv: list[str]) -> int | None:
     return piece if graphs is not None and piece + a.max_num_seqs * STREAM_TOKENS <= graphs else None
 
 
-def check(rows: list[dict], prediction: dict) -> list[dict]:
-    """A latency run's raw rows (bench_latency's) against the H100 prediction: for each server whose
-    pieces ran inside graphs (`piece_in_graphs` on its `booted` row's argv), the measured p50 gap
-    (bench_latency's report) inside the predicted range or not. The prediction is for 32 layers on
-    an H100; a run on another card or depth is not comparable."""
+def pieces_in_graphs(rows: list[dict]) -> dict[str, tuple[int, dict]]:
+    """{server: (its piece, its ITL summary from bench_latency's report)} for each server of a latency
+    run's raw rows that measured a stream beside pieces run inside graphs (`piece_in_graphs` on its
+    `booted` row's argv): what the fit reads and what `check` holds to the prediction."""
     from lab import bench_latency
 
     booted = {r["label"]: r["argv"] for r in rows if r.get("event") == "booted" and r.get("argv")}
-    table = {r["piece"]: r["gap_ms"] for r in prediction["h100_32_layers"]["pieces"]}
-    out = []
+    out = {}
     for cfg, res in bench_latency.report(rows).items():
         itl = res.get("itl") or {}
         piece = piece_in_graphs(booted[cfg]) if itl.get("busy_p50_ms") is not None and cfg in booted else None
-        if piece is None:
-            continue
+        if piece is not None:
+            out[cfg] = (piece, itl)
+    return out
+
+
+def check(rows: list[dict], prediction: dict) -> list[dict]:
+    """A latency run's raw rows (bench_latency's) against the H100 prediction: for each server
+    `pieces_in_graphs` takes, the measured p50 gap inside the predicted range or not. The prediction
+    is for 32 layers on an H100; a run on another card or depth is not comparable."""
+    table = {r["piece"]: r["gap_ms"] for r in prediction["h100_32_layers"]["pieces"]}
+    out = []
+    for cfg, (piece, itl) in pieces_in_graphs(rows).items():
         if piece not in table:   # a piece the committed prediction has no row for: the same model, asked now
             table[piece] = predict(h100_corners()[0], pieces=(piece,))[0]["gap_ms"]
         lo, hi = table[piece]
