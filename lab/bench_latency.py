@@ -8,8 +8,9 @@
   tokens on. vLLM's own scheduler, run on CPU (tests/vllm/release/prefix_sim.py, docs/PREFIX-CACHE.md),
   predicts where they land: with a 2,000-token tail the second prompt misses under vLLM's default
   retention and the third hits, so the second and third are reported apart.
-- itl: one stream decoding while another client sends a 32k-token prefill, against the same stream
-  alone. Inter-token gaps are measured client-side from the streamed chunks (one chunk per step,
+- itl: one stream decoding while another client sends a 32k-token prefill, against a stream alone.
+  The stream keeps decoding until the prompt's first token has come (since 2026-12-07: before, it
+  stopped at 384 tokens and a prompt still running went on alone, in whole steps). Inter-token gaps are measured client-side from the streamed chunks (one chunk per step,
   more than one token per chunk when MTP accepts). The goal: p99 with `shared` <= 2x its idle p99.
 
 Servers are bench_recipe's (the RunSpec `flash serve` renders, same substitutions, same model
@@ -38,8 +39,12 @@ PREFIXES = (1024, 2048, 4096, 8192, 16384)
 TAILS = (32, 2000)   # distinct tokens after the shared prefix: a question; a document of its own
 SENDS = 3            # prompts per shared prefix: the first fills the cache, the second and third may hit
 PREFILL = 32768      # the other client's prompt in the ITL study
-ITL_TOKENS = 384     # the decoding stream's length; the prefill starts after ITL_LEAD chunks
-ITL_LEAD = 32
+ITL_TOKENS = 384     # the idle stream's length; the prefill starts after ITL_LEAD chunks of the busy one
+ITL_LEAD = 32        # ... and the busy stream is closed ITL_LEAD chunks after the prefill's first token
+# The busy stream decodes until then, at most this many tokens. vLLM 0.31+ cuts a long prompt into
+# LONG_PREFILL pieces only while another request is running (v1 scheduler: the threshold is 0 for a
+# lone request), so a stream that ended first left the prompt's rest to whole steps (latency48 run4)
+ITL_CAP = 16384
 HITS = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
 HIT_GOAL_FROM = 2048   # prefix tokens from which the recipe should hit
 ITL_GOAL = 2.0         # p99 under prefill / idle p99, for `shared`
@@ -55,8 +60,9 @@ def _counters(url: str) -> dict[str, float]:
     return {n: got.get(f"{n}_total", got.get(n, 0.0)) or 0.0 for n in HITS}
 
 
-def stream(url: str, prompt: list[int], tokens: int, stamps: list[float] | None = None) -> dict:
-    """One streamed greedy completion: time to first chunk, every chunk's arrival (into `stamps`)."""
+def stream(url: str, prompt: list[int], tokens: int, stamps: list[float] | None = None, stop=None) -> dict:
+    """One streamed greedy completion: time to first chunk, every chunk's arrival (into `stamps`).
+    `stop()` true after a chunk closes the stream there (vLLM aborts a request whose client left)."""
     import requests
 
     body = {"model": "bench", "prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
@@ -72,6 +78,8 @@ def stream(url: str, prompt: list[int], tokens: int, stamps: list[float] | None 
                 now = time.perf_counter()
                 first = first if first is not None else now
                 stamps.append(now)
+                if stop is not None and stop():
+                    break
     if first is None:
         raise RuntimeError("the stream carried no tokens")
     return {"ttft_s": first - t0, "wall_s": time.perf_counter() - t0, "chunks": len(stamps)}
@@ -107,9 +115,13 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
-def itl_rows(url: str, label: str, repeats: int, base: dict, prefill: int = PREFILL, tokens: int = ITL_TOKENS) -> list[dict]:
-    """Per repeat: the stream alone, then the same length with a `prefill`-token prompt sent once
-    ITL_LEAD chunks have arrived; the gaps counted are those while the prefill was in flight."""
+def itl_rows(url: str, label: str, repeats: int, base: dict, prefill: int = PREFILL, tokens: int = ITL_TOKENS,
+             cap: int | None = None) -> list[dict]:
+    """Per repeat: a stream of `tokens` alone, then a stream with a `prefill`-token prompt sent once
+    ITL_LEAD chunks have arrived, kept decoding until ITL_LEAD chunks after the prompt's first token
+    (at most `cap` tokens, ITL_CAP by default); the gaps counted are those while the prefill was in
+    flight."""
+    cap = max(tokens, ITL_CAP if cap is None else cap)
     rows = []
     rng = random.Random(99)
     for rep in range(repeats):
@@ -124,10 +136,14 @@ def itl_rows(url: str, label: str, repeats: int, base: dict, prefill: int = PREF
             window["start"] = time.perf_counter()
             window["ttft_s"] = stream(url, _ids(rng, prefill), 1)["ttft_s"]
             window["end"] = time.perf_counter()
+            window["chunks"] = len(stamps)
+
+        def after_prefill(stamps=busy):
+            return "chunks" in window and len(stamps) >= window["chunks"] + ITL_LEAD
 
         t = threading.Thread(target=other)
         t.start()
-        stream(url, _ids(rng, 64), tokens, busy)
+        stream(url, _ids(rng, 64), cap, busy, stop=after_prefill)
         t.join()
         if "end" not in window:
             raise RuntimeError("the prefill did not finish")
@@ -136,7 +152,7 @@ def itl_rows(url: str, label: str, repeats: int, base: dict, prefill: int = PREF
         ig = gaps_ms(idle)
         rows.append({**base, "label": label, "study": "itl", "repeat": rep, "prefill_tokens": prefill,
                      "prefill_ttft_s": window["ttft_s"], "idle_p50_ms": pct(ig, 0.5), "idle_p99_ms": pct(ig, 0.99),
-                     "busy_gaps": len(inside), "busy_p50_ms": pct(inside, 0.5) if inside else None,
+                     "busy_gaps": len(inside), "busy_sum_ms": sum(inside), "busy_p50_ms": pct(inside, 0.5) if inside else None,
                      "busy_p99_ms": pct(inside, 0.99) if inside else None, "busy_max_ms": max(inside, default=None),
                      "stream_finished_after_prefill": busy[-1] > window["end"]})
     return rows
@@ -306,7 +322,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefixes", default=",".join(map(str, PREFIXES)))
     p.add_argument("--tails", default=",".join(map(str, TAILS)))
     p.add_argument("--prefill", type=int, default=PREFILL)
-    p.add_argument("--itl-tokens", type=int, default=ITL_TOKENS)
+    p.add_argument("--itl-tokens", type=int, default=ITL_TOKENS,
+                   help=f"the idle stream's length (default {ITL_TOKENS}); the busy one decodes until the prefill is done")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--port", type=int, default=18750)
     p.add_argument("--boot-timeout", type=float, default=900)

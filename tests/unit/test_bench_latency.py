@@ -119,6 +119,11 @@ def test_prefix_hits_and_gaps_under_a_prefill(tmp_path, monkeypatch, capsys):
     # one 0.4 s prefill step stalls stock's stream; the shared profile's 512-token pieces interleave
     assert itl["stock"]["busy_gaps"] >= 1 and itl["stock"]["busy_max_ms"] > 300
     assert itl["shared"]["busy_gaps"] > 5 and itl["shared"]["busy_max_ms"] < itl["stock"]["busy_max_ms"] / 2
+    # the stream outlasts the prompt (vLLM cuts a prompt into pieces only while another request runs),
+    # and busy_sum_ms is the counted gaps' sum
+    for r in itl.values():
+        assert r["stream_finished_after_prefill"] is True
+        assert r["busy_sum_ms"] >= r["busy_p50_ms"] * r["busy_gaps"] / 2
     rep = bl.report(rows)
     assert rep["stock"]["hits_from_tokens"] == {"32": {"send2": 1024, "send3": 1024},
                                                 "600": {"send2": None, "send3": 1024}}
@@ -151,6 +156,32 @@ def test_a_bad_set_fails_before_any_server_boots(tmp_path, monkeypatch):
                  "--set", "GPU_MEM=nope"])
     assert not out.exists() or out.read_text() == ""
     assert not list(tmp_path.glob("latency-*.log"))
+
+
+def test_the_busy_stream_decodes_until_the_prompt_is_done_then_closes(tmp_path, monkeypatch):
+    """The prompt outlasts the idle stream's length here (50 tokens at 2 ms, a 0.8 s prefill in 512-token
+    pieces): the busy stream decodes past it, and the client closes it ITL_LEAD chunks after the
+    prompt's first token, long before the cap."""
+    vllm_cli.install(tmp_path, monkeypatch, FAKE_MAIN)
+    d = tmp_path / "b"
+    assert br.main(["prepare", str(d), "--ple-rows", "100000"]) == 0
+    out = tmp_path / "raw.jsonl"
+    chunks = []
+    real = bl.stream
+
+    def counted(url, prompt, tokens, stamps=None, stop=None):
+        got = real(url, prompt, tokens, stamps, stop)
+        chunks.append((tokens, got["chunks"], stop is not None))
+        return got
+
+    monkeypatch.setattr(bl, "stream", counted)
+    assert bl.main(["run", str(d), "--configs", "shared", "--out", str(out), "--prefill", "40000", "--itl-tokens", "50",
+                    "--repeats", "1", "--port", "18832", "--boot-timeout", "120", "--itl-only", "shared"]) == 0
+    itl = [json.loads(x) for x in out.read_text().splitlines() if '"itl"' in x][0]
+    assert itl["stream_finished_after_prefill"] is True
+    busy = [c for c in chunks if c[2]]
+    assert len(busy) == 1 and busy[0][0] == bl.ITL_CAP
+    assert 50 < busy[0][1] < bl.ITL_CAP // 4  # past the idle length, closed long before the cap
 
 
 def test_percentile_and_gaps():
