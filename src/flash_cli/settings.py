@@ -235,7 +235,9 @@ SETTINGS: tuple[Setting, ...] = (
       "repair = the stock kernel, then a Triton pass that makes its selection exact and deterministic (ties to "
       "the lowest column; 1.9-3.4x the stock kernel alone on the H200, run44), 1 = exact torch.topk over the "
       "whole row (10-40x), radix = a Triton radix select over the visible columns (2.4-11x); see "
-      "benchmarks/decode-h200/KERNELS.md.", "env VLLM_QSA_DET_TOPK",
+      "benchmarks/decode-h200/KERNELS.md. repair's cost in a whole decode step: 0.7-0.9% at 4-8 streams "
+      "(0.05-0.12 ms, 32 layers on an H100, benchmarks/recipe48-h200 run7); 0 buys that back and gives up "
+      "repeatable block selection past the QSA budget.", "env VLLM_QSA_DET_TOPK",
       choices=("0", "1", "radix", "repair"), env="VLLM_QSA_DET_TOPK"),
     S("EXACT_TOPK", "choice", "0", "Exact torch.topk QSA path (patch 5): 0 off, 1 exact, fill = exact "
       "with masked fill. Wins over DET_TOPK.", "env VLLM_QSA_EXACT_TOPK", choices=("0", "1", "fill"),
@@ -282,7 +284,8 @@ SETTINGS: tuple[Setting, ...] = (
       "vllm --max-num-batched-tokens", minimum=256, maximum=131072),
     S("LONG_PREFILL", "int", 0, "Most prompt tokens a long prompt gets per step while other requests run "
       "(vLLM's --long-prefill-token-threshold), so their streams keep decoding; 0 = vLLM's default (no cap: a "
-      "long prompt takes the whole BATCHED_TOKENS step). With prefix caching a value that does not divide the "
+      "long prompt takes the whole BATCHED_TOKENS step). From vLLM 0.31 a prompt alone on the server is not cut "
+      "(the scheduler drops the cap with nobody to starve); 0.29 and 0.30 cut it even then. With prefix caching a value that does not divide the "
       "KV block gives uneven pieces: `flash plan` names the even one (docs/PREFIX-CACHE.md).",
       "vllm --long-prefill-token-threshold", minimum=0, maximum=131072),
     S("GRAPH_TOKENS", "int", 0, "Largest step, in tokens, that runs inside CUDA graphs (vLLM's "
