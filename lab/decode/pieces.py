@@ -137,7 +137,9 @@ def fit_fixed_and_s(e: float, points: list[tuple[int, float, float]]) -> tuple[f
 
 
 def prompt_ms(n: int, c: dict, prompt: int = PROMPT) -> float:
-    """The long prompt in pieces of `n` (the last one shorter), each step beside the stream."""
+    """The long prompt in pieces of `n` (the last one shorter), each step beside the stream: a prompt
+    under steady traffic. vLLM 0.31+ cuts a prompt only while another request runs (PREFIX-CACHE.md);
+    a prompt alone takes whole steps, and a bench stream that ends first leaves it so (latency48 run4)."""
     return (prompt // n) * gap(n, c) + (gap(prompt % n, c) if prompt % n else 0.0)
 
 
