@@ -10,8 +10,9 @@
   retention and the third hits, so the second and third are reported apart.
 - itl: one stream decoding while another client sends a 32k-token prefill, against a stream alone.
   The stream keeps decoding until the prompt's first token has come (since 2026-12-07: before, it
-  stopped at 384 tokens and a prompt still running went on alone, in whole steps). Inter-token gaps are measured client-side from the streamed chunks (one chunk per step,
-  more than one token per chunk when MTP accepts). The goal: p99 with `shared` <= 2x its idle p99.
+  stopped at 384 tokens and a prompt still running went on alone, in whole steps). Inter-token gaps
+  are measured client-side from the streamed chunks (one chunk per step, more than one token per
+  chunk when MTP accepts). The goal: p99 with `shared` <= 2x its idle p99.
 
 Servers are bench_recipe's (the RunSpec `flash serve` renders, same substitutions, same model
 directory from `python3 -m lab.bench_recipe prepare`), run one at a time in blocks.
@@ -115,13 +116,11 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
-def itl_rows(url: str, label: str, repeats: int, base: dict, prefill: int = PREFILL, tokens: int = ITL_TOKENS,
-             cap: int | None = None) -> list[dict]:
+def itl_rows(url: str, label: str, repeats: int, base: dict, prefill: int = PREFILL, tokens: int = ITL_TOKENS) -> list[dict]:
     """Per repeat: a stream of `tokens` alone, then a stream with a `prefill`-token prompt sent once
     ITL_LEAD chunks have arrived, kept decoding until ITL_LEAD chunks after the prompt's first token
-    (at most `cap` tokens, ITL_CAP by default); the gaps counted are those while the prefill was in
-    flight."""
-    cap = max(tokens, ITL_CAP if cap is None else cap)
+    (at most ITL_CAP tokens); the gaps counted are those while the prefill was in flight."""
+    cap = max(tokens, ITL_CAP)
     rows = []
     rng = random.Random(99)
     for rep in range(repeats):
@@ -152,7 +151,8 @@ def itl_rows(url: str, label: str, repeats: int, base: dict, prefill: int = PREF
         ig = gaps_ms(idle)
         rows.append({**base, "label": label, "study": "itl", "repeat": rep, "prefill_tokens": prefill,
                      "prefill_ttft_s": window["ttft_s"], "idle_p50_ms": pct(ig, 0.5), "idle_p99_ms": pct(ig, 0.99),
-                     "busy_gaps": len(inside), "busy_sum_ms": sum(inside), "busy_p50_ms": pct(inside, 0.5) if inside else None,
+                     "busy_gaps": len(inside), "busy_sum_ms": sum(inside),
+                     "busy_p50_ms": pct(inside, 0.5) if inside else None,
                      "busy_p99_ms": pct(inside, 0.99) if inside else None, "busy_max_ms": max(inside, default=None),
                      "stream_finished_after_prefill": busy[-1] > window["end"]})
     return rows

@@ -284,9 +284,10 @@ SETTINGS: tuple[Setting, ...] = (
       "vllm --max-num-batched-tokens", minimum=256, maximum=131072),
     S("LONG_PREFILL", "int", 0, "Most prompt tokens a long prompt gets per step while other requests run "
       "(vLLM's --long-prefill-token-threshold), so their streams keep decoding; 0 = vLLM's default (no cap: a "
-      "long prompt takes the whole BATCHED_TOKENS step). From vLLM 0.31 a prompt alone on the server is not cut "
-      "(the scheduler drops the cap with nobody to starve); 0.29 and 0.30 cut it even then. With prefix caching a value that does not divide the "
-      "KV block gives uneven pieces: `flash plan` names the even one (docs/PREFIX-CACHE.md).",
+      "long prompt takes the whole BATCHED_TOKENS step). From vLLM 0.31 a prompt alone on the server is not "
+      "cut (the scheduler drops the cap with nobody to starve); 0.29 and 0.30 cut it even then. With prefix "
+      "caching a value that does not divide the KV block gives uneven pieces: `flash plan` names the even one "
+      "(docs/PREFIX-CACHE.md).",
       "vllm --long-prefill-token-threshold", minimum=0, maximum=131072),
     S("GRAPH_TOKENS", "int", 0, "Largest step, in tokens, that runs inside CUDA graphs (vLLM's "
       "max_cudagraph_capture_size); 0 = vLLM's choice (2 x SEQS x (1 + MTP), at most 512). A larger step runs "
