@@ -36,12 +36,15 @@ def test_the_plan_takes_it_from_the_page_cache_and_says_so(capsys):
     assert main(["plan", "default", "--hardware", "gb10", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
     host, b = p["host"], p["budget"]
-    assert b["outside_budget_gib"] == host["outside_budget_gib"] == 0.5
+    # the logits' 0.5 GiB and patch 10's 0.3125 GiB copy of the draft head (booked after vLLM's profile peak)
+    assert b["draft_head_outside_gib"] == 0.312
+    assert b["outside_budget_gib"] == host["outside_budget_gib"] == 0.812
     left = host["host_total_gib"] - host["vllm_claim_gib"] - host["os_reserve_gib"] - host["vllm_pre_snapshot_gib"]
-    assert host["page_cache_for_ple_gib"] == pytest.approx(left - 0.5, abs=0.002)
+    assert host["page_cache_for_ple_gib"] == pytest.approx(left - 0.8125, abs=0.002)
     assert any(a.startswith("outside the budget: the QSA indexer's float32 logits, up to 0.5 GiB")
                for a in p["assumptions"])
     assert main(["plan", "v0.29", "--hardware", "gb10"]) == 0
     out = capsys.readouterr().out
-    assert "  outside        up to 0.125 GiB beyond GPU_MEM from the first prefill on" in out
+    assert ("  outside        up to 0.437 GiB beyond GPU_MEM: the QSA indexer's logits (0.125 GiB from the first "
+            "prefill on)") in out and "patch 10's draft-head copy (0.312 GiB)" in out
     assert "v0.29: chunks of at most 128 MiB" in out
