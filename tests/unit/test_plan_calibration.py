@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from flash_cli.plan import calibration as cal, fitting
+from flash_cli import recipe
+from flash_cli.plan import build, calibration as cal, fitting
 from flash_cli.geometry import REAL
 from flash_cli.plan.hardware import PRESETS
-from flash_cli.plan.kvcache import layout
 from flash_cli.plan.weights import DRAFT_VOCAB_ROWS
 
 MODELED = [f for f in cal.FIGURES if f.tolerance_pct is not None]
@@ -40,9 +40,6 @@ def test_draft_vocab_costs_no_pool_and_its_copy_is_held_outside_the_budget():
     the copy's bytes off the unified-memory page cache."""
     fig = next(f for f in cal.FIGURES if f.key == "draft-vocab-cost")
     assert fitting.predict(fig) == 0  # not the published ~60k, nor the ~11k the slice would be
-    from flash_cli.plan import build
-    from flash_cli import recipe
-
     slice_bytes = DRAFT_VOCAB_ROWS * REAL.hidden_size * 2
     on, off = (build(recipe.load(["default", f"DRAFT_VOCAB={v}"], env={}).settings, PRESETS["gb10"],
                      snapshot=None, live_checks=False) for v in ("1", "0"))

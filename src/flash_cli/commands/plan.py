@@ -77,10 +77,10 @@ def render(p: dict) -> str:
         "  weights        " + ", ".join(f"{k} {v}" for k, v in p["weights"]["gib"].items()),
     ]
     if b.get("outside_budget_gib"):
-        head = b.get("draft_head_outside_gib") or 0
-        logits = round(b["outside_budget_gib"] - head, 3)
+        head = b["draft_head_outside_gib"]
         lines.append(f"  outside        up to {b['outside_budget_gib']} GiB beyond GPU_MEM: the QSA indexer's logits "
-                     f"({logits} GiB from the first prefill on), which vLLM's profile run never allocates"
+                     f"({b['qsa_logits_outside_gib']} GiB from the first prefill on), which vLLM's profile run never "
+                     "allocates"
                      + (f", and patch 10's draft-head copy ({head} GiB), which it books after its peak" if head else ""))
     if p.get("prefix_cache"):
         from ..plan import prefix

@@ -238,9 +238,8 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
     assumptions += w.notes
     assumptions.append(table_note)
     assumptions.append(ENCODER_NOTE[vision])
-    # patch 10's copy, outside the budget (below); none where TP splits the head (patch 10 passes through)
-    head_all = w.components.get("draft_head_copy", 0)
-    head = head_all // ranks if tp == 1 else 0
+    # patch 10's copy is held outside the budget (below); none where TP splits the head (it passes through)
+    head = w.outside_budget // ranks if tp == 1 else 0
     if head:
         assumptions.append(f"reduced draft head: a private 65,536-row bf16 slice of lm_head ({_gib(head)} GiB), "
                            "held outside the budget: the drafter's first compute_logits makes it after the peak of "
@@ -277,7 +276,7 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
     overhead = globals()[constant] + shape_extra  # read at call time: fitting.py re-solves them by name
     overhead_band, fit_run = OVERHEAD_FITS[constant]
     requested = -(-int(hw.device_total * s["GPU_MEM"] * 1000) // 1000)  # math.ceil(total × util)
-    w_total = (w.total - head_all) // ranks  # this rank's share, inside the budget
+    w_total = (w.total - w.outside_budget) // ranks  # this rank's share, inside the budget
     extra_words = _extra_words(s["EXTRA"])
     graphs_extra = graph_extra_bytes(s, geom, extra_words)
     non_kv = w_total + act + topk + overhead + graphs_extra
@@ -382,7 +381,8 @@ def build(settings, hw: Hardware, *, snapshot: Path | None | bool = True, hw_how
                    "activations_gib": _gib(act), "topk_buffers_gib": _gib(topk), "runtime_overhead_gib": _gib(overhead),
                    "graphs_above_vllm_gib": _gib(graphs_extra),
                    "non_kv_gib": _gib(non_kv), "kv_cache_gib": _gib(kv_bytes), "kv_cache_mem_set": bool(s["KV_CACHE_MEM"]),
-                   "outside_budget_gib": _gib(outside), "draft_head_outside_gib": _gib(head)},
+                   "outside_budget_gib": _gib(outside), "qsa_logits_outside_gib": _gib(logits),
+                   "draft_head_outside_gib": _gib(head)},
         "kv_layout": {
             "accounting": f"vLLM {base} hybrid allocator (packed block-outermost groups)",
             "block_size": lay.block_size, "attention_page_bytes_per_token": lay.attn_page_per_token,
