@@ -1,0 +1,174 @@
+"""What a deeper MTP draft must earn: from a recipe run's paired step times, the acceptance at which
+one draft depth breaks even with another.
+
+With random weights every draft is rejected (acceptance length 1.00), so bench_recipe measures
+only the cost side of MTP depth: a step that drafts d tokens and verifies d + 1. Which depth is
+faster for a user depends on how many drafts are accepted. Under the usual model (each draft
+position accepted with the same probability p, given the ones before it), a step yields
+1 + p + ... + p^d tokens on average, so depth b beats depth a (b > a) when
+
+    tokens(p, b) / tokens(p, a)  >  step(b) / step(a).
+
+The left side rises from 1 (p = 0) to (b + 1) / (a + 1) (p = 1); the p where it meets the measured
+step ratio is the break-even acceptance. Only servers whose argv differ in `--speculative-config`
+alone are compared (the same patches, the same everything else), at the same cell, cycle and round.
+The depth at a cell is the schedule's K for min(c, --max-num-seqs) running requests.
+
+    python -m lab.decode.mtp_depth RAW.jsonl [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from lab.decode import recipe_report
+
+SPEC_FLAG, SEQS_FLAG, PORT_FLAG = "--speculative-config", "--max-num-seqs", "--port"
+
+
+def tokens_per_step(p: float, depth: int) -> float:
+    """Expected tokens a step yields: the verified token plus each accepted draft."""
+    return sum(p ** k for k in range(depth + 1))
+
+
+def break_even(lo: int, hi: int, step_ratio: float) -> float | None:
+    """The per-position acceptance p at which depth `hi` yields step_ratio times depth `lo`'s
+    tokens; 0.0 when the deeper step is no slower, None when even p = 1 cannot pay for it."""
+    if not 0 <= lo < hi:
+        raise ValueError(f"depths must satisfy 0 <= lo < hi (got lo={lo}, hi={hi})")
+    if step_ratio <= 1.0:
+        return 0.0
+    if step_ratio >= (hi + 1) / (lo + 1):
+        return None
+    a, b = 0.0, 1.0  # the gain ratio rises monotonically in p: bisect
+    for _ in range(60):
+        mid = (a + b) / 2
+        if tokens_per_step(mid, hi) / tokens_per_step(mid, lo) < step_ratio:
+            a = mid
+        else:
+            b = mid
+    return (a + b) / 2
+
+
+def _value(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+def depth(argv: list[str], concurrency: int) -> int:
+    """Draft tokens a step carries at `concurrency` streams: the schedule's K for the running
+    batch (capped by --max-num-seqs), else num_speculative_tokens; 0 without MTP."""
+    spec = _value(argv, SPEC_FLAG)
+    if not spec:
+        return 0
+    spec = json.loads(spec)
+    seqs = _value(argv, SEQS_FLAG)
+    running = min(concurrency, int(seqs)) if seqs else concurrency
+    for lo, hi, k in spec.get("num_speculative_tokens_per_batch_size") or []:
+        if lo <= running <= hi:
+            return int(k)
+    return int(spec.get("num_speculative_tokens", 0))
+
+
+def _rest(argv: list[str]) -> list[str]:
+    """The argv without what may differ between two servers of one comparison: the speculative
+    config and the port."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in (SPEC_FLAG, PORT_FLAG):
+            skip = True
+        else:
+            out.append(a)
+    return out
+
+
+def servers(rows: list[dict]) -> dict[tuple[int, str], dict]:
+    """{(run, label): the first booted row}: later boots of a label render the same argv."""
+    out: dict = {}
+    for r in rows:
+        if r.get("event") == "booted":
+            out.setdefault((r.get("run", 0), r["label"]), r)
+    return out
+
+
+def comparisons(rows: list[dict]) -> list[dict]:
+    """Each (shallower, deeper) pair of comparable servers at each cell: the paired step ratios
+    (deeper / shallower, step = acceptance length / per-stream tok/s) and the break-even p of the
+    geometric mean and of its interval's ends."""
+    boots = servers(rows)
+    steps = {(r.get("run", 0), r["label"], recipe_report.cell(r), r["repeat"]):
+             (r.get("mtp_acceptance_length") or 1.0) / r["per_stream_tok_s"]
+             for r in rows if r.get("per_stream_tok_s") and "repeat" in r}
+    out = []
+    for run, c in sorted({(run, c) for run, _, c, _ in steps}, key=lambda k: (k[0], recipe_report._cell_order(k[1]))):
+        conc = int(c.split()[0][2:])
+        labels = sorted(lab for (rn, lab) in boots if rn == run)
+        for i, x in enumerate(labels):
+            for y in labels[i + 1:]:
+                ax, ay = boots[(run, x)]["argv"], boots[(run, y)]["argv"]
+                if _rest(ax) != _rest(ay) or boots[(run, x)].get("env") != boots[(run, y)].get("env"):
+                    continue
+                dx, dy = depth(ax, conc), depth(ay, conc)
+                if dx == dy:
+                    continue
+                (shallow, ds), (deep, dd) = sorted(((x, dx), (y, dy)), key=lambda t: t[1])
+                ratios = [steps[(run, deep, c, rep)] / v for (rn, lab, cc, rep), v in steps.items()
+                          if rn == run and lab == shallow and cc == c and (run, deep, c, rep) in steps]
+                if not ratios:
+                    continue
+                row = recipe_report.interval(ratios)
+                lo_hi = row.get("ci95")
+                p = break_even(ds, dd, row["geomean"])
+                out.append({"run": run, "cell": c, "shallow": shallow, "deep": deep, "depths": [ds, dd],
+                            "step_ratio": row, "break_even_p": _round(p),
+                            "break_even_p_ci95": [_round(break_even(ds, dd, v)) for v in lo_hi] if lo_hi else None,
+                            # what vLLM logs as "Mean acceptance length" at the shallow depth when p is
+                            # at break-even: a server above it would be faster at the deeper depth
+                            "break_even_length_shallow": None if p is None else round(tokens_per_step(p, ds), 3),
+                            "tokens_ratio_at_p1": round((dd + 1) / (ds + 1), 3)})
+    return out
+
+
+def _round(p: float | None) -> float | None:
+    return None if p is None else round(p, 3)
+
+
+def render(table: list[dict]) -> str:
+    def p(v):
+        return "never" if v is None else f"{v:.3f}"
+
+    lines = [f"{'cell':<14}{'shallow (depth)':<22}{'deep (depth)':<24}{'step deep/shallow':<33}"
+             f"{'break-even p':<26}shallow's mean acceptance length there"]
+    for t in table:
+        r = t["step_ratio"]
+        ci = f" ({r['ci95'][0]:.3f}-{r['ci95'][1]:.3f})" if "ci95" in r else ""
+        bci = f" ({p(t['break_even_p_ci95'][0])}-{p(t['break_even_p_ci95'][1])})" if t["break_even_p_ci95"] else ""
+        shallow, deep = (f"{t[k]} ({d})" for k, d in zip(("shallow", "deep"), t["depths"]))
+        ratio = f"{r['geomean']:.3f}{ci} n={r['pairs']}"
+        be = f"{p(t['break_even_p'])}{bci}"
+        length = t["break_even_length_shallow"]
+        lines.append(f"{t['cell']:<14}{shallow:<22}{deep:<24}{ratio:<33}{be:<26}{'-' if length is None else f'{length:.2f}'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m lab.decode.mtp_depth", description=__doc__.split("\n\n")[0])
+    ap.add_argument("raw", nargs="+", help="bench_recipe raw rows (raw48.jsonl)")
+    ap.add_argument("--json", help="also write the table here")
+    a = ap.parse_args(argv)
+    table = comparisons(recipe_report.load_rows(a.raw))
+    if not table:
+        print("no two servers that differ only in their draft depth at a measured cell", file=sys.stderr)
+        return 1
+    print(render(table))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(table, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

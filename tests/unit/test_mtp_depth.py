@@ -1,0 +1,87 @@
+"""lab/decode/mtp_depth.py: the draft depth each rendered server runs at a concurrency, and the
+acceptance at which a deeper draft pays for its measured step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lab import bench_recipe as br
+from lab.decode import mtp_depth as md
+
+
+def test_break_even_solves_the_tokens_ratio_for_the_step_ratio():
+    for lo, hi, ratio in ((1, 2, 1.2), (2, 4, 1.308), (3, 4, 1.07), (0, 1, 1.5)):
+        p = md.break_even(lo, hi, ratio)
+        assert 0.0 < p < 1.0
+        assert md.tokens_per_step(p, hi) / md.tokens_per_step(p, lo) == pytest.approx(ratio, abs=1e-9)
+    # depth 1 over 0 at ratio 1.5: 1 + p = 1.5
+    assert md.break_even(0, 1, 1.5) == pytest.approx(0.5)
+
+
+def test_break_even_edges_free_deeper_steps_and_unpayable_ones():
+    assert md.break_even(2, 4, 0.98) == 0.0        # the deeper step is no slower: any acceptance pays
+    assert md.break_even(2, 4, 5 / 3) is None      # (4 + 1) / (2 + 1): only p > 1 could pay
+    assert md.break_even(1, 4, 2.4) is not None    # below (4 + 1) / (1 + 1) = 2.5
+    with pytest.raises(ValueError, match="lo=3, hi=3"):
+        md.break_even(3, 3, 1.1)
+
+
+def _argv(name, tmp_path, port=18700):
+    return br.render(name, tmp_path, port)["argv"]
+
+
+def test_depth_follows_the_rendered_speed_schedule_capped_by_max_num_seqs(tmp_path):
+    speed = _argv("speed", tmp_path)
+    # speed.env: MTP_BY_BATCH=1:3,3:2,6:1 with 8 sequences; 16 streams run 8 at a time
+    assert [md.depth(speed, c) for c in (1, 2, 3, 5, 6, 8, 16)] == [3, 3, 2, 2, 1, 1, 1]
+    assert [md.depth(_argv("default-mtp4", tmp_path), c) for c in (1, 8, 16)] == [4, 4, 4]
+    assert md.depth(["vllm", "serve", "m"], 4) == 0
+
+
+def _rows(tmp_path, step_ms: dict[str, dict[int, float]], env_of=None) -> list[dict]:
+    rows = []
+    for port, name in enumerate(step_ms):
+        r = br.render(name, tmp_path, 18700 + port)  # each its own port: the comparison ignores it
+        env = (env_of or {}).get(name, r["env"])
+        rows.append({"event": "booted", "label": name, "argv": r["argv"], "env": env})
+    for name, by_c in step_ms.items():
+        for c, ms in by_c.items():
+            for rep in range(3):
+                rows.append({"label": name, "concurrency": c, "prompt_tokens": 64, "repeat": rep,
+                             "per_stream_tok_s": 1000.0 / (ms * (1 + 0.01 * rep)), "mtp_acceptance_length": 1.0})
+    return rows
+
+
+def test_comparisons_pair_servers_that_differ_only_in_draft_depth(tmp_path):
+    rows = _rows(tmp_path, {"speed": {1: 8.0, 4: 10.0, 8: 12.0}, "default-mtp4": {1: 8.8, 4: 13.0, 8: 19.2},
+                            "stock": {1: 7.0, 4: 9.0, 8: 11.0}})
+    table = md.comparisons(rows)
+    # stock differs in more than its speculative config (no plugin, the table on the GPU): never paired
+    assert {(t["shallow"], t["deep"]) for t in table} == {("speed", "default-mtp4")}
+    by = {t["cell"]: t for t in table}
+    assert [by[c]["depths"] for c in ("c=1 p=64", "c=4 p=64", "c=8 p=64")] == [[3, 4], [2, 4], [1, 4]]
+    assert by["c=4 p=64"]["step_ratio"]["geomean"] == pytest.approx(1.3, abs=1e-3)
+    assert by["c=4 p=64"]["step_ratio"]["pairs"] == 3
+    p = by["c=8 p=64"]["break_even_p"]
+    assert md.tokens_per_step(p, 4) / md.tokens_per_step(p, 1) == pytest.approx(1.6, abs=2e-3)
+    assert by["c=8 p=64"]["break_even_length_shallow"] == pytest.approx(1 + p, abs=1e-3)
+
+
+def test_a_server_with_other_env_is_not_compared(tmp_path):
+    rows = _rows(tmp_path, {"speed": {4: 10.0}, "default-mtp4": {4: 13.0}},
+                 env_of={"default-mtp4": {"VLLM_QSA_DET_TOPK": "0"}})
+    assert md.comparisons(rows) == []
+
+
+def test_main_writes_the_table_and_fails_loudly_on_nothing_comparable(tmp_path, capsys):
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text("".join(json.dumps(r) + "\n" for r in _rows(tmp_path, {"speed": {4: 10.0}, "default-mtp4": {4: 13.0}})))
+    assert md.main([str(raw), "--json", str(tmp_path / "t.json")]) == 0
+    assert "speed (2)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "t.json").read_text())[0]["depths"] == [2, 4]
+    only = tmp_path / "only.jsonl"
+    only.write_text("".join(json.dumps(r) + "\n" for r in _rows(tmp_path, {"speed": {4: 10.0}})))
+    assert md.main([str(only)]) == 1
+    assert "no two servers" in capsys.readouterr().err
