@@ -85,3 +85,12 @@ def test_main_writes_the_table_and_fails_loudly_on_nothing_comparable(tmp_path, 
     only.write_text("".join(json.dumps(r) + "\n" for r in _rows(tmp_path, {"speed": {4: 10.0}})))
     assert md.main([str(only)]) == 1
     assert "no two servers" in capsys.readouterr().err
+
+
+def test_default_and_speed_differ_only_in_depth_so_one_run_prices_depth_1_against_2(tmp_path):
+    # GPU-E2E.md's next plan (`RECIPE_CONFIGS=default,speed --levels 4,8`) rests on this pairing
+    rows = _rows(tmp_path, {"default": {1: 8.0, 4: 10.0, 8: 14.4}, "speed": {1: 8.5, 4: 10.0, 8: 11.9}})
+    by = {t["cell"]: t for t in md.comparisons(rows)}
+    assert set(by) == {"c=1 p=64", "c=8 p=64"}  # at c=4 both run depth 2
+    assert (by["c=8 p=64"]["shallow"], by["c=8 p=64"]["depths"]) == ("speed", [1, 2])
+    assert (by["c=1 p=64"]["deep"], by["c=1 p=64"]["depths"]) == ("speed", [2, 3])
