@@ -276,8 +276,9 @@ SETTINGS: tuple[Setting, ...] = (
     S("GPU_MEM", "float", 0.80, "Fraction of the unified memory vLLM may use.", "vllm --gpu-memory-utilization",
       minimum=0.05, maximum=0.95),
     S("MTP", "int", 2, "MTP speculative tokens (0 = off). Each draft token lengthens every step, accepted or not: "
-      "from 2 to 4, 1.31x a step at 4 streams (32 layers, an H100, recipe48 run8), which pays only if each draft "
-      "is accepted with p > 0.74 (vLLM logging a mean acceptance length above 2.29 at MTP=2).",
+      "from 2 to 4, 1.31x a step at 4 streams (32 layers, an H100, recipe48 run8), which pays there only if each "
+      "draft is accepted with p > 0.74 at least (a flat-acceptance model: vLLM logging a mean acceptance length "
+      "above 2.29 at MTP=2). A Spark's own break-even is not measured.",
       "vllm --speculative-config", minimum=0, maximum=8),
     S("KV_DTYPE", "choice", "auto", "KV cache dtype (fp8 needs v0.33 or a patched image).",
       "vllm --kv-cache-dtype", choices=("auto", "bfloat16", "fp8", "fp8_e4m3")),
