@@ -4,6 +4,7 @@ acceptance at which a deeper draft pays for its measured step."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -94,3 +95,53 @@ def test_default_and_speed_differ_only_in_depth_so_one_run_prices_depth_1_agains
     assert set(by) == {"c=1 p=64", "c=8 p=64"}  # at c=4 both run depth 2
     assert (by["c=8 p=64"]["shallow"], by["c=8 p=64"]["depths"]) == ("speed", [1, 2])
     assert (by["c=1 p=64"]["deep"], by["c=1 p=64"]["depths"]) == ("speed", [2, 3])
+
+
+# --- the step model with depth (an estimate) ------------------------------------------------------
+
+RUN8 = str(Path(__file__).resolve().parents[2] / "benchmarks/recipe48-h200/run8-h100-32layers/raw48.jsonl")
+
+
+def test_model_step_at_the_fitted_depth_is_pieces_decode_step():
+    from lab.decode import model, pieces
+
+    corner = {"idle": 60.0, "e": 250.0, "s": 0.4, "fixed": 0.0}
+    for c in (1, 2, 4, 8):
+        assert md.model_step(c, model.MTP, corner, draft=5.0) == pytest.approx(pieces.decode_step(c, corner))
+    # one draft more: the draft pass plus the experts and work of c more tokens
+    assert md.model_step(4, 3, corner, 5.0) > md.model_step(4, 2, corner, 5.0) + 5.0
+
+
+def test_a_draft_pass_reads_the_head_and_more_of_the_mtp_experts_as_streams_grow():
+    assert md.draft_ms(8, 273.0) > md.draft_ms(1, 273.0)
+    assert md.draft_ms(4, 546.0) == pytest.approx(md.draft_ms(4, 273.0) / 2)
+    # patch 10's head alone (65,536 x 2,560 bf16, 0.34 GB) is ~1.2 ms at 273 GB/s
+    assert 1.2 < md.draft_ms(1, 273.0) < 2.0
+
+
+def test_the_model_fitted_at_depth_2_predicts_run8s_depth_costs_within_5_percent():
+    from lab.decode import recipe_report
+
+    rows = recipe_report.load_rows([RUN8])
+    check = md.h100_check(rows, md.comparisons(rows))
+    assert {h["cell"] for h in check} == {"c=1 p=64", "c=4 p=64", "c=8 p=64", "c=16 p=64", "c=4 p=6144"}
+    assert next(h for h in check if h["cell"] == "c=16 p=64")["running"] == 8
+    for h in check:
+        lo, hi = h["predicted"]
+        assert lo * 0.95 <= h["measured"] <= hi * 1.05, h
+
+
+def test_the_gb10_estimate_covers_each_depth_pair_and_a_deeper_draft_needs_more_at_8_streams_than_1():
+    gb10 = md.gb10_table()
+    assert len(gb10["rows"]) == len(md.GB10_CONCURRENCY) * len(md.GB10_PAIRS)
+    for lo, hi in md.GB10_PAIRS:
+        ps = [r["break_even_p"] for r in gb10["rows"] if r["depths"] == [lo, hi]]
+        assert all(0.0 < a <= b < 1.0 for a, b in ps)
+        assert ps[0][1] < ps[-1][0]   # 8 streams need more than 1 does: their verification reads more experts
+
+
+def test_main_with_model_writes_the_check_and_the_estimate(tmp_path, capsys):
+    out = tmp_path / "t.json"
+    assert md.main([RUN8, "--model", "--json", str(out)]) == 0
+    assert "a GB10 at 48 layers, an estimate" in capsys.readouterr().out
+    assert set(json.loads(out.read_text())) == {"measured", "model_check_h100", "model_gb10_estimate"}
