@@ -39,7 +39,7 @@ from lab.decode import model, pieces, recipe_report
 
 SPEC_FLAG, SEQS_FLAG, PORT_FLAG = "--speculative-config", "--max-num-seqs", "--port"
 DRAFT_ROWS = 65_536                # patch 10's draft head (src/flash_cli/plan/weights.py DRAFT_VOCAB_ROWS)
-BW_FRACTION = (0.59, 1.0)          # the share of peak bandwidth a draft pass reads at (pieces.GB10_BW_FRACTION)
+BW_FRACTION = pieces.GB10_BW_FRACTION   # the share of peak bandwidth a draft pass reads at (the H100 fit's .. peak)
 GB10_PAIRS = ((1, 2), (2, 3), (2, 4), (3, 4))
 GB10_CONCURRENCY = (1, 2, 4, 8)    # 8: the profiles' SEQS
 
@@ -183,11 +183,12 @@ def h100_check(rows: list[dict], table: list[dict]) -> list[dict]:
     comparison of the run, at the run's own idle step (stock's, else the shallow server's, c=1 p=64)."""
     corners = [k for k in pieces.h100_corners()[0] if k["from"] != "bytes at peak"]
     med = recipe_report.report(rows)["step_ms"]
+    boots = servers(rows)
     out = []
     for t in table:
         idle_from = "stock" if "c=1 p=64" in med.get("stock", {}) else t["shallow"]
         idle = med[idle_from]["c=1 p=64"]["step"]
-        c = running(servers(rows)[(t["run"], t["shallow"])]["argv"], int(t["cell"].split()[0][2:]))
+        c = running(boots[(t["run"], t["shallow"])]["argv"], int(t["cell"].split()[0][2:]))
         ratios = _ratios(c, *t["depths"], [k | {"idle": idle} for k in corners], pieces.H100_PEAK_GBS)
         m = t["step_ratio"]
         out.append({"cell": t["cell"], "running": c, "depths": t["depths"], "measured": m["geomean"], "measured_ci95": m.get("ci95"),
