@@ -353,3 +353,19 @@ def test_a_configs_next_boot_is_not_estimated_by_the_sessions_cold_first_boot():
     # the first boot alone: nothing warm to go by, its own figure
     assert br.boot_estimate([("stock", 396.5)], "stock", 300) == 396.5
     assert br.boot_estimate([], "stock", 300) == 300
+
+
+def test_a_cycle_that_cannot_finish_runs_its_reference_before_any_block_that_needs_a_boot():
+    # run8 (2026-12-07): cycle 1 was speed (kept), default-mtp4, stock; stock, last, was skipped with
+    # 203 s left, so neither block of that cycle paired with anything against stock
+    need = {"speed": 95.0, "default-mtp4": 243.0, "stock": 267.0}
+    todo = ["speed", "default-mtp4", "stock"]
+    assert br.reference(todo) == "stock" and br.reference(["default", "default-no8"]) == "default"
+    assert br.reference(["speed", "default-mtp4"]) is None
+    assert br.next_block(todo, need, 700.0, "stock", kept="speed") == "speed"   # the whole cycle fits: its order
+    assert br.next_block(todo, need, 540.0, "stock", kept="speed") == "speed"   # kept, and stock fits after it
+    assert br.next_block(todo[1:], need, 445.0, "stock", kept="speed") == "stock"  # next: stock before a boot
+    assert br.next_block(todo, need, 300.0, "stock", kept="speed") == "stock"   # kept + stock do not fit
+    assert br.next_block(todo, need, 540.0, "stock") == "stock"                 # nothing kept
+    assert br.next_block(["speed", "default-mtp4"], need, 10.0, None) == "speed"  # no reference: the order
+    assert br.next_block(["stock", "speed"], need, 10.0, "stock") == "stock"
