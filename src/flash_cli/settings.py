@@ -279,7 +279,7 @@ SETTINGS: tuple[Setting, ...] = (
       "from 2 to 4, 1.31x a step at 4 streams (32 layers, an H100, recipe48 run8), which pays there only if each "
       "draft is accepted with p > 0.74 at least (a flat-acceptance model: vLLM logging a mean acceptance length "
       "above 2.29 at MTP=2). On a Spark, an estimate from a step model: p > 0.64-0.69 for one stream, "
-      "0.78-0.81 at 4-8.",
+      "0.78-0.81 at 4-8. `flash status` prints a running server's acceptance by draft position.",
       "vllm --speculative-config", minimum=0, maximum=8),
     S("KV_DTYPE", "choice", "auto", "KV cache dtype (fp8 needs v0.33 or a patched image).",
       "vllm --kv-cache-dtype", choices=("auto", "bfloat16", "fp8", "fp8_e4m3")),

@@ -58,6 +58,9 @@ def test_serve_wait_test_status_logs_stop_start_rm(flash, docker_client):
     assert st["state"] == "running" and st["api"] == "up" and st["profile"] == "published"
     assert st["requests_running"] == 0 and "GPU KV cache size" in st["kv_cache_line"]
     assert 2.0 < st["mtp_acceptance_length"] <= 2.6  # MTP=2: the stand-in's drafter, read from /metrics
+    rates, by_depth = st["mtp_acceptance_per_position"], st["mtp_tokens_per_step_by_depth"]
+    assert len(rates) == len(by_depth) == 2 and rates[0] > rates[1] > 0  # its acceptance falls with the position
+    assert by_depth[-1] == pytest.approx(st["mtp_acceptance_length"], abs=2e-3)  # the server's own depth
     assert st["api_key"] is None and not st["exposed_without_key"]
     assert st["context"]["level"] == "ok" and st["memory"]["meminfo"]["MemAvailable"] > 0
     assert any("MemAvailable" in f["text"] for f in st["memory_findings"])

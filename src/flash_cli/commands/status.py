@@ -1,5 +1,5 @@
 """`flash status [--json]`: container, API, KV pool, patches, requests, prefix-cache hit rate, MTP
-acceptance length."""
+acceptance length and its rates by draft position."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 from .. import api, recipe, running
 from ..output import Report, print_json
-from ..gates.spec_decode import SPEC_ACCEPTED, SPEC_DRAFTS, acceptance_length
+from ..gates.spec_decode import SPEC_ACCEPTED, SPEC_DRAFTS, SPEC_PER_POS, acceptance_length
 from ..spec import LABEL
 from . import summary
 
@@ -113,9 +113,26 @@ def collect(name: str, mem_warn_pct: float = 10.0) -> dict:
                 out["prefix_cache_hit_rate"] = (sums.get("vllm:prefix_cache_hits_total", 0.0) / q) if q else None
                 # since boot (None: no MTP, or nothing drafted yet)
                 out["mtp_acceptance_length"] = acceptance_length(sums.get(SPEC_DRAFTS), sums.get(SPEC_ACCEPTED))
+                out |= mtp_by_position(m.body.decode("utf-8", "replace"), sums.get(SPEC_DRAFTS))
     else:
         out["last_lines"] = logs[-5:]
     return out
+
+
+def mtp_by_position(metrics: str, drafts: float | None) -> dict:
+    """Each draft position's acceptance since boot (accepted at that position / drafts), and the
+    tokens a step would yield at each depth up to the server's: 1 + the rates of the positions it
+    keeps. A draft is accepted only after every one before it, so a shallower depth keeps exactly
+    the first rates; those figures need no model (what each depth costs a step does:
+    benchmarks/recipe48-h200, run8). {} without MTP or before the first draft."""
+    per_pos = api.metric_by_label(metrics, SPEC_PER_POS, "position")
+    positions = sorted(int(p) for p in per_pos if p.isdigit())
+    if not drafts or not positions or positions != list(range(len(positions))):
+        return {}
+    rates = [per_pos[str(p)] / drafts for p in positions]
+    tokens = [1 + sum(rates[:d]) for d in range(1, len(rates) + 1)]
+    return {"mtp_acceptance_per_position": [round(r, 4) for r in rates],
+            "mtp_tokens_per_step_by_depth": [round(t, 3) for t in tokens]}
 
 
 def guard_status(server, name: str) -> dict | None:
@@ -235,4 +252,9 @@ def run(args: argparse.Namespace) -> int:
         rep.info(f"requests running {info['requests_running']:.0f}, waiting {info['requests_waiting'] or 0:.0f}, "
                  f"prefix-cache hit rate {'n/a' if rate is None else f'{rate:.1%}'}"
                  + ("" if mtp is None else f", MTP acceptance length {mtp:.2f} since boot"))
+        rates = info.get("mtp_acceptance_per_position")
+        if rates:
+            depths = ", ".join(f"{d} {t:.2f}" for d, t in enumerate(info["mtp_tokens_per_step_by_depth"], 1))
+            rep.info(f"MTP acceptance by draft position {' / '.join(f'{r:.2f}' for r in rates)}; "
+                     f"tokens a step at depth {depths}")
     return 0
