@@ -113,3 +113,5 @@ def test_status_turns_the_per_position_counters_into_rates_and_tokens_a_step_by_
     assert mtp_by_position("", drafts=100.0) == {}
     gap = "\n".join(f'{PER_POS}{{position="{p}"}} 5' for p in (0, 2)) + "\n"
     assert mtp_by_position(gap, drafts=10.0) == {}   # a missing position: no depth can be read
+    odd = f'{PER_POS}{{position="²"}} 5\n{PER_POS}{{position="0"}} 4\n{PER_POS}{{position="01"}} 2\n'
+    assert mtp_by_position(odd, drafts=10.0)["mtp_acceptance_per_position"] == [0.4, 0.2]  # no crash on odd labels

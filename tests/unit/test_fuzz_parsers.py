@@ -189,8 +189,11 @@ def test_fuzz_index_json(tmp_path_factory, raw):
 prom_lines = st.one_of(
     text,
     st.builds(lambda n, l, v: f"{n}{l} {v}", st.sampled_from(["vllm:num_requests_running", "vllm:prompt_tokens_total",
+                                                             "vllm:spec_decode_num_accepted_tokens_per_pos_total",
                                                              "a", "9bad", ""]) | text,
-              st.sampled_from(["", "{}", '{a="b"}', '{a="b c"}', "{a=b}", "{", '{a="\\x"}']) | text, junk),
+              st.sampled_from(["", "{}", '{a="b"}', '{a="b c"}', "{a=b}", "{", '{a="\\x"}', '{position="0"}',
+                               '{position="1",a="}"}', '{position="²"}', '{position="01"}', '{position=""}']) | text,
+              junk),
     st.builds(lambda k, n, t: f"# {k} {n} {t}", st.sampled_from(["TYPE", "HELP", "UNIT", "EOF"]),
               st.sampled_from(["vllm:prompt_tokens", "x"]) | text,
               st.sampled_from(["counter", "gauge", "histogram", "summary", "untyped", "info", "bogus"]) | text))
@@ -209,6 +212,12 @@ def test_fuzz_prometheus_text(body):
         snap.total("vllm:num_requests_running")
     sums = api.metric_sums(body, ("vllm:num_requests_running", "vllm:prompt_tokens_total", "a"))
     assert all(isinstance(v, float) for v in sums.values())
+    from flash_cli.commands.status import mtp_by_position  # the per-position reader never crashes status
+
+    per_pos = api.metric_by_label(body, "vllm:spec_decode_num_accepted_tokens_per_pos_total", "position")
+    assert all(isinstance(v, float) for v in per_pos.values())
+    got = mtp_by_position(body, drafts=7.0)
+    assert not got or len(got["mtp_acceptance_per_position"]) == len(got["mtp_tokens_per_step_by_depth"])
 
 
 # --- the SSE stream ----------------------------------------------------------------------------

@@ -125,11 +125,14 @@ def mtp_by_position(metrics: str, drafts: float | None) -> dict:
     keeps. A draft is accepted only after every one before it, so a shallower depth keeps exactly
     the first rates; those figures need no model (what each depth costs a step does:
     benchmarks/recipe48-h200, run8). {} without MTP or before the first draft."""
-    per_pos = api.metric_by_label(metrics, SPEC_PER_POS, "position")
-    positions = sorted(int(p) for p in per_pos if p.isdigit())
-    if not drafts or not positions or positions != list(range(len(positions))):
+    # ASCII digits only: "²".isdigit() holds and int() refuses it; "01" and "1" are one position
+    per_pos: dict[int, float] = {}
+    for p, v in api.metric_by_label(metrics, SPEC_PER_POS, "position").items():
+        if p.isascii() and p.isdigit():
+            per_pos[int(p)] = per_pos.get(int(p), 0.0) + v
+    if not drafts or not per_pos or sorted(per_pos) != list(range(len(per_pos))):
         return {}
-    rates = [per_pos[str(p)] / drafts for p in positions]
+    rates = [per_pos[p] / drafts for p in range(len(per_pos))]
     tokens = [1 + sum(rates[:d]) for d in range(1, len(rates) + 1)]
     return {"mtp_acceptance_per_position": [round(r, 4) for r in rates],
             "mtp_tokens_per_step_by_depth": [round(t, 3) for t in tokens]}
