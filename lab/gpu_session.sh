@@ -31,6 +31,9 @@
 #   latency48 lab/bench_latency.py run on the same dirs: prefix-cache hits and TTFT for shared
 #            prefixes of 1k-16k tokens, ITL of a stream while a 32k-token prefill runs
 #            (LATENCY_CONFIGS, default stock,default,shared; LATENCY_ARGS adds options)
+#   profile48 lab/bench_profile.py run on the same dirs: vLLM's torch profiler around a stream with a
+#            prompt's pieces beside it, decode steps and a lone prompt, read into each step class's
+#            kernels and host time (PROFILE_CONFIGS, default stock,default,shared-25; PROFILE_ARGS)
 #            (both: DECODE_REPEATS, default 3; DECODE_TOKENS per request, 256; DECODE_SECONDS each
 #            may take, its boot included, 420; DECODE_CONFIGS, default stock,eager,hoisted: fewer
 #            servers give the rest more pairs in the same seconds; hoisted-dedup256 is opt-in)
@@ -59,6 +62,7 @@ RECIPE_CONFIGS=${RECIPE_CONFIGS:-stock,default,nvidia} RECIPE_ARGS=${RECIPE_ARGS
 # (RECIPE_LAYERS=32 RECIPE_ARGS="--set GPU_MEM=0.95 ...": benchmarks/recipe48-h200 run3)
 RECIPE_LAYERS=${RECIPE_LAYERS:-48}
 LATENCY_CONFIGS=${LATENCY_CONFIGS:-stock,default,shared} LATENCY_ARGS=${LATENCY_ARGS:-}
+PROFILE_CONFIGS=${PROFILE_CONFIGS:-stock,default,shared-25} PROFILE_ARGS=${PROFILE_ARGS:-}
 
 JIT_DIRS=${FLASH_SESSION_JIT_DIRS:-.triton/cache .cache/flashinfer .cache/vllm}  # relative to $HOME
 JIT_MAX_MIB=${FLASH_SESSION_JIT_MAX_MIB:-45}  # 3 returned parts of 15 MiB beside gs.tar.gz
@@ -89,14 +93,15 @@ jit_pack() {
 left() { echo $(( $(cat "$GS/end") - $(date +%s) )); }
 
 # seconds each phase needs to be started at all (kernels: the bench's 120 s cap + the GPU tests)
-need() { case "$1" in e2e) echo 420 ;; decode8) echo 300 ;; kernels) echo 160 ;; decode4) echo 280 ;; sidegemm) echo 240 ;; recipe48) echo 600 ;; latency48) echo 500 ;; *) echo 0 ;; esac; }
+need() { case "$1" in e2e) echo 420 ;; decode8) echo 300 ;; kernels) echo 160 ;; decode4) echo 280 ;; sidegemm) echo 240 ;; recipe48) echo 600 ;; latency48) echo 500 ;; profile48) echo 500 ;; *) echo 0 ;; esac; }
 # the least a phase is started with (need() is what the phases before it leave for it): e2e can
 # prove something in 240 s (one tiny server, cold: fixtures ~50 s + boot ~190 s); 2026-12-05 a
 # 310 s e2e-only session was skipped whole by need()'s 420 s; recipe48 skips the configs that
 # do not fit by itself; latency48 measures its servers one after another and keeps each one's rows
 # (the 32-layer dir ~16 s, a boot on the carried JIT pack 94-132 s, `--itl-only` ~30 s: one server in
-# 220 s; a cold boot takes ~100 s more; 500 is three)
-floor() { case "$1" in e2e) echo 240 ;; recipe48) echo 300 ;; latency48) echo 220 ;; *) need "$1" ;; esac; }
+# 220 s; a cold boot takes ~100 s more; 500 is three); profile48 likewise, one server and its four
+# scenarios (~60 s, the traces' writing included: an estimate, no run yet) in 220 s
+floor() { case "$1" in e2e) echo 240 ;; recipe48) echo 300 ;; latency48|profile48) echo 220 ;; *) need "$1" ;; esac; }
 
 # the e2e tier's deadline: what the budget leaves once the phases asked after it have what they
 # need (run37: a fixed 900 s cut 14 wave servers short while 644 s went to later phases), at most
@@ -147,13 +152,13 @@ run_phases() {
     ) >"$GS/prepare.log" 2>&1 &
     prep=$! ;;
   esac
-  case ",${PHASES}," in *,recipe48,*|*,latency48,*)  # the 48-layer dirs (model/, model-hybrid/, the table)
+  case ",${PHASES}," in *,recipe48,*|*,latency48,*|*,profile48,*)  # the 48-layer dirs (model/, model-hybrid/, the table)
     ( nice -n 5 python3 -m lab.bench_recipe prepare "$BENCH/L$RECIPE_LAYERS" --layers "$RECIPE_LAYERS" --ple-rows "$ROWS" ) >"$GS/prepare48.log" 2>&1 &
     prep48=$! ;;
   esac
 
   local p bench_ready=""
-  for p in e2e decode8 kernels decode4 sidegemm recipe48 latency48; do
+  for p in e2e decode8 kernels decode4 sidegemm recipe48 latency48 profile48; do
     case ",${PHASES}," in *",$p,"*) ;; *) log "skip $p (not asked)" ;; esac
   done
   for p in ${PHASES//,/ }; do  # in the order asked
@@ -163,7 +168,7 @@ run_phases() {
           FLASH_E2E_DEADLINE="$(e2e_deadline)" tests/run gpu-e2e -- -k "${E2E_K:-not diag}"
         # the JIT caches the boots built, packed now: a session cut short after e2e still has them
         jit_pack "$GS/jit-cache.tar.gz" ;;
-      decode8|kernels|decode4|sidegemm|recipe48|latency48)
+      decode8|kernels|decode4|sidegemm|recipe48|latency48|profile48)
         if [ -z "$bench_ready" ]; then
           bench_ready=1
           if [ -n "$prep" ]; then wait "$prep"; log "prepare rc=$? ($(tail -c 300 "$GS/prepare.log" | tr '\n' ' '))"; fi
@@ -174,6 +179,9 @@ print(fleet.plugin_site(fleet.Context(work=pathlib.Path('$GS/work'), out=pathlib
           export PYTHONPATH="$site:$PYTHONPATH"
           mkdir -p "$GS/decode" "$GS/kernels"
         fi
+        case "$p" in recipe48|latency48|profile48)  # the 48-layer dirs, once
+          if [ -n "$prep48" ]; then wait "$prep48"; rc48=$?; prep48=""; log "prepare48 rc=$rc48 ($(tail -c 300 "$GS/prepare48.log" | tr '\n' ' '))"; fi ;;
+        esac
         case "$p" in
           decode8) decode_phase 8 "$(need decode8)" 18600 ;;
           kernels) phase kernels "$(need kernels)" bash -c "timeout 120 python3 -m lab.bench_step_kernels --out '$GS/kernels/kernels.jsonl';
@@ -182,17 +190,19 @@ print(fleet.plugin_site(fleet.Context(work=pathlib.Path('$GS/work'), out=pathlib
           sidegemm) phase sidegemm "$(need sidegemm)" bash -c "timeout 100 python3 -m lab.bench_side_gemm --paths auto,cutlass --out '$GS/kernels/side-gemm.jsonl';
                      timeout 120 python3 -m lab.bench_side_gemm --paths deepgemm,triton,flashinfer --quick --out '$GS/kernels/side-gemm-jit.jsonl'" ;;
           recipe48)
-            if [ -n "$prep48" ]; then wait "$prep48"; rc48=$?; prep48=""; log "prepare48 rc=$rc48 ($(tail -c 300 "$GS/prepare48.log" | tr '\n' ' '))"; fi
             # shellcheck disable=SC2086 - RECIPE_ARGS is a list of options
             # started with less than need() reserves for it: bench_recipe skips each config its boot and
             # block estimates do not fit (a 600 s floor left a warm 334 s unused, 2026-12-04)
             phase recipe48 "$(floor recipe48)" python3 -m lab.bench_recipe run "$BENCH/L$RECIPE_LAYERS" --configs "$RECIPE_CONFIGS" \
               --out "$GS/decode/raw48.jsonl" --logs "$GS/decode" --deadline $(( $(left) - 90 )) $RECIPE_ARGS ;;
           latency48)
-            if [ -n "$prep48" ]; then wait "$prep48"; rc48=$?; prep48=""; log "prepare48 rc=$rc48 ($(tail -c 300 "$GS/prepare48.log" | tr '\n' ' '))"; fi
             # shellcheck disable=SC2086 - LATENCY_ARGS is a list of options
             phase latency48 "$(floor latency48)" timeout $(( $(left) - 60 )) python3 -m lab.bench_latency run "$BENCH/L$RECIPE_LAYERS" \
               --configs "$LATENCY_CONFIGS" --out "$GS/decode/latency48.jsonl" --logs "$GS/decode" $LATENCY_ARGS ;;
+          profile48)
+            # shellcheck disable=SC2086 - PROFILE_ARGS is a list of options
+            phase profile48 "$(floor profile48)" timeout $(( $(left) - 60 )) python3 -m lab.bench_profile run "$BENCH/L$RECIPE_LAYERS" \
+              --configs "$PROFILE_CONFIGS" --out "$GS/decode/profile48.jsonl" --logs "$GS/decode" $PROFILE_ARGS ;;
         esac ;;
     esac
   done
@@ -233,8 +243,8 @@ case "${1:-}" in
     COMMIT=${2:?start COMMIT BUDGET_S [PHASES]}; BUDGET=${3:?start COMMIT BUDGET_S [PHASES]}
     PHASES=${4:-e2e,decode8,kernels,decode4}
     for p in ${PHASES//,/ }; do
-      case "$p" in e2e|decode8|kernels|decode4|sidegemm|recipe48|latency48|none) ;;
-        *) echo "gpu_session: unknown phase '$p' (e2e, decode8, kernels, decode4, sidegemm, recipe48, latency48, or none)" >&2; exit 2 ;; esac
+      case "$p" in e2e|decode8|kernels|decode4|sidegemm|recipe48|latency48|profile48|none) ;;
+        *) echo "gpu_session: unknown phase '$p' (e2e, decode8, kernels, decode4, sidegemm, recipe48, latency48, profile48, or none)" >&2; exit 2 ;; esac
     done
     case "$BUDGET" in ''|*[!0-9]*) echo "gpu_session: BUDGET_S '$BUDGET': give whole seconds" >&2; exit 2 ;; esac
     for v in DECODE_REPEATS DECODE_TOKENS DECODE_SECONDS; do
@@ -262,6 +272,9 @@ case "${1:-}" in
     case ",${PHASES}," in *,latency48,*)
       (cd "$TREE" && PYTHONPATH="$TREE/src${PYTHONPATH:+:$PYTHONPATH}" python3 -m lab.bench_recipe configs "$LATENCY_CONFIGS") >/dev/null || exit 2 ;;
     esac
+    case ",${PHASES}," in *,profile48,*)
+      (cd "$TREE" && PYTHONPATH="$TREE/src${PYTHONPATH:+:$PYTHONPATH}" python3 -m lab.bench_recipe configs "$PROFILE_CONFIGS") >/dev/null || exit 2 ;;
+    esac
     [ -f "$ENV_SH" ] || { echo "gpu_session: $ENV_SH missing: install the payload first (lab/README.md)" >&2; exit 3; }
     first=${PHASES%%,*}
     if [ "$first" != none ] && [ "$BUDGET" -lt "$(floor "$first")" ]; then  # refused here: no call spent on a skip
@@ -276,7 +289,7 @@ case "${1:-}" in
     tar --exclude=./.payload --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C "$REPO"
     echo $(( $(date +%s) + BUDGET )) >"$GS/end"
     export COMMIT PHASES
-    setsid bash -c "$(declare -f log left need floor e2e_deadline jit_pack phase decode_phase run_phases); GS=$GS REPO=$REPO ENV_SH=$ENV_SH BENCH=$BENCH ROWS=$ROWS JIT_DIRS='$JIT_DIRS' JIT_MAX_MIB=$JIT_MAX_MIB JIT_CARRIED=$JIT_CARRIED DECODE_REPEATS=$DECODE_REPEATS DECODE_TOKENS=$DECODE_TOKENS DECODE_SECONDS=$DECODE_SECONDS DECODE_CONFIGS=$DECODE_CONFIGS RECIPE_CONFIGS=$RECIPE_CONFIGS RECIPE_ARGS='$RECIPE_ARGS' RECIPE_LAYERS=$RECIPE_LAYERS LATENCY_CONFIGS=$LATENCY_CONFIGS LATENCY_ARGS='$LATENCY_ARGS' run_phases" \
+    setsid bash -c "$(declare -f log left need floor e2e_deadline jit_pack phase decode_phase run_phases); GS=$GS REPO=$REPO ENV_SH=$ENV_SH BENCH=$BENCH ROWS=$ROWS JIT_DIRS='$JIT_DIRS' JIT_MAX_MIB=$JIT_MAX_MIB JIT_CARRIED=$JIT_CARRIED DECODE_REPEATS=$DECODE_REPEATS DECODE_TOKENS=$DECODE_TOKENS DECODE_SECONDS=$DECODE_SECONDS DECODE_CONFIGS=$DECODE_CONFIGS RECIPE_CONFIGS=$RECIPE_CONFIGS RECIPE_ARGS='$RECIPE_ARGS' RECIPE_LAYERS=$RECIPE_LAYERS LATENCY_CONFIGS=$LATENCY_CONFIGS LATENCY_ARGS='$LATENCY_ARGS' PROFILE_CONFIGS=$PROFILE_CONFIGS PROFILE_ARGS='$PROFILE_ARGS' run_phases" \
       </dev/null >"$GS/driver.log" 2>&1 &
     log "launched (pid $!, budget ${BUDGET}s, phases $PHASES, commit $COMMIT)"
     ;;
@@ -289,7 +302,7 @@ case "${1:-}" in
       # brings back what was done
       n=$(( n + 1 )); [ $(( n % 3 )) -eq 0 ] && collect
       echo "--- $(date -u +%H:%M:%S): $(tail -n 1 "$GS/phases.log" 2>/dev/null)"
-      tail -n 3 "$GS"/e2e.log "$GS"/decode8.log "$GS"/decode4.log "$GS"/recipe48.log "$GS"/latency48.log 2>/dev/null | cut -c1-220
+      tail -n 3 "$GS"/e2e.log "$GS"/decode8.log "$GS"/decode4.log "$GS"/recipe48.log "$GS"/latency48.log "$GS"/profile48.log 2>/dev/null | cut -c1-220
     done
     collect
     return_jit  # the newest pack (after e2e, at the end, or `jit`'s), once

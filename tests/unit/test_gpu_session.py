@@ -268,3 +268,30 @@ def test_latency48_runs_at_fewer_layers_with_a_set_as_the_next_session_will(tmp_
     assert [r["label"] for r in booted] == ["stock", "shared"] and all(r["layers"] == 4 for r in rows)
     assert all(float(b["argv"][b["argv"].index("--gpu-memory-utilization") + 1]) == 0.7 for b in booted)
     assert {r["study"] for r in rows if "study" in r} == {"prefix", "itl"}
+
+
+def test_profile48_runs_through_the_script_and_its_configs_are_checked_first(tmp_path, monkeypatch):
+    """profile48 (lab/bench_profile.py) on the 4-layer dirs against its stand-in server, which writes
+    a trace per profile: one row per scenario back in the session's decode/; a config typo in
+    PROFILE_CONFIGS is refused at `start`, before any boot."""
+    vllm_cli.install(tmp_path, monkeypatch, _test_constant("test_bench_profile.py", "FAKE_MAIN"))
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "python3").symlink_to(sys.executable)
+    env = _session_env(tmp_path, OUT=str(tmp_path / "out"), HOME=str(tmp_path), PATH=f"{bindir}:{os.environ['PATH']}",
+                       FLASH_SESSION_PLE_ROWS="40000", RECIPE_LAYERS="4", PROFILE_CONFIGS="shared-25,stok")
+    (tmp_path / "out").mkdir()
+    r = _start(env, "300", "profile48")
+    assert r.returncode == 2 and "'shared-25,stok'" in r.stderr and not (tmp_path / "gs").exists(), r.stderr
+    env.update(PROFILE_CONFIGS="shared-25",
+               PROFILE_ARGS="--set GPU_MEM=0.7 --scenarios mixed:1500,decode:2 --steps 20 --boot-timeout 120")
+    r = _start(env, "300", "profile48")
+    assert r.returncode == 0, r.stderr
+    r = _watch(env)
+    assert "all phases ended" in r.stdout, r.stdout[-2000:]
+    log = (tmp_path / "gs" / "phases.log").read_text()
+    assert "prepare48 rc=0" in log and "end profile48 rc=0" in log, log
+    rows = [json.loads(x) for x in (tmp_path / "gs" / "decode" / "profile48.jsonl").read_text().splitlines()]
+    assert [r["scenario"] for r in rows if r.get("study") == "profile"] == ["mixed:1500", "decode:2"]
+    assert all(r["layers"] == 4 for r in rows)
+    assert "execute_context_1(25)_generation_1(1)" in rows[1]["summary"]["classes"]
