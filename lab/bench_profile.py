@@ -17,7 +17,10 @@ POST /start_profile (a prefix naming the scenario; `--steps` engine steps, then 
 by itself), POST /stop_profile, the trace is read (lab/decode/trace.py) into one raw row, and
 removed unless --keep-traces (one is 20-200 MB). The profiler's own per-kernel table
 (`*.profiler_out.txt`, vLLM's) stays beside the log. Profiling slows every launch: read shares and
-differences between classes of one trace, not absolute step times.
+differences between classes of one trace, not absolute step times. vLLM's async scheduling lets the
+thread run up to a step ahead of the GPU: a GPU-bound step shows its wait as `sync_ms`, a host-bound
+one as GPU idle; launches from another thread land `outside` every step (each trace's line says how
+many GPU events did).
 
   run DIR --out RAW.jsonl [--configs stock,default,shared-25] [--scenarios mixed:8192,decode:1,…]
       [--steps N] [--set KEY=VALUE …] [--keep-traces]
@@ -222,9 +225,13 @@ def report(rows: list[dict], ref: str | None = None) -> dict:
     """Per label: every class (merged over scenarios: a class seen in two keeps the one with more
     steps); each mixed class against its decode class; each class against --ref's same class."""
     by_label: dict[str, dict] = {}
+    traces: dict[str, dict] = {}
     for r in rows:
         if r.get("study") != "profile":
             continue
+        sm = r["summary"]
+        traces.setdefault(r["label"], {})[r["scenario"]] = {
+            k: sm[k] for k in ("steps", "gpu_events", "unlinked", "outside")} | {"trace_bytes": r.get("trace_bytes")}
         mine = by_label.setdefault(r["label"], {})
         for cname, c in r["summary"]["classes"].items():
             if cname not in mine or c["steps"] > mine[cname]["steps"]:
@@ -236,7 +243,7 @@ def report(rows: list[dict], ref: str | None = None) -> dict:
             base = decode_class(cls, cname)
             if base:
                 mixed[cname] = {"against": base, **trace.delta(cls[base], cls[cname])}
-        entry = {"classes": cls, "mixed_vs_decode": mixed}
+        entry = {"traces": traces[label], "classes": cls, "mixed_vs_decode": mixed}
         if ref and ref in by_label and label != ref:
             entry["vs_ref"] = {cname: trace.delta(by_label[ref][cname], c) for cname, c in cls.items() if cname in by_label[ref]}
         out[label] = entry
@@ -245,13 +252,16 @@ def report(rows: list[dict], ref: str | None = None) -> dict:
 
 def _top(d: dict, k: int = 5) -> str:
     items = sorted(d.items(), key=lambda kv: -abs(kv[1] or 0.0))[:k]
-    return ", ".join(f"{n[:40]} {v:+.2f}" for n, v in items)
+    return ", ".join(f"{n[:40]} {v:+.2f}" for n, v in items) or "none"
 
 
 def lines(summary: dict) -> list[str]:
     out = []
     for label, e in summary.items():
         out.append(f"{label}:")
+        for scen, t in e["traces"].items():
+            out.append(f"  trace {scen}: {t['steps']} steps, {t['gpu_events']} GPU events in them ({t['unlinked']} by "
+                       f"stream order), {t['outside']} outside every step")
         for cname, c in sorted(e["classes"].items(), key=lambda kv: (kv[1]["ctx_tokens"], kv[1]["gen_tokens"])):
             fams = ", ".join(f"{f} {v:.2f}" for f, v in sorted(c["by_family"].items(), key=lambda kv: -(kv[1] or 0))[:5])
             out.append(f"  {cname} ({c['scenario']}, {c['steps']} steps): period {c['period_ms']} ms, GPU busy "

@@ -279,9 +279,11 @@ def test_profiles_each_scenario_on_a_server_that_writes_traces(tmp_path, monkeyp
     assert d25["figures"]["eager"] == 6 and 4.0 < d25["figures"]["period_ms"] < 12.0
     assert d25["by_family"]["gdn"] == pytest.approx(4.8, abs=0.01)
     assert "execute_context_0(0)_generation_2(2)" in rep["shared-25"]["vs_ref"]
+    assert rep["stock"]["traces"]["decode:2"]["steps"] == 30 and rep["stock"]["traces"]["decode:2"]["outside"] == 0
     assert bp.main(["report", str(out), "--ref", "stock", "--json", str(tmp_path / "s.json")]) == 0
     text = capsys.readouterr().out
     assert f"  {piece} - {alone}: period +" in text and "gdn +4.80" in text
+    assert "  trace decode:2: 30 steps, 30 GPU events in them (0 by stream order), 0 outside every step" in text
     assert json.loads((tmp_path / "s.json").read_text()) == json.loads(json.dumps(rep))
     with pytest.raises(SystemExit, match="--ref nvidia: no profile rows of that label"):
         bp.main(["report", str(out), "--ref", "nvidia"])
