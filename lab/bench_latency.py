@@ -172,22 +172,23 @@ def run(args) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     specs = br.render_all(configs, d, args.port, args.set)
     base = br.row_base(meta)
-    for name in configs:
-        srv = br.Server(specs[name], logs / f"latency-{name}.log")
-        srv.start()
-        try:
-            row = srv.boot_row(args.boot_timeout)
-            sink({**base, **row, "label": name})
-            if row["event"] != "booted":
-                continue
-            stream(srv.url, _ids(random.Random(5), 64), 8)  # untimed: the first request's one-time costs
-            if name not in itl_only:
-                for row in prefix_rows(srv.url, name, prefixes, args.repeats, base, tails=tails):
+    with br.exit_on_term():
+        for name in configs:
+            srv = br.Server(specs[name], logs / f"latency-{name}.log")
+            srv.start()
+            try:
+                row = srv.boot_row(args.boot_timeout)
+                sink({**base, **row, "label": name})
+                if row["event"] != "booted":
+                    continue
+                stream(srv.url, _ids(random.Random(5), 64), 8)  # untimed: the first request's one-time costs
+                if name not in itl_only:
+                    for row in prefix_rows(srv.url, name, prefixes, args.repeats, base, tails=tails):
+                        sink(row)
+                for row in itl_rows(srv.url, name, args.repeats, base, args.prefill, args.itl_tokens):
                     sink(row)
-            for row in itl_rows(srv.url, name, args.repeats, base, args.prefill, args.itl_tokens):
-                sink(row)
-        finally:
-            srv.stop()
+            finally:
+                srv.stop()
     return 0
 
 

@@ -181,32 +181,33 @@ def run(args) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     specs = br.render_all(configs, d, args.port, args.set)
     base = br.row_base(meta)
-    failed = 0
-    for name in configs:
-        pdir = logs / f"profile-{name}"
-        pdir.mkdir(exist_ok=True)
-        srv = br.Server(with_profiler(specs[name], pdir), logs / f"profile-{name}.log")
-        srv.start()
-        try:
-            row = srv.boot_row(args.boot_timeout)
-            sink({**base, **row, "label": name})
-            if row["event"] != "booted":
-                failed += 1
-                continue
-            rng = random.Random(7)
-            bl.stream(srv.url, bl._ids(rng, 64), 8)  # untimed: the first request's one-time costs
-            for kind, n in scenarios:
-                prefix = f"{kind}-{n}"
-                since = time.time()
-                facts = drive(srv.url, kind, n, args.steps, prefix, rng)
-                path = find_trace(pdir, prefix, since)
-                summary = trace.summarize(path)
-                sink({**base, "label": name, "study": "profile", "scenario": f"{kind}:{n}", "steps_asked": args.steps,
-                      "client": facts, "trace_bytes": path.stat().st_size, "summary": summary})
-                if not args.keep_traces:
-                    path.unlink()
-        finally:
-            srv.stop()
+    with br.exit_on_term():
+        failed = 0
+        for name in configs:
+            pdir = logs / f"profile-{name}"
+            pdir.mkdir(exist_ok=True)
+            srv = br.Server(with_profiler(specs[name], pdir), logs / f"profile-{name}.log")
+            srv.start()
+            try:
+                row = srv.boot_row(args.boot_timeout)
+                sink({**base, **row, "label": name})
+                if row["event"] != "booted":
+                    failed += 1
+                    continue
+                rng = random.Random(7)
+                bl.stream(srv.url, bl._ids(rng, 64), 8)  # untimed: the first request's one-time costs
+                for kind, n in scenarios:
+                    prefix = f"{kind}-{n}"
+                    since = time.time()
+                    facts = drive(srv.url, kind, n, args.steps, prefix, rng)
+                    path = find_trace(pdir, prefix, since)
+                    summary = trace.summarize(path)
+                    sink({**base, "label": name, "study": "profile", "scenario": f"{kind}:{n}", "steps_asked": args.steps,
+                          "client": facts, "trace_bytes": path.stat().st_size, "summary": summary})
+                    if not args.keep_traces:
+                        path.unlink()
+            finally:
+                srv.stop()
     return 1 if failed else 0
 
 

@@ -39,6 +39,7 @@ A pair is one config's and stock's measurement of the same cell, round and cycle
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -321,6 +322,18 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(30)
+
+
+@contextlib.contextmanager
+def exit_on_term():
+    """Inside it SIGTERM raises SystemExit, so a bench stopped by `timeout` (gpu_session's phases)
+    still runs its `finally` and stops the server it started: Python's default dies at once, and the
+    server, in a session of its own, would hold the GPU for every phase after it."""
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def render_all(names: list[str], d: Path, port: int, sets: list[str]) -> dict[str, dict]:

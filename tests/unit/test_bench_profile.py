@@ -298,3 +298,33 @@ def test_a_bad_argument_fails_before_any_server_boots(tmp_path, monkeypatch):
         with pytest.raises(SystemExit, match=msg):
             bp.main(["run", str(d), "--out", str(tmp_path / "r.jsonl"), *extra])
     assert not (tmp_path / "r.jsonl").exists()
+
+
+def test_a_term_mid_run_stops_the_server_it_started(tmp_path, monkeypatch):
+    """gpu_session stops a phase with `timeout` (SIGTERM): the bench must still stop its server, which
+    runs in a session of its own and would otherwise hold the GPU for every later phase."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    vllm_cli.install(tmp_path, monkeypatch, FAKE_MAIN)
+    d = tmp_path / "b"
+    assert br.main(["prepare", str(d), "--ple-rows", "100000"]) == 0
+    out = tmp_path / "raw.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "lab.bench_profile", "run", str(d), "--configs", "shared-25",
+                             "--out", str(out), "--scenarios", "decode:1", "--steps", "100000", "--port", "18845"],
+                            env={**os.environ, "PYTHONPATH": os.environ["PYTHONPATH"] + os.pathsep + str(br.ROOT)},
+                            cwd=br.ROOT)
+    end = time.monotonic() + 60
+    while not (out.exists() and "booted" in out.read_text()) and time.monotonic() < end:
+        time.sleep(0.2)
+    with socket.create_connection(("127.0.0.1", 18845), timeout=5):
+        pass  # the server is up, the profile running (it waits for 100,000 steps)
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(120) == 128 + signal.SIGTERM
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", 18845), timeout=5).close()
