@@ -31,6 +31,7 @@ many GPU events did).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import random
 import sys
@@ -117,7 +118,10 @@ def drive(url: str, kind: str, n: int, steps: int, prefix: str, rng: random.Rand
         return facts
     done = threading.Event()
     stamps: list[list[float]] = [[] for _ in range(n if kind == "decode" else 1)]
-    streams = [_thread(lambda s=s: bl.stream(url, bl._ids(rng, 64), CAP, s, stop=done.is_set), errors) for s in stamps]
+    # every prompt drawn here, in one order: the threads must not share the generator
+    prompts = [bl._ids(rng, 64) for _ in stamps]
+    long_prompt = bl._ids(rng, n) if kind == "mixed" else None
+    streams = [_thread(lambda s=s, p=p: bl.stream(url, p, CAP, s, stop=done.is_set), errors) for s, p in zip(stamps, prompts)]
     prompt = None
     try:
         _wait(lambda: errors or all(len(s) >= LEAD for s in stamps), "the streams' first chunks")
@@ -128,7 +132,7 @@ def drive(url: str, kind: str, n: int, steps: int, prefix: str, rng: random.Rand
                 _wait(lambda: errors or len(stamps[0]) >= mark + ALONE, f"{ALONE} steps of the stream alone")
 
                 def other():
-                    facts["prompt_ttft_s"] = bl.stream(url, bl._ids(rng, n), 1)["ttft_s"]
+                    facts["prompt_ttft_s"] = bl.stream(url, long_prompt, 1)["ttft_s"]
                 prompt = _thread(other, errors)
             _wait(lambda: errors or len(stamps[0]) >= mark + steps + 2 or (prompt is not None and not prompt.is_alive()),
                   f"{steps} steps of {kind}:{n}")
@@ -147,6 +151,21 @@ def drive(url: str, kind: str, n: int, steps: int, prefix: str, rng: random.Rand
     return facts
 
 
+def _whole(p: Path) -> bool:
+    """A gzip member read to its end checks its length and CRC (a file still being written fails);
+    a plain trace must parse."""
+    try:
+        if p.name.endswith(".gz"):
+            with gzip.open(p, "rb") as fh:
+                while fh.read(1 << 24):
+                    pass
+        else:
+            json.loads(p.read_text())
+        return True
+    except (OSError, EOFError, ValueError):
+        return False
+
+
 def find_trace(d: Path, prefix: str, since: float, timeout: float = TRACE_WAIT_S) -> Path:
     """The newest `{prefix}_*.pt.trace.json.gz` written after `since`, once it reads whole (the
     worker writes it after the profile's last step, a large one over seconds)."""
@@ -158,12 +177,8 @@ def find_trace(d: Path, prefix: str, since: float, timeout: float = TRACE_WAIT_S
             p = found[-1]
             size = p.stat().st_size
             time.sleep(0.5)
-            if p.stat().st_size == size:
-                try:
-                    trace.load(p)
-                    return p
-                except (OSError, EOFError, ValueError):
-                    pass  # still being written
+            if p.stat().st_size == size and _whole(p):
+                return p
         time.sleep(1)
     raise RuntimeError(f"no readable {prefix}_*.pt.trace.json.gz in {d} after {timeout:.0f} s (vLLM 0.32+ names a "
                        "trace by /start_profile's profile_prefix; an older release by the rank alone)")

@@ -328,3 +328,21 @@ def test_a_term_mid_run_stops_the_server_it_started(tmp_path, monkeypatch):
     assert proc.wait(120) == 128 + signal.SIGTERM
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", 18845), timeout=5).close()
+
+
+def test_a_trace_still_being_written_is_not_taken(tmp_path):
+    import time
+
+    p = tmp_path / "decode-1_dp0_rank0.5.pt.trace.json.gz"
+    with gzip.open(p, "wt") as fh:
+        json.dump({"traceEvents": synthetic() * 50}, fh)
+    whole = p.read_bytes()
+    p.write_bytes(whole[: len(whole) // 2])  # the worker is half way through
+    assert not bp._whole(p)
+    with pytest.raises(RuntimeError, match=r"no readable decode-1_\*.pt.trace.json.gz .* after 1 s"):
+        bp.find_trace(tmp_path, "decode-1", time.time() - 5, timeout=1)
+    p.write_bytes(whole)
+    assert bp._whole(p) and bp.find_trace(tmp_path, "decode-1", time.time() - 5, timeout=5) == p
+    # a trace older than the scenario is another scenario's
+    with pytest.raises(RuntimeError):
+        bp.find_trace(tmp_path, "decode-1", time.time() + 60, timeout=1)
