@@ -11,8 +11,9 @@
   TTFT 14-27% over stock's).
 
 Each server is the one bench_recipe renders (`flash serve`'s RunSpec, the same substitutions) with
-one more deviation, named in its booted row: `--profiler-config` (the worker's torch profiler into
-the log directory, without Python stacks, no front-end trace). Per scenario: the load starts, then
+two more deviations, named in its booted row: `--profiler-config` (the worker's torch profiler into
+the log directory, without Python stacks, no front-end trace) and VLLM_CUSTOM_SCOPES_FOR_PROFILING=1
+(vLLM's sections of a step: preprocess, forward, postprocess, sample, draft, bookkeep). Per scenario: the load starts, then
 POST /start_profile (a prefix naming the scenario; `--steps` engine steps, then the worker stops
 by itself), POST /stop_profile, the trace is read (lab/decode/trace.py) into one raw row, and
 removed unless --keep-traces (one is 20-200 MB). The profiler's own per-kernel table
@@ -66,6 +67,10 @@ def parse_scenarios(text: str) -> list[tuple[str, int]]:
     return out
 
 
+# vLLM's own record_function sections of a step, named in the trace (else a null context)
+SCOPES = {"VLLM_CUSTOM_SCOPES_FOR_PROFILING": "1"}
+
+
 def profiler_config(d: Path) -> str:
     return json.dumps({"profiler": "torch", "torch_profiler_dir": str(d.resolve()), "torch_profiler_with_stack": False,
                        "ignore_frontend": True, "torch_profiler_use_gzip": True}, separators=(",", ":"))
@@ -74,8 +79,10 @@ def profiler_config(d: Path) -> str:
 def with_profiler(spec: dict, d: Path) -> dict:
     """The rendered server with the worker's torch profiler writing into `d` (an absolute path)."""
     cfg = profiler_config(d)
-    return {**spec, "argv": [*spec["argv"], "--profiler-config", cfg],
-            "deviations": [*spec["deviations"], f"--profiler-config {cfg}: the worker's torch profiler (every launch slower)"]}
+    return {**spec, "argv": [*spec["argv"], "--profiler-config", cfg], "env": {**spec["env"], **SCOPES},
+            "deviations": [*spec["deviations"], f"--profiler-config {cfg}: the worker's torch profiler (every launch slower)",
+                           "VLLM_CUSTOM_SCOPES_FOR_PROFILING=1: vLLM's step sections (preprocess, forward, sample, "
+                           "draft, …) recorded"]}
 
 
 def _post(url: str, path: str, body: dict | None = None) -> None:
@@ -287,8 +294,8 @@ def lines(summary: dict) -> list[str]:
             f = d["figures"]
             out.append(f"  {cname} - {d['against']}: period {f.get('period_ms', 0):+.2f} ms = GPU busy "
                        f"{f.get('gpu_busy_ms', 0):+.2f} + idle {f.get('idle_ms', 0):+.2f}; eager launches "
-                       f"{f.get('eager', 0):+.0f}, graphs {f.get('graphs', 0):+.0f}; families: {_top(d['by_family'])}; host ops: "
-                       f"{_top(d['top_host_ops'], 3)}")
+                       f"{f.get('eager', 0):+.0f}, graphs {f.get('graphs', 0):+.0f}; families: {_top(d['by_family'])}; host "
+                       f"sections: {_top(d['sections'], 4)}; host ops: {_top(d['top_host_ops'], 3)}")
         for cname, d in e.get("vs_ref", {}).items():
             f = d["figures"]
             out.append(f"  vs ref {cname}: period {f.get('period_ms', 0):+.2f} ms, GPU busy {f.get('gpu_busy_ms', 0):+.2f}; "

@@ -14,6 +14,8 @@ A step here is one such annotation and everything its thread launches until the 
   `graphs` (cudaGraphLaunch: one replay of a captured piece), and the host ms spent inside them;
 - `sync_ms`: host ms blocked in a synchronize call or a blocking copy;
 - `host_ops`: ms of the thread's outermost operators (`cpu_op`: aten and vLLM's custom ops) by name;
+- `sections`: ms of vLLM's own record_function sections (`gpu_model_runner: preprocess`, `forward`,
+  `postprocess`, `sample`, `draft`, `bookkeep`) by name: where the host's part of the step goes;
 - the GPU work those launches made, found by Kineto's `correlation` id (a graph's kernels carry
   its launch's): `gpu_busy_ms` (the union of their intervals), `gpu_span_ms` (first start to last
   end), ms by kernel family (a name pattern, FAMILIES) and by kernel name.
@@ -98,7 +100,7 @@ def steps(events: list[dict]) -> list[dict]:
                  key=lambda e: float(e["ts"]))
     if not ann:
         return []
-    # a step's window on its thread: its annotation's start to the next one's (the last: its end)
+    # a step's window on its thread: its annotation's start to the next one's (the last: the trace's end)
     by_thread: dict = {}
     for e in ann:
         by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
@@ -144,19 +146,24 @@ def steps(events: list[dict]) -> list[dict]:
         corr = (e.get("args") or {}).get("correlation")
         if corr is not None:
             a["corr"].add(corr)
-    # host work by operator: each thread's outermost cpu_op events (an op inside another is its part)
-    host: list[dict[str, float]] = [{} for _ in windows]
-    ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: (str(e.get("pid")), str(e.get("tid")), float(e["ts"])))
-    top_end: dict = {}
-    for e in ops:
-        thread, ts, dur = (e.get("pid"), e.get("tid")), float(e["ts"]), float(e.get("dur", 0))
-        if ts < top_end.get(thread, float("-inf")):
-            continue
-        top_end[thread] = ts + dur
-        k = owner(thread, ts)
-        if k is not None:
-            name = str(e.get("name", ""))
-            host[k][name] = host[k].get(name, 0.0) + dur / 1000.0
+    def outermost(chosen) -> list[dict[str, float]]:
+        """ms by name of each thread's outermost chosen events, per step (one inside another is its part)."""
+        per: list[dict[str, float]] = [{} for _ in windows]
+        top_end: dict = {}
+        for e in sorted(chosen, key=lambda e: (str(e.get("pid")), str(e.get("tid")), float(e["ts"]))):
+            thread, ts, dur = (e.get("pid"), e.get("tid")), float(e["ts"]), float(e.get("dur", 0))
+            if ts < top_end.get(thread, float("-inf")):
+                continue
+            top_end[thread] = ts + dur
+            k = owner(thread, ts)
+            if k is not None:
+                name = str(e.get("name", ""))
+                per[k][name] = per[k].get(name, 0.0) + dur / 1000.0
+        return per
+
+    host = outermost(e for e in events if e.get("cat") == "cpu_op")
+    # vLLM's own sections of a step (`gpu_model_runner: preprocess`, `forward`, `sample`, `draft`, …)
+    sections = outermost(e for e in events if e.get("cat") == "user_annotation" and not STEP.match(str(e.get("name", ""))))
     step_of = {c: k for k, a in enumerate(acc) for c in a["corr"]}
     gpu = sorted((e for e in events if e.get("cat") in GPU_CATS), key=lambda e: float(e["ts"]))
     per: list[list[dict]] = [[] for _ in windows]
@@ -191,7 +198,7 @@ def steps(events: list[dict]) -> list[dict]:
                     "launch_ms": a["launch_ms"], "sync_ms": a["sync_ms"], "gpu_events": len(evs),
                     "unlinked": unlinked[k], "gpu_busy_ms": _union_ms(spans),
                     "gpu_span_ms": (max(b for _, b in spans) - min(a for a, _ in spans)) / 1000.0 if spans else 0.0,
-                    "by_family": fam, "by_kernel": names, "host_ops": host[k]})
+                    "by_family": fam, "by_kernel": names, "host_ops": host[k], "sections": sections[k]})
     return out
 
 
@@ -219,12 +226,14 @@ def classes(rows: list[dict], top: int = 12) -> dict[str, dict]:
         topk = sorted(kmed, key=lambda n: -(kmed[n] or 0.0))[:top]
         hmed = {n: _med([r["host_ops"].get(n, 0.0) for r in rs]) for n in {n for r in rs for n in r["host_ops"]}}
         toph = sorted(hmed, key=lambda n: -(hmed[n] or 0.0))[:top]
+        sec = {n: _med([r["sections"].get(n, 0.0) for r in rs]) for n in sorted({n for r in rs for n in r["sections"]})}
         periods = [r for r in rs if r["period_ms"] is not None]
         out[name] = {"steps": len(rs), "ctx_tokens": rs[0]["ctx_tokens"], "gen_tokens": rs[0]["gen_tokens"],
                      **{f: _med([r[f] for r in rs if r[f] is not None]) for f in FIGURES},
                      "idle_ms": _med([r["period_ms"] - r["gpu_busy_ms"] for r in periods]),
                      "by_family": {f: _med([r["by_family"].get(f, 0.0) for r in rs]) for f in fams},
-                     "top_kernels": {n: kmed[n] for n in topk}, "top_host_ops": {n: hmed[n] for n in toph}}
+                     "top_kernels": {n: kmed[n] for n in topk}, "top_host_ops": {n: hmed[n] for n in toph},
+                     "sections": sec}
     return out
 
 
@@ -238,7 +247,7 @@ def delta(base: dict, other: dict) -> dict:
         names = sorted(set(base[key]) | set(other[key]))
         return {n: round((other[key].get(n) or 0.0) - (base[key].get(n) or 0.0), 4) for n in names}
     return {"figures": figs, "by_family": diff("by_family"), "top_kernels": diff("top_kernels"),
-            "top_host_ops": diff("top_host_ops")}
+            "top_host_ops": diff("top_host_ops"), "sections": diff("sections")}
 
 
 def summarize(path: str | Path, top: int = 12) -> dict:

@@ -46,6 +46,9 @@ def synthetic() -> list[dict]:
     t, corr = 1000.0, 1
     for i, name in enumerate((DEC, DEC, MIX, MIX)):
         ev.append(_ann(name, t, 2000.0))
+        # vLLM's sections: one inside the step's annotation, one after it (sample_tokens) in its window
+        ev.append(_ann("gpu_model_runner: preprocess", t + 10, 60.0 if name == DEC else 900.0))
+        ev.append(_ann("gpu_model_runner: sample", t + 2100, 300.0))
         ev.append(_rt("cudaGraphLaunch", t + 100, corr, dur=20.0))
         ev.append(_gpu("fused_moe_kernel_marlin", t + 200, 3000.0, corr))
         ev.append(_gpu("nvjet_hsh_gemm", t + 3300, 2000.0, corr))
@@ -92,6 +95,7 @@ def test_steps_from_a_kineto_trace(tmp_path):
     assert m["by_family"]["gdn"] == pytest.approx(12.0 + 1.0) and m["by_family"]["memcpy"] == pytest.approx(0.5)
     assert m["by_kernel"]["unclaimed_rms_norm_kernel"] == pytest.approx(0.5)
     assert m["host_ops"] == {"vllm::gdn_prefill": pytest.approx(0.6), "aten::copy_": pytest.approx(0.2)} and d["host_ops"] == {}
+    assert m["sections"] == {"gpu_model_runner: preprocess": pytest.approx(0.9), "gpu_model_runner: sample": pytest.approx(0.3)}
     assert m["gpu_busy_ms"] == pytest.approx(3.0 + 2.0 + 3 * 4.0 + 1.0 + 0.5 + 0.5)
     # a summary from the gzipped file: classes, their medians, what lies outside every step
     p = tmp_path / "mixed-8192_rank0.1.pt.trace.json.gz"
@@ -108,6 +112,7 @@ def test_steps_from_a_kineto_trace(tmp_path):
     assert dl["figures"]["period_ms"] == pytest.approx(30.0) and dl["figures"]["eager"] == 4
     assert dl["by_family"]["gdn"] == pytest.approx(13.0) and dl["by_family"]["moe"] == pytest.approx(0.0)
     assert dl["top_host_ops"] == {"aten::copy_": pytest.approx(0.2), "vllm::gdn_prefill": pytest.approx(0.6)}
+    assert dl["sections"] == {"gpu_model_runner: preprocess": pytest.approx(0.84), "gpu_model_runner: sample": 0.0}
     # the bare-list form reads the same; anything else is refused by name
     q = tmp_path / "t.json"
     q.write_text(json.dumps(synthetic()))
@@ -172,6 +177,9 @@ def engine():
             ev, c = P["events"], P["corr"]
             name = "execute_context_%d(%d)_generation_%d(%d)" % (len(ctx), piece, len(gen), len(gen))
             ev.append({"ph": "X", "cat": "user_annotation", "name": name, "pid": 1, "tid": 2, "ts": t0, "dur": t1 - t0})
+            if os.environ.get("VLLM_CUSTOM_SCOPES_FOR_PROFILING") == "1":
+                ev.append({"ph": "X", "cat": "user_annotation", "name": "gpu_model_runner: preprocess", "pid": 1, "tid": 2,
+                           "ts": t0 + 1, "dur": 1500 if piece else 100})
             ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "pid": 1, "tid": 2, "ts": t0 + 1, "dur": 5, "args": {"correlation": c}})
             ev.append({"ph": "X", "cat": "kernel", "name": "fused_moe_kernel", "pid": 0, "tid": 7, "ts": t0 + 10, "dur": 1500, "args": {"correlation": c, "stream": 7}})
             if piece:
@@ -258,6 +266,7 @@ def test_profiles_each_scenario_on_a_server_that_writes_traces(tmp_path, monkeyp
         assert cfg["torch_profiler_dir"] == str(tmp_path / f"profile-{r['label']}")
         assert cfg["torch_profiler_with_stack"] is False and cfg["ignore_frontend"] is True
         assert any(x.startswith("--profiler-config ") for x in r["deviations"])
+        assert r["env"]["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] == "1"
     prof = {(r["label"], r["scenario"]): r for r in rows if r.get("study") == "profile"}
     assert set(prof) == {(lb, s) for lb in ("shared-25", "stock") for s in ("mixed:2000", "decode:2", "prefill:300")}
     # the worker stopped itself after --steps steps; the trace is read, then removed
@@ -278,6 +287,7 @@ def test_profiles_each_scenario_on_a_server_that_writes_traces(tmp_path, monkeyp
     # the fake's mixed step: 6 ms more, in 6 eager GDN-like kernels of 0.8 ms
     assert d25["figures"]["eager"] == 6 and 4.0 < d25["figures"]["period_ms"] < 12.0
     assert d25["by_family"]["gdn"] == pytest.approx(4.8, abs=0.01)
+    assert d25["sections"]["gpu_model_runner: preprocess"] == pytest.approx(1.4, abs=0.01)
     assert "execute_context_0(0)_generation_2(2)" in rep["shared-25"]["vs_ref"]
     assert rep["stock"]["traces"]["decode:2"]["steps"] == 30 and rep["stock"]["traces"]["decode:2"]["outside"] == 0
     assert bp.main(["report", str(out), "--ref", "stock", "--json", str(tmp_path / "s.json")]) == 0

@@ -44,11 +44,17 @@ def test_the_profiler_flag_parses_into_what_the_bench_means(serve_cli, tmp_path)
         ProfilerConfig(**{**json.loads(bp.profiler_config(tmp_path)), "torch_profiler_with_stacks": False})
 
 
-def test_a_trace_the_release_writes_reads_back_as_its_steps(tmp_path):
+def test_a_trace_the_release_writes_reads_back_as_its_steps(tmp_path, monkeypatch):
     import torch
+    import vllm.v1.utils as vutils
     from vllm.config import ProfilerConfig
     from vllm.profiler.wrapper import TorchProfilerWrapper
     from vllm.v1.worker.gpu_worker import Worker
+
+    # the bench's env: the model runner's sections recorded (the choice is made once and kept)
+    for k, v in bp.SCOPES.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(vutils, "_PROFILER_FUNC", None)
 
     cfg = ProfilerConfig(profiler="torch", torch_profiler_dir=str(tmp_path), torch_profiler_with_stack=False,
                          ignore_frontend=True, max_iterations=6)
@@ -64,8 +70,11 @@ def test_a_trace_the_release_writes_reads_back_as_its_steps(tmp_path):
                              scheduled_cached_reqs=SimpleNamespace(is_context_phase=lambda rid: False),
                              scheduled_encoder_input_stats=None)
         with Worker.annotate_profile(worker, so):
-            for _ in range(2 + 6 * piece):
-                x = torch.tanh(x @ x)
+            with vutils.record_function_or_nullcontext("gpu_model_runner: forward"):
+                for _ in range(2 + 6 * piece):
+                    x = torch.tanh(x @ x)
+        with vutils.record_function_or_nullcontext("gpu_model_runner: sample"):  # sample_tokens: after the annotation
+            x = torch.tanh(x)
     if wrapper._running:  # a release whose bound is checked at the next step's start
         wrapper.stop()
     path = bp.find_trace(tmp_path, "mixed-8192", since, timeout=30)
@@ -76,6 +85,8 @@ def test_a_trace_the_release_writes_reads_back_as_its_steps(tmp_path):
     c = s["classes"][mixed]
     assert c["period_ms"] > 0 and c["gpu_events"] == 0  # CPU only: no GPU events, none invented
     assert "aten::matmul" in c["top_host_ops"] and c["top_host_ops"]["aten::matmul"] > 0
+    assert set(c["sections"]) == {"gpu_model_runner: forward", "gpu_model_runner: sample"}, c["sections"]
+    assert c["sections"]["gpu_model_runner: forward"] > c["sections"]["gpu_model_runner: sample"] > 0
 
 
 def test_the_start_body_is_one_the_release_takes_from_0_32():
