@@ -25,7 +25,7 @@ many GPU events did).
 
   run DIR --out RAW.jsonl [--configs stock,default,shared-25] [--scenarios mixed:8192,decode:1,…]
       [--steps N] [--set KEY=VALUE …] [--keep-traces]
-  report RAW.jsonl… [--json J] [--ref LABEL]   per server and class: the step's figures; each mixed
+  report RAW.jsonl… [--json J] [--png P] [--ref LABEL]   per server and class: the step's figures; each mixed
       class against its decode class; each class against the same class of the --ref server
 """
 
@@ -303,6 +303,44 @@ def lines(summary: dict) -> list[str]:
     return out
 
 
+def plot(summary: dict, rows: list[dict], out: str | Path) -> None:
+    """One horizontal bar per server and step class: the median step period, split into the GPU's
+    busy time by kernel family (medians, scaled to the busy median so they add up) and the rest
+    (the GPU idle: host work, waits), so a mixed class reads against its decode class above it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [(label, cname, c) for label, e in summary.items()
+            for cname, c in sorted(e["classes"].items(), key=lambda kv: (kv[1]["ctx_tokens"], kv[1]["gen_tokens"]))
+            if c.get("period_ms")]
+    fams = sorted({f for _, _, c in bars for f in c["by_family"]})
+    fig, ax = plt.subplots(figsize=(12, 0.45 * len(bars) + 1.6))
+    for y, (label, cname, c) in enumerate(bars):
+        total = sum(v or 0.0 for v in c["by_family"].values())
+        scale = (c["gpu_busy_ms"] or 0.0) / total if total else 0.0
+        x = 0.0
+        for i, f in enumerate(fams):
+            w = (c["by_family"].get(f) or 0.0) * scale
+            ax.barh(y, w, left=x, color=f"C{i % 10}", label=f if y == 0 else None)
+            x += w
+        rest = max(0.0, c["period_ms"] - x)
+        ax.barh(y, rest, left=x, color="lightgrey", hatch="//", label="GPU idle (host, waits)" if y == 0 else None)
+        ax.annotate(f"{c['period_ms']:.1f} ms, eager {c['eager']:g}", (x + rest, y), va="center", fontsize=7,
+                    xytext=(3, 0), textcoords="offset points")
+    ax.set_yticks(range(len(bars)))
+    ax.set_yticklabels([f"{label}: {cname.removeprefix('execute_')}" for label, cname, _ in bars], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("median step period (ms), profiled: every launch slower than unprofiled")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    layers = sorted({r["layers"] for r in rows if "layers" in r})
+    gpus = sorted({r["gpu"] for r in rows if r.get("event") == "booted" and r.get("gpu")})
+    ax.set_title(f"{'/'.join(map(str, layers))} layers, dummy weights, {', '.join(gpus) or 'GPU not named'}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
 def report_cmd(args) -> int:
     rows = [json.loads(x) for f in args.files for x in Path(f).read_text().splitlines() if x.strip()]
     summary = report(rows, args.ref)
@@ -311,6 +349,8 @@ def report_cmd(args) -> int:
     if args.ref and args.ref not in summary:
         raise SystemExit(f"--ref {args.ref}: no profile rows of that label (have {', '.join(summary)})")
     print("\n".join(lines(summary)))
+    if args.png:
+        plot(summary, rows, args.png)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
     return 0
@@ -334,6 +374,7 @@ def main(argv=None) -> int:
     p.add_argument("files", nargs="+")
     p.add_argument("--json")
     p.add_argument("--ref", help="the label every other server's classes are set against (e.g. stock)")
+    p.add_argument("--png", help="the plot: each class's step period split into GPU kernel families and the GPU's idle rest")
     args = ap.parse_args(argv)
     return run(args) if args.cmd == "run" else report_cmd(args)
 

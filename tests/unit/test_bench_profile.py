@@ -290,7 +290,9 @@ def test_profiles_each_scenario_on_a_server_that_writes_traces(tmp_path, monkeyp
     assert d25["sections"]["gpu_model_runner: preprocess"] == pytest.approx(1.4, abs=0.01)
     assert "execute_context_0(0)_generation_2(2)" in rep["shared-25"]["vs_ref"]
     assert rep["stock"]["traces"]["decode:2"]["steps"] == 30 and rep["stock"]["traces"]["decode:2"]["outside"] == 0
-    assert bp.main(["report", str(out), "--ref", "stock", "--json", str(tmp_path / "s.json")]) == 0
+    assert bp.main(["report", str(out), "--ref", "stock", "--json", str(tmp_path / "s.json"),
+                    "--png", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
     assert f"  {piece} - {alone}: period +" in text and "gdn +4.80" in text
     assert "  trace decode:2: 30 steps, 30 GPU events in them (0 by stream order), 0 outside every step" in text
