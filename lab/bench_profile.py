@@ -85,6 +85,11 @@ def with_profiler(spec: dict, d: Path) -> dict:
                            "draft, …) recorded"]}
 
 
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    """n random token ids (bench_latency's range: past the special ids, inside the vocabulary)."""
+    return [rng.randrange(1000, 240000) for _ in range(n)]
+
+
 def _post(url: str, path: str, body: dict | None = None) -> None:
     import requests
 
@@ -119,15 +124,15 @@ def drive(url: str, kind: str, n: int, steps: int, prefix: str, rng: random.Rand
     if kind == "prefill":
         _post(url, "/start_profile", {"profile_prefix": prefix})
         try:
-            facts["ttft_s"] = bl.stream(url, bl._ids(rng, n), 1)["ttft_s"]
+            facts["ttft_s"] = bl.stream(url, _prompt(rng, n), 1)["ttft_s"]
         finally:
             _post(url, "/stop_profile")
         return facts
     done = threading.Event()
     stamps: list[list[float]] = [[] for _ in range(n if kind == "decode" else 1)]
     # every prompt drawn here, in one order: the threads must not share the generator
-    prompts = [bl._ids(rng, 64) for _ in stamps]
-    long_prompt = bl._ids(rng, n) if kind == "mixed" else None
+    prompts = [_prompt(rng, 64) for _ in stamps]
+    long_prompt = _prompt(rng, n) if kind == "mixed" else None
     streams = [_thread(lambda s=s, p=p: bl.stream(url, p, CAP, s, stop=done.is_set), errors) for s, p in zip(stamps, prompts)]
     prompt = None
     try:
@@ -217,7 +222,7 @@ def run(args) -> int:
                     failed += 1
                     continue
                 rng = random.Random(7)
-                bl.stream(srv.url, bl._ids(rng, 64), 8)  # untimed: the first request's one-time costs
+                bl.stream(srv.url, _prompt(rng, 64), 8)  # untimed: the first request's one-time costs
                 for kind, n in scenarios:
                     prefix = f"{kind}-{n}"
                     since = time.time()
