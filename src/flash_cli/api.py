@@ -6,6 +6,7 @@ Standard library only: `flash status` and `flash wait` poll these, and must star
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 
@@ -70,8 +71,6 @@ def metric_sums(text: str, names: tuple[str, ...]) -> dict[str, float]:
 def metric_by_label(text: str, name: str, label: str) -> dict[str, float]:
     """One series summed per value of one label (the others folded), e.g. vLLM's accepted draft
     tokens per `position`; samples without the label are left out."""
-    import re
-
     pattern = re.compile(r'(?:^|,)\s*' + re.escape(label) + r'="((?:[^"\\]|\\.)*)"')
     out: dict[str, float] = {}
     for _, labels, value in _samples(text, {name}):

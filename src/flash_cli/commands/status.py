@@ -9,7 +9,7 @@ import time
 
 from .. import api, recipe, running
 from ..output import Report, print_json
-from ..gates.spec_decode import SPEC_ACCEPTED, SPEC_DRAFTS, SPEC_PER_POS, acceptance_length
+from ..gates.spec_decode import SPEC_ACCEPTED, SPEC_DRAFTS, SPEC_PER_POS, acceptance_length, positions
 from ..spec import LABEL
 from . import summary
 
@@ -106,14 +106,15 @@ def collect(name: str, mem_warn_pct: float = 10.0) -> dict:
         if health.status == 200:
             m = api.get(f"{ep.url}/metrics", timeout=3)
             if m.status == 200:
-                sums = api.metric_sums(m.body.decode("utf-8", "replace"), METRICS)
+                text = m.body.decode("utf-8", "replace")
+                sums = api.metric_sums(text, METRICS)
                 out["requests_running"] = sums.get("vllm:num_requests_running")
                 out["requests_waiting"] = sums.get("vllm:num_requests_waiting")
                 q = sums.get("vllm:prefix_cache_queries_total")
                 out["prefix_cache_hit_rate"] = (sums.get("vllm:prefix_cache_hits_total", 0.0) / q) if q else None
                 # since boot (None: no MTP, or nothing drafted yet)
                 out["mtp_acceptance_length"] = acceptance_length(sums.get(SPEC_DRAFTS), sums.get(SPEC_ACCEPTED))
-                out |= mtp_by_position(m.body.decode("utf-8", "replace"), sums.get(SPEC_DRAFTS))
+                out |= mtp_by_position(text, sums.get(SPEC_DRAFTS))
     else:
         out["last_lines"] = logs[-5:]
     return out
@@ -125,11 +126,7 @@ def mtp_by_position(metrics: str, drafts: float | None) -> dict:
     keeps. A draft is accepted only after every one before it, so a shallower depth keeps exactly
     the first rates; those figures need no model (what each depth costs a step does:
     benchmarks/recipe48-h200, run8). {} without MTP or before the first draft."""
-    # ASCII digits only: "²".isdigit() holds and int() refuses it; "01" and "1" are one position
-    per_pos: dict[int, float] = {}
-    for p, v in api.metric_by_label(metrics, SPEC_PER_POS, "position").items():
-        if p.isascii() and p.isdigit():
-            per_pos[int(p)] = per_pos.get(int(p), 0.0) + v
+    per_pos = positions(api.metric_by_label(metrics, SPEC_PER_POS, "position").items())
     if not drafts or not per_pos or sorted(per_pos) != list(range(len(per_pos))):
         return {}
     rates = [per_pos[p] / drafts for p in range(len(per_pos))]

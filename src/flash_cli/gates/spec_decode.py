@@ -14,6 +14,16 @@ SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"  # labelled `position`
 
 
+def positions(pairs) -> dict[int, float]:
+    """{draft position: accepted} from (position label, value) pairs: ASCII digit labels only
+    ("²".isdigit() holds and int() refuses it), "01" and "1" one position, their values summed."""
+    out: dict[int, float] = {}
+    for pos, value in pairs:
+        if pos is not None and pos.isascii() and pos.isdigit():
+            out[int(pos)] = out.get(int(pos), 0.0) + (value or 0.0)
+    return out
+
+
 def acceptance_length(drafts: float | None, accepted: float | None) -> float | None:
     """1 + accepted / drafts; None without drafts (MTP off, or nothing drafted yet)."""
     return 1 + (accepted or 0.0) / drafts if drafts else None
@@ -34,11 +44,8 @@ def spec_counters(client: Client) -> dict | None:
     drafts, accepted = snap.total(SPEC_DRAFTS), snap.total(SPEC_ACCEPTED)
     if drafts is None or accepted is None:
         return None
-    per_pos: dict[int, float] = {}
-    for labels in snap.labels_of(SPEC_PER_POS):
-        pos = labels.get("position")
-        if pos is not None and pos.isdigit() and int(pos) not in per_pos:
-            per_pos[int(pos)] = snap.total(SPEC_PER_POS, position=pos) or 0.0
+    labels = {lb.get("position") for lb in snap.labels_of(SPEC_PER_POS)} - {None}
+    per_pos = positions((pos, snap.total(SPEC_PER_POS, position=pos)) for pos in labels)
     return {"drafts": drafts, "accepted": accepted, "per_pos": per_pos}
 
 
