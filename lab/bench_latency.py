@@ -51,7 +51,8 @@ HIT_GOAL_FROM = 2048   # prefix tokens from which the recipe should hit
 ITL_GOAL = 2.0         # p99 under prefill / idle p99, for `shared`
 
 
-def _ids(rng: random.Random, n: int) -> list[int]:
+def ids(rng: random.Random, n: int) -> list[int]:
+    """n random token ids: past the special ids, inside the vocabulary (bench_profile's prompts too)."""
     return [rng.randrange(1000, 240000) for _ in range(n)]
 
 
@@ -95,10 +96,10 @@ def prefix_rows(url: str, label: str, prefixes: list[int], repeats: int, base: d
         for tail in tails:
             for n in prefixes:
                 rng = random.Random(seed * 1_000_003 + rep * 100_003 + tail * 1_009 + n)  # a fresh prefix each
-                prefix = _ids(rng, n)
+                prefix = ids(rng, n)
                 for send in range(1, SENDS + 1):
                     before = _counters(url)
-                    got = stream(url, prefix + _ids(rng, tail), 1)
+                    got = stream(url, prefix + ids(rng, tail), 1)
                     after = _counters(url)
                     rows.append({**base, "label": label, "study": "prefix", "prefix_tokens": n, "tail_tokens": tail,
                                  "repeat": rep, "send": send, "ttft_s": got["ttft_s"],
@@ -125,7 +126,7 @@ def itl_rows(url: str, label: str, repeats: int, base: dict, prefill: int = PREF
     rng = random.Random(99)
     for rep in range(repeats):
         idle: list[float] = []
-        stream(url, _ids(rng, 64), tokens, idle)
+        stream(url, ids(rng, 64), tokens, idle)
         busy: list[float] = []
         window: dict = {}
 
@@ -133,7 +134,7 @@ def itl_rows(url: str, label: str, repeats: int, base: dict, prefill: int = PREF
             while len(stamps) < ITL_LEAD:
                 time.sleep(0.001)
             window["start"] = time.perf_counter()
-            window["ttft_s"] = stream(url, _ids(rng, prefill), 1)["ttft_s"]
+            window["ttft_s"] = stream(url, ids(rng, prefill), 1)["ttft_s"]
             window["end"] = time.perf_counter()
             window["chunks"] = len(stamps)
 
@@ -142,7 +143,7 @@ def itl_rows(url: str, label: str, repeats: int, base: dict, prefill: int = PREF
 
         t = threading.Thread(target=other)
         t.start()
-        stream(url, _ids(rng, 64), cap, busy, stop=after_prefill)
+        stream(url, ids(rng, 64), cap, busy, stop=after_prefill)
         t.join()
         if "end" not in window:
             raise RuntimeError("the prefill did not finish")
@@ -174,21 +175,16 @@ def run(args) -> int:
     base = br.row_base(meta)
     with br.exit_on_term():
         for name in configs:
-            srv = br.Server(specs[name], logs / f"latency-{name}.log")
-            srv.start()
-            try:
-                row = srv.boot_row(args.boot_timeout)
-                sink({**base, **row, "label": name})
-                if row["event"] != "booted":
+            with br.serving(specs[name], logs / f"latency-{name}.log", args.boot_timeout,
+                            lambda row: sink({**base, **row, "label": name})) as srv:
+                if srv is None:
                     continue
-                stream(srv.url, _ids(random.Random(5), 64), 8)  # untimed: the first request's one-time costs
+                stream(srv.url, ids(random.Random(5), 64), 8)  # untimed: the first request's one-time costs
                 if name not in itl_only:
                     for row in prefix_rows(srv.url, name, prefixes, args.repeats, base, tails=tails):
                         sink(row)
                 for row in itl_rows(srv.url, name, args.repeats, base, args.prefill, args.itl_tokens):
                     sink(row)
-            finally:
-                srv.stop()
     return 0
 
 

@@ -85,11 +85,6 @@ def with_profiler(spec: dict, d: Path) -> dict:
                            "draft, …) recorded"]}
 
 
-def _prompt(rng: random.Random, n: int) -> list[int]:
-    """n random token ids (bench_latency's range: past the special ids, inside the vocabulary)."""
-    return [rng.randrange(1000, 240000) for _ in range(n)]
-
-
 def _post(url: str, path: str, body: dict | None = None) -> None:
     import requests
 
@@ -124,15 +119,15 @@ def drive(url: str, kind: str, n: int, steps: int, prefix: str, rng: random.Rand
     if kind == "prefill":
         _post(url, "/start_profile", {"profile_prefix": prefix})
         try:
-            facts["ttft_s"] = bl.stream(url, _prompt(rng, n), 1)["ttft_s"]
+            facts["ttft_s"] = bl.stream(url, bl.ids(rng, n), 1)["ttft_s"]
         finally:
             _post(url, "/stop_profile")
         return facts
     done = threading.Event()
     stamps: list[list[float]] = [[] for _ in range(n if kind == "decode" else 1)]
     # every prompt drawn here, in one order: the threads must not share the generator
-    prompts = [_prompt(rng, 64) for _ in stamps]
-    long_prompt = _prompt(rng, n) if kind == "mixed" else None
+    prompts = [bl.ids(rng, 64) for _ in stamps]
+    long_prompt = bl.ids(rng, n) if kind == "mixed" else None
     streams = [_thread(lambda s=s, p=p: bl.stream(url, p, CAP, s, stop=done.is_set), errors) for s, p in zip(stamps, prompts)]
     prompt = None
     try:
@@ -208,21 +203,19 @@ def run(args) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     specs = br.render_all(configs, d, args.port, args.set)
     base = br.row_base(meta)
+    failed = 0
     with br.exit_on_term():
-        failed = 0
         for name in configs:
             pdir = logs / f"profile-{name}"
             pdir.mkdir(exist_ok=True)
-            srv = br.Server(with_profiler(specs[name], pdir), logs / f"profile-{name}.log")
-            srv.start()
-            try:
-                row = srv.boot_row(args.boot_timeout)
-                sink({**base, **row, "label": name})
-                if row["event"] != "booted":
+
+            with br.serving(with_profiler(specs[name], pdir), logs / f"profile-{name}.log", args.boot_timeout,
+                            lambda row: sink({**base, **row, "label": name})) as srv:
+                if srv is None:
                     failed += 1
                     continue
                 rng = random.Random(7)
-                bl.stream(srv.url, _prompt(rng, 64), 8)  # untimed: the first request's one-time costs
+                bl.stream(srv.url, bl.ids(rng, 64), 8)  # untimed: the first request's one-time costs
                 for kind, n in scenarios:
                     prefix = f"{kind}-{n}"
                     since = time.time()
@@ -233,8 +226,6 @@ def run(args) -> int:
                           "client": facts, "trace_bytes": path.stat().st_size, "summary": summary})
                     if not args.keep_traces:
                         path.unlink()
-            finally:
-                srv.stop()
     return 1 if failed else 0
 
 

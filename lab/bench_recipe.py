@@ -336,6 +336,20 @@ def exit_on_term():
         signal.signal(signal.SIGTERM, old)
 
 
+@contextlib.contextmanager
+def serving(spec: dict, log: Path, timeout: float, sink):
+    """One server for a block: started, its `booted` (or `boot_failed`) row given to `sink`, yielded
+    when booted (None when not), stopped on the way out (an exception, exit_on_term's SIGTERM)."""
+    srv = Server(spec, log)
+    srv.start()
+    try:
+        row = srv.boot_row(timeout)
+        sink(row)
+        yield srv if row["event"] == "booted" else None
+    finally:
+        srv.stop()
+
+
 def render_all(names: list[str], d: Path, port: int, sets: list[str]) -> dict[str, dict]:
     """Every server of a run rendered once, up front (`--set` for all alike): a bad value fails here,
     before the first boot, with the settings parser's message."""
