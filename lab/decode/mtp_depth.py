@@ -35,10 +35,10 @@ import argparse
 import json
 import sys
 
+from flash_cli.plan.weights import DRAFT_VOCAB_ROWS  # patch 10's draft head, as the planner books it
 from lab.decode import model, pieces, recipe_report
 
 SPEC_FLAG, SEQS_FLAG, PORT_FLAG = "--speculative-config", "--max-num-seqs", "--port"
-DRAFT_ROWS = 65_536                # patch 10's draft head (src/flash_cli/plan/weights.py DRAFT_VOCAB_ROWS)
 BW_FRACTION = pieces.GB10_BW_FRACTION   # the share of peak bandwidth a draft pass reads at (the H100 fit's .. peak)
 GB10_PAIRS = ((1, 2), (2, 3), (2, 4), (3, 4))
 GB10_CONCURRENCY = (1, 2, 4, 8)    # 8: the profiles' SEQS
@@ -156,7 +156,7 @@ def comparisons(rows: list[dict]) -> list[dict]:
 def draft_ms(c: int, gbs: float) -> float:
     """One draft pass of c streams read at `gbs` GB/s: patch 10's head (bf16), the MTP layer's side
     weights and the share of its FP8 experts c tokens touch."""
-    head = DRAFT_ROWS * model.HIDDEN * 2
+    head = DRAFT_VOCAB_ROWS * model.HIDDEN * 2
     experts = model.EXPERTS * 3 * model.HIDDEN * model.MOE_INTER * model.EXPERT_BYTES["fp8"]
     return (head + model.SIDE_PARAMS + experts * pieces.coverage(c)) / (gbs * 1e9) * 1000.0
 
